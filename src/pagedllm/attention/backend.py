@@ -1,0 +1,85 @@
+"""The attention backend interface: flat-batch metadata and the backend contract."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """What one step's attention needs, for a flat batch of prefill chunks and decodes.
+
+    Requests are laid out one after another in the flat token dimension; request ``i``
+    owns tokens ``query_start_loc[i]:query_start_loc[i+1]``, which are the last
+    ``query_len`` positions of its ``seq_lens[i]`` tokens (earlier ones are already in
+    the paged cache).
+    """
+
+    num_actual_tokens: int
+    slot_mapping: torch.Tensor  # [num_tokens] int64: flat slot of each new token's K/V (-1 = skip)
+    block_tables: torch.Tensor  # [num_reqs, max_blocks] int32: physical block ids per request
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32
+    seq_lens: torch.Tensor  # [num_reqs] int32: tokens of context incl. this step's
+    # Host copies, so a backend never syncs with the device to read them.
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]
+    max_query_len: int
+    max_seq_len: int
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+
+class AttentionBackend:
+    """Writes new K/V into the paged cache and attends over it.
+
+    ``kv_cache`` for one layer is a tensor ``[2, num_blocks, block_size, num_kv_heads,
+    head_dim]`` (index 0 keys, 1 values).
+    """
+
+    name: str = "abstract"
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        raise NotImplementedError
+
+
+def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+    return (2, num_blocks, block_size, num_kv_heads, head_dim)
+
+
+_SUPPORTED = ("torch", "triton")
+
+
+def get_attention_backend(device: torch.device) -> AttentionBackend:
+    """Pick the backend for ``device``; ``PAGEDLLM_ATTENTION_BACKEND`` forces one."""
+    name = os.environ.get("PAGEDLLM_ATTENTION_BACKEND", "").strip().lower() or None
+    if name is not None and name not in _SUPPORTED:
+        raise ValueError(f"PAGEDLLM_ATTENTION_BACKEND={name!r} is not one of {list(_SUPPORTED)}")
+    if name is None:
+        name = "torch"
+        if device.type == "cuda":
+            try:
+                import pagedllm.attention.triton_backend  # noqa: F401  (added by the GPU issue)
+
+                name = "triton"
+            except ImportError:
+                name = "torch"
+    if name == "triton":
+        from pagedllm.attention.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend()
+    from pagedllm.attention.torch_backend import TorchAttentionBackend
+
+    return TorchAttentionBackend()

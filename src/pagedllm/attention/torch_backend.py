@@ -1,0 +1,103 @@
+"""Reference paged attention in plain torch: runs on CPU and any device."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pagedllm.attention.backend import AttentionBackend, AttentionMetadata
+
+
+def write_to_paged_cache(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store each new token's K/V at its slot (``block_id * block_size + offset``)."""
+    num_kv_heads, head_dim = key.shape[-2:]
+    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
+    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """Decodes are attended in one padded batch; prefill chunks one request at a time.
+
+    K/V of the context are read back from the paged cache through the block tables, so
+    this backend checks the whole paging path, not only the math.
+    """
+
+    name = "torch"
+
+    def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata, scale, sliding_window=None):
+        n = metadata.num_actual_tokens
+        write_to_paged_cache(key[:n], value[:n], kv_cache, metadata.slot_mapping[:n])
+        out = torch.empty_like(query)
+        qsl, seq_lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
+        decode_reqs: list[int] = []
+        for i in range(metadata.num_reqs):
+            start, end = qsl[i], qsl[i + 1]
+            if end - start == 1:
+                decode_reqs.append(i)
+                continue
+            out[start:end] = self._prefill(
+                query[start:end], key[start:end], value[start:end], kv_cache,
+                metadata.block_tables[i], seq_lens[i], scale, sliding_window,
+            )
+        if decode_reqs:
+            self._decode(query, kv_cache, metadata, decode_reqs, scale, sliding_window, out)
+        return out
+
+    @staticmethod
+    def _gather(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+        block_size = cache.shape[1]
+        num_blocks = -(-seq_len // block_size)
+        return cache[block_table[:num_blocks]].flatten(0, 1)[:seq_len]
+
+    def _prefill(self, q, k_new, v_new, kv_cache, block_table, seq_len, scale, sliding_window):
+        q_len = q.shape[0]
+        if seq_len == q_len:  # nothing cached before this chunk: the new K/V are the context
+            k, v = k_new, v_new
+        else:
+            k = self._gather(kv_cache[0], block_table, seq_len)
+            v = self._gather(kv_cache[1], block_table, seq_len)
+        mask = None
+        if seq_len != q_len or sliding_window is not None:
+            q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
+            k_pos = torch.arange(seq_len, device=q.device)[None, :]
+            mask = k_pos <= q_pos
+            if sliding_window is not None:
+                mask &= k_pos > q_pos - sliding_window
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+            attn_mask=mask, is_causal=mask is None, scale=scale,
+            enable_gqa=q.shape[1] != k.shape[1],
+        )
+        return o.transpose(0, 1)
+
+    def _decode(self, query, kv_cache, metadata, reqs, scale, sliding_window, out):
+        """One query token per request: [B, kv_heads, group, D] @ [B, kv_heads, D, L]."""
+        device = query.device
+        qsl = metadata.query_start_loc_cpu
+        contiguous = reqs == list(range(reqs[0], reqs[-1] + 1))
+        if contiguous:
+            tok = slice(qsl[reqs[0]], qsl[reqs[-1]] + 1)
+            req_sel = slice(reqs[0], reqs[-1] + 1)
+        else:
+            tok = torch.tensor([qsl[i] for i in reqs], device=device)
+            req_sel = torch.tensor(reqs, device=device)
+        seq_lens_cpu = [metadata.seq_lens_cpu[i] for i in reqs]
+        block_size = kv_cache.shape[2]
+        max_blocks = -(-max(seq_lens_cpu) // block_size)
+        block_tables = metadata.block_tables[req_sel, :max_blocks].long()
+        num_kv_heads, head_dim = kv_cache.shape[-2:]
+        b = len(reqs)
+        k = kv_cache[0][block_tables].view(b, -1, num_kv_heads, head_dim)  # [B, L, Hkv, D]
+        v = kv_cache[1][block_tables].view(b, -1, num_kv_heads, head_dim)
+        q = query[tok].view(b, num_kv_heads, -1, head_dim)  # [B, Hkv, G, D]
+        scores = torch.matmul(q, k.permute(0, 2, 3, 1)) * scale  # [B, Hkv, G, L]
+        seq_lens = metadata.seq_lens[req_sel].to(torch.long)[:, None]
+        k_pos = torch.arange(k.shape[1], device=device)[None, :]
+        valid = k_pos < seq_lens
+        if sliding_window is not None:
+            valid &= k_pos >= seq_lens - sliding_window
+        scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
+        o = torch.matmul(probs, v.transpose(1, 2))  # [B, Hkv, G, D]
+        out[tok] = o.reshape(b, -1, head_dim)

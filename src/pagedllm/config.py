@@ -1,0 +1,91 @@
+"""Resolved engine configuration: what EngineArgs turn into once the model is known."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedllm.core.scheduler import SchedulerConfig
+
+# generation_config.json keys that become default SamplingParams (vLLM's list).
+_GENERATION_CONFIG_KEYS = {
+    "repetition_penalty": "repetition_penalty",
+    "temperature": "temperature",
+    "top_k": "top_k",
+    "top_p": "top_p",
+    "min_p": "min_p",
+    "max_new_tokens": "max_tokens",
+}
+
+
+@dataclass
+class ModelConfig:
+    model: str  # as given by the user
+    path: str  # local folder holding config / weights / tokenizer
+    gguf_file: str | None
+    hf_config: Any  # transformers.PretrainedConfig
+    dtype: str  # "float32" | "float16" | "bfloat16", resolved from "auto" for the device
+    max_model_len: int
+    load_format: str
+    seed: int
+    tokenizer: str | None
+    tokenizer_mode: str
+    trust_remote_code: bool
+    revision: str | None
+    skip_tokenizer_init: bool
+    max_logprobs: int
+    generation_config: str
+    override_generation_config: dict = field(default_factory=dict)
+    enforce_eager: bool = False
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf_config.vocab_size
+
+    @property
+    def architecture(self) -> str:
+        return (getattr(self.hf_config, "architectures", None) or ["?"])[0]
+
+    def read_generation_config(self) -> dict[str, Any]:
+        """The raw generation_config.json as vLLM reads it ('auto': the model's; a folder: that
+        one's; 'vllm': none), with override_generation_config applied on top."""
+        raw: dict[str, Any] = {}
+        folder = {"auto": self.path, "vllm": None}.get(self.generation_config, self.generation_config)
+        if folder is not None:
+            path = os.path.join(folder, "generation_config.json")
+            if os.path.isfile(path):
+                with open(path) as f:
+                    raw = json.load(f)
+            elif self.generation_config not in ("auto", "vllm"):
+                raise ValueError(f"generation_config={self.generation_config!r} has no generation_config.json")
+        raw.update(self.override_generation_config)
+        return raw
+
+    def default_sampling_overrides(self) -> dict[str, Any]:
+        raw = self.read_generation_config()
+        return {ours: raw[theirs] for theirs, ours in _GENERATION_CONFIG_KEYS.items() if theirs in raw}
+
+    def generation_eos_token_ids(self) -> set[int]:
+        eos = self.read_generation_config().get("eos_token_id")
+        if eos is None:
+            return set()
+        return {eos} if isinstance(eos, int) else set(eos)
+
+
+@dataclass
+class CacheConfig:
+    block_size: int
+    gpu_memory_utilization: float
+    num_gpu_blocks_override: int | None
+    kv_cache_memory_bytes: int | None
+    enable_prefix_caching: bool
+
+
+@dataclass
+class EngineConfig:
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    device: str  # "cpu" | "cuda" | "cuda:N"
+    log_stats: bool = False

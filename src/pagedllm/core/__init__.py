@@ -1,0 +1,1 @@
+"""Scheduling and KV-cache bookkeeping: plain Python over integers, no torch."""

