@@ -77,7 +77,7 @@ class Processor:
         return text, EngineCoreRequest(request_id, token_ids, params, eos, arrival_time or time.time(), priority)
 
     def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
-        """Each bad word as token ids, both as written and with a leading space (vLLM's rule)."""
+        """Each bad word as token ids, without and with a leading space."""
         if not words:
             return []
         if self.tokenizer is None:
@@ -86,9 +86,8 @@ class Processor:
         for word in words:
             plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
             spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
-            if plain:
-                out.append(plain)
-            # The spaced form counts as another spelling only when it differs in its first token.
-            if plain and len(spaced) == len(plain) and spaced[0] != plain[0]:
-                out.append(spaced)
+            # Both spellings: at the start of the text and after a space (mid-sentence).
+            for ids in (plain, spaced):
+                if ids and ids not in out:
+                    out.append(ids)
         return out

