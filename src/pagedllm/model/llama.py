@@ -1,0 +1,187 @@
+"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over a flat batch and paged KV cache."""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from pagedllm.attention.backend import AttentionBackend, AttentionMetadata
+from pagedllm.model.layers import (
+    Linear, LMHead, MergedLinear, QKVLinear, RMSNorm, RotaryEmbedding, SiluAndMul, VocabEmbedding,
+)
+
+
+class Attention(nn.Module):
+    """Self-attention; the model runner sets ``kv_cache`` and ``attn_backend`` before use."""
+
+    def __init__(self, config, layer_idx: int, rotary_emb: RotaryEmbedding, qkv_bias: bool, o_bias: bool,
+                 qk_norm: bool):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.sliding_window = _sliding_window(config, layer_idx)
+        self.qkv_proj = QKVLinear(config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, qkv_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, o_bias)
+        if qk_norm:  # Qwen3: per-head RMSNorm of q and k before rotary
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.qk_norm = qk_norm
+        self.rotary_emb = rotary_emb  # one cos/sin table shared by all layers
+        self.kv_cache: torch.Tensor | None = None  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        self.attn_backend: AttentionBackend | None = None
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        if self.attn_backend is None:
+            raise RuntimeError("Attention.attn_backend is not set; the model runner must set it before forward")
+        o = self.attn_backend.forward(q, k, v, self.kv_cache, attn_metadata, self.scale, self.sliding_window)
+        return self.o_proj(o.flatten(1, 2))
+
+
+def _sliding_window(config, layer_idx: int) -> int | None:
+    """Per-layer window: from ``layer_types`` when the config has them (Qwen2, transformers 5)."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return window if layer_types[layer_idx] == "sliding_attention" else None
+    return window if getattr(config, "use_sliding_window", True) else None
+
+
+class MLP(nn.Module):
+    def __init__(self, config, bias: bool):
+        super().__init__()
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported; supported: ['silu']")
+        self.gate_up_proj = MergedLinear(config.hidden_size, [config.intermediate_size] * 2, bias)
+        self.act_fn = SiluAndMul()
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx: int, rotary_emb: RotaryEmbedding, qkv_bias: bool, o_bias: bool,
+                 qk_norm: bool):
+        super().__init__()
+        self.self_attn = Attention(config, layer_idx, rotary_emb, qkv_bias, o_bias, qk_norm)
+        self.mlp = MLP(config, bias=getattr(config, "mlp_bias", False))
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions, hidden_states, residual, attn_metadata):
+        # The residual stream is carried separately so each norm can fuse the add.
+        if residual is None:
+            hidden_states, residual = self.input_layernorm(hidden_states), hidden_states
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states, attn_metadata)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool):
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.rotary_emb = RotaryEmbedding(head_dim, config.max_position_embeddings, config)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, self.rotary_emb, qkv_bias, o_bias, qk_norm)
+            for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids, positions, attn_metadata) -> torch.Tensor:
+        hidden_states, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual, attn_metadata)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama and Mistral; subclasses only change which projections carry biases/norms."""
+
+    # checkpoint name part -> (our fused parameter name part, shard id)
+    stacked_params = {
+        ".q_proj.": (".qkv_proj.", "q"), ".k_proj.": (".qkv_proj.", "k"), ".v_proj.": (".qkv_proj.", "v"),
+        ".gate_proj.": (".gate_up_proj.", 0), ".up_proj.": (".gate_up_proj.", 1),
+    }
+    qk_norm = False
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.model = LlamaModel(config, *self.attention_biases(config), qk_norm=self.qk_norm)
+        tie_to = self.model.embed_tokens if self.tie_word_embeddings else None
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tie_to=tie_to)
+
+    @staticmethod
+    def attention_biases(config) -> tuple[bool, bool]:
+        """(q/k/v bias, o_proj bias); Llama and Qwen3 put ``attention_bias`` on both."""
+        bias = bool(getattr(config, "attention_bias", False))
+        return bias, bias
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata
+    ) -> torch.Tensor:  # [num_tokens, hidden_size], final-normed
+        return self.model(input_ids, positions, attn_metadata)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden_states).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load HF-named tensors; returns our parameter names whose every shard was loaded."""
+        params = dict(self.named_parameters())
+        shards_seen: dict[str, set] = {}
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name == "lm_head.weight"):
+                continue
+            shard_id = None
+            for part, (fused_part, shard) in self.stacked_params.items():
+                if part in name:
+                    name, shard_id = name.replace(part, fused_part), shard
+                    break
+            if name not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}")
+            param = params[name]
+            try:
+                if shard_id is None:
+                    param.weight_loader(param, tensor)
+                else:
+                    param.weight_loader(param, tensor, shard_id)
+            except ValueError as e:
+                raise ValueError(f"loading {name!r} (shard {shard_id}): {e}") from None
+            shards_seen.setdefault(name, set()).add(shard_id)
+        expected = {".qkv_proj.": {"q", "k", "v"}, ".gate_up_proj.": {0, 1}}
+        loaded = set()
+        for name, seen in shards_seen.items():
+            need = next((s for part, s in expected.items() if part in name), {None})
+            if None in seen or need <= seen:  # a fused tensor in the checkpoint covers all shards
+                loaded.add(name)
+        return loaded
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    pass
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    @staticmethod
+    def attention_biases(config) -> tuple[bool, bool]:
+        return True, False  # Qwen2 always has q/k/v biases and never an o_proj bias
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    qk_norm = True

@@ -1,0 +1,265 @@
+"""Find a model (local folder, GGUF file, or HF cache), read its config and weights, build it."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import transformers
+from torch import nn
+from tqdm import tqdm
+
+from pagedllm.model.layers import RMSNorm
+from pagedllm.model.registry import get_model_class
+
+logger = logging.getLogger("pagedllm")
+
+LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")
+
+
+@dataclass
+class ResolvedModel:
+    path: str  # folder holding the config / weights (for a GGUF file: its folder)
+    gguf_file: str | None  # absolute path of the GGUF file, if the model is one
+    hf_config: transformers.PretrainedConfig
+
+
+def resolve_model(
+    model: str,
+    revision: str | None = None,
+    trust_remote_code: bool = False,
+    hf_overrides: dict | Callable | None = None,
+) -> ResolvedModel:
+    """Locate ``model`` on this machine (never downloads) and read its config."""
+    path = Path(model).expanduser()
+    if not path.exists():
+        if model.startswith(("/", ".", "~")) or model.endswith(".gguf") or model.count("/") > 1:
+            raise ValueError(f"model path {model!r} does not exist")
+        path = Path(_cached_snapshot(model, revision))
+    gguf_file = None
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"model {model!r} is a file but not a .gguf file; give a folder or a .gguf file")
+        # absolute(), not resolve(): HF cache snapshots are symlinks to blobs named by hash.
+        gguf_file, path = str(path.absolute()), path.absolute().parent
+    elif not (path / "config.json").exists():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) != 1:
+            raise ValueError(
+                f"model folder {str(path)!r} has no config.json and {len(ggufs)} .gguf files "
+                f"({[g.name for g in ggufs]}); expected config.json or exactly one .gguf file")
+        gguf_file = str(ggufs[0].absolute())
+    if gguf_file is not None:
+        config = transformers.AutoConfig.from_pretrained(
+            str(path), gguf_file=os.path.basename(gguf_file), trust_remote_code=trust_remote_code)
+    else:
+        config = transformers.AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    if not getattr(config, "architectures", None):  # GGUF configs only know their model_type
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        arch = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
+        config.architectures = [arch] if arch else []
+    return ResolvedModel(str(path), gguf_file, _apply_overrides(config, hf_overrides))
+
+
+def _cached_snapshot(repo_id: str, revision: str | None) -> str:
+    import huggingface_hub
+
+    try:
+        return huggingface_hub.snapshot_download(repo_id, revision=revision, local_files_only=True)
+    except Exception as e:  # not cached, or not even a valid repo id
+        raise ValueError(
+            f"model {repo_id!r} is not a local path and not in the local HF cache "
+            f"(revision {revision!r}); this engine runs offline, so download it first ({type(e).__name__})"
+        ) from e
+
+
+def _apply_overrides(config, hf_overrides):
+    if hf_overrides is None:
+        return config
+    if callable(hf_overrides):
+        return hf_overrides(config)
+    for key, value in hf_overrides.items():
+        current = getattr(config, key, None)
+        if isinstance(value, dict) and isinstance(current, dict):
+            setattr(config, key, {**current, **value})  # nested dicts update, not replace
+        else:
+            setattr(config, key, value)
+    return config
+
+
+def _progress(items, desc: str):
+    return tqdm(items, desc=desc, disable=not sys.stderr.isatty(), leave=False)
+
+
+def _indexed_files(folder: Path, index_name: str, pattern: str) -> list[Path]:
+    index = folder / index_name
+    if index.exists():  # sharded: the index names exactly the files that belong to the model
+        return [folder / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    return sorted(folder.glob(pattern))
+
+
+def _safetensors_files(folder: Path) -> list[Path]:
+    return _indexed_files(folder, "model.safetensors.index.json", "*.safetensors")
+
+
+def _pt_files(folder: Path) -> list[Path]:
+    return _indexed_files(folder, "pytorch_model.bin.index.json", "pytorch_model*.bin") or sorted(folder.glob("*.pt"))
+
+
+def _gguf_path(resolved: ResolvedModel) -> str | None:
+    if resolved.gguf_file:
+        return resolved.gguf_file
+    ggufs = sorted(Path(resolved.path).glob("*.gguf"))
+    return str(ggufs[0]) if len(ggufs) == 1 else None
+
+
+_LOOKED_FOR = {
+    "safetensors": "model.safetensors.index.json or *.safetensors",
+    "pt": "pytorch_model.bin.index.json, pytorch_model*.bin or *.pt",
+    "gguf": "exactly one *.gguf",
+}
+
+
+def _detect_format(resolved: ResolvedModel) -> str:
+    """safetensors, then .bin/.pt, then GGUF: the first the model has."""
+    folder = Path(resolved.path)
+    if resolved.gguf_file:
+        return "gguf"
+    if _safetensors_files(folder):
+        return "safetensors"
+    if _pt_files(folder):
+        return "pt"
+    if _gguf_path(resolved):
+        return "gguf"
+    raise ValueError(f"no weight files in {str(folder)!r}; looked for {'; '.join(_LOOKED_FOR.values())}")
+
+
+def iterate_weights(resolved: ResolvedModel, load_format: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, cpu_tensor)`` for every tensor of the checkpoint."""
+    if load_format not in ("auto", "safetensors", "pt", "gguf"):
+        raise ValueError(f"load_format {load_format!r} has no weight files; use one of {list(LOAD_FORMATS)}")
+    folder = Path(resolved.path)
+    if load_format == "auto":
+        load_format = _detect_format(resolved)
+    if load_format == "gguf":
+        gguf_path = _gguf_path(resolved)
+        if gguf_path is None:
+            raise ValueError(f"no GGUF weights in {str(folder)!r}; looked for {_LOOKED_FOR['gguf']}")
+        yield from _iterate_gguf(gguf_path, resolved.hf_config)
+        return
+    files = _safetensors_files(folder) if load_format == "safetensors" else _pt_files(folder)
+    if not files:
+        raise ValueError(f"no {load_format} weights in {str(folder)!r}; looked for {_LOOKED_FOR[load_format]}")
+    for file in _progress(files, f"Loading {load_format} weights"):
+        if load_format == "safetensors":
+            from safetensors import safe_open
+
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        else:
+            yield from torch.load(file, weights_only=True, map_location="cpu").items()
+
+
+# GGUF tensor names (llama.cpp) -> HF names.
+_GGUF_GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_GGUF_BLOCK = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+_GGUF_SKIPPED = {"rope_freqs"}  # llama3 rope factors; the config's rope scaling recomputes them
+
+
+def _gguf_to_hf_name(name: str) -> str | None:
+    base, suffix = name.rsplit(".", 1)
+    if base in _GGUF_SKIPPED:
+        return None
+    if base in _GGUF_GLOBAL:
+        return f"{_GGUF_GLOBAL[base]}.{suffix}"
+    parts = base.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _GGUF_BLOCK:
+        return f"model.layers.{parts[1]}.{_GGUF_BLOCK[parts[2]]}.{suffix}"
+    raise ValueError(f"GGUF tensor {name!r} has no known HF name")
+
+
+def _unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's convert-time q/k row permutation (its rope pairs adjacent dims, HF's halves)."""
+    return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _iterate_gguf(gguf_path: str, config) -> Iterator[tuple[str, torch.Tensor]]:
+    import gguf
+
+    reader = gguf.GGUFReader(gguf_path)
+    permuted = reader.get_field("general.architecture").contents() == "llama"  # only llama is permuted
+    n_heads = config.num_attention_heads
+    n_kv_heads = getattr(config, "num_key_value_heads", None) or n_heads
+    for tensor in _progress(reader.tensors, "Loading GGUF weights"):
+        hf_name = _gguf_to_hf_name(tensor.name)
+        if hf_name is None:
+            continue
+        # The reader already lists shapes numpy-style (rows first), i.e. HF's [out, in].
+        array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        # Dequantized arrays are fresh; unquantized ones are read-only views of the mmap.
+        weight = torch.from_numpy(array) if array.flags.writeable else torch.tensor(array)
+        if permuted and ".self_attn.q_proj." in hf_name:
+            weight = _unpermute_rope_rows(weight, n_heads)
+        elif permuted and ".self_attn.k_proj." in hf_name:
+            weight = _unpermute_rope_rows(weight, n_kv_heads)
+        yield hf_name, weight
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def load_model(
+    resolved: ResolvedModel, load_format: str, dtype: torch.dtype, device: torch.device, seed: int = 0
+) -> nn.Module:
+    """Build the model in ``dtype`` directly on ``device`` and fill its weights."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format {load_format!r} is not one of {list(LOAD_FORMATS)}")
+    device = torch.device(device)
+    model_cls = get_model_class(getattr(resolved.hf_config, "architectures", None))
+    with _default_dtype(dtype), device:  # parameters are allocated once, where they will live
+        model = model_cls(resolved.hf_config)
+    start = time.perf_counter()
+    if load_format == "dummy":
+        _init_dummy(model, seed, device)
+    else:
+        loaded = model.load_weights(iterate_weights(resolved, load_format))
+        missing = sorted({name for name, _ in model.named_parameters()} - loaded)
+        if missing:
+            shown = ", ".join(missing[:10]) + (f", ... ({len(missing)} in all)" if len(missing) > 10 else "")
+            raise ValueError(f"checkpoint in {resolved.path!r} lacks weights for: {shown}")
+    logger.info("Loaded %s (%s weights, %s, %s) in %.1f s", model_cls.__name__, load_format,
+                str(dtype).removeprefix("torch."), device, time.perf_counter() - start)
+    return model.eval()
+
+
+@torch.no_grad()
+def _init_dummy(model: nn.Module, seed: int, device: torch.device) -> None:
+    """Deterministic small random weights: finite, varied outputs without a checkpoint."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+    norm_params = {id(p) for m in model.modules() if isinstance(m, RMSNorm) for p in m.parameters()}
+    for param in model.parameters():  # tied weights appear once
+        if id(param) in norm_params:
+            param.fill_(1.0)
+        else:
+            param.normal_(0.0, 0.02, generator=generator)
