@@ -72,32 +72,40 @@ class TorchAttentionBackend(AttentionBackend):
         return o.transpose(0, 1)
 
     def _decode(self, query, kv_cache, metadata, reqs, scale, sliding_window, out):
-        """One query token per request: [B, kv_heads, group, D] @ [B, kv_heads, D, L]."""
+        """One query token per request, all requests in one padded batch.
+
+        K and V of every request are gathered with one copy each; then, per KV head, a batched
+        matmul over requests reads them in place (strided), so nothing else is copied.
+        """
         device = query.device
         qsl = metadata.query_start_loc_cpu
-        contiguous = reqs == list(range(reqs[0], reqs[-1] + 1))
-        if contiguous:
+        if reqs == list(range(reqs[0], reqs[-1] + 1)):
             tok = slice(qsl[reqs[0]], qsl[reqs[-1]] + 1)
             req_sel = slice(reqs[0], reqs[-1] + 1)
         else:
             tok = torch.tensor([qsl[i] for i in reqs], device=device)
             req_sel = torch.tensor(reqs, device=device)
-        seq_lens_cpu = [metadata.seq_lens_cpu[i] for i in reqs]
-        block_size = kv_cache.shape[2]
-        max_blocks = -(-max(seq_lens_cpu) // block_size)
-        block_tables = metadata.block_tables[req_sel, :max_blocks].long()
-        num_kv_heads, head_dim = kv_cache.shape[-2:]
         b = len(reqs)
-        k = kv_cache[0][block_tables].view(b, -1, num_kv_heads, head_dim)  # [B, L, Hkv, D]
-        v = kv_cache[1][block_tables].view(b, -1, num_kv_heads, head_dim)
-        q = query[tok].view(b, num_kv_heads, -1, head_dim)  # [B, Hkv, G, D]
-        scores = torch.matmul(q, k.permute(0, 2, 3, 1)) * scale  # [B, Hkv, G, L]
+        block_size, num_kv_heads, head_dim = kv_cache.shape[2:]
+        max_blocks = -(-max(metadata.seq_lens_cpu[i] for i in reqs) // block_size)
+        block_ids = metadata.block_tables[req_sel, :max_blocks].reshape(-1)
+        # On a 2-D [blocks, block_bytes] view index_select is one memcpy per block; on the
+        # 4-D cache (or along another dim) it copies slice by slice, several times slower.
+        k_blocks, v_blocks = kv_cache[0].flatten(1), kv_cache[1].flatten(1)
+        k = k_blocks.index_select(0, block_ids).view(b, -1, num_kv_heads, head_dim)  # [B, L, Hkv, D]
+        v = v_blocks.index_select(0, block_ids).view(b, -1, num_kv_heads, head_dim)
         seq_lens = metadata.seq_lens[req_sel].to(torch.long)[:, None]
         k_pos = torch.arange(k.shape[1], device=device)[None, :]
         valid = k_pos < seq_lens
         if sliding_window is not None:
             valid &= k_pos >= seq_lens - sliding_window
-        scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
-        o = torch.matmul(probs, v.transpose(1, 2))  # [B, Hkv, G, D]
-        out[tok] = o.reshape(b, -1, head_dim)
+        bias = torch.zeros(b, 1, k.shape[1], dtype=torch.float32, device=device)
+        bias.masked_fill_(~valid[:, None, :], float("-inf"))
+        q = query[tok].view(b, num_kv_heads, -1, head_dim).to(torch.float32)  # [B, Hkv, G, D]
+        o = torch.empty_like(q)
+        for h in range(num_kv_heads):
+            k_h = k[:, :, h].to(torch.float32)  # [B, L, D], a strided view when already fp32
+            v_h = v[:, :, h].to(torch.float32)
+            scores = torch.baddbmm(bias, q[:, h], k_h.transpose(1, 2), alpha=scale)  # [B, G, L]
+            torch.bmm(torch.softmax(scores, dim=-1), v_h, out=o[:, h])
+        out[tok] = o.reshape(b, -1, head_dim).to(out.dtype)
