@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import tempfile
 import weakref
 
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# GGUF config/tokenizer/tensor-table caches go to a fresh folder: each run covers the
+# first (parsing) load and the cached ones after it, and leaves the user's cache alone.
+os.environ["PAGEDLLM_CACHE_DIR"] = tempfile.mkdtemp(prefix="pagedllm-test-cache-")
 
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

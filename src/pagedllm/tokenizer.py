@@ -1,24 +1,14 @@
 """Tokenizer loading: Hugging Face tokenizers from a folder, a hub cache or a GGUF file."""
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 from typing import Any
 
 from pagedllm.config import ModelConfig
+from pagedllm.model.gguf_cache import gguf_cache_dir
 
 logger = logging.getLogger("pagedllm")
-
-
-def _gguf_cache_dir(gguf_file: str) -> str:
-    """Where the tokenizer converted from a GGUF file is kept: converting it again costs
-    seconds at every start."""
-    st = os.stat(gguf_file)
-    key = hashlib.sha256(f"{os.path.abspath(gguf_file)}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    root = os.environ.get("PAGEDLLM_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pagedllm")
-    return os.path.join(root, "gguf-tokenizers", key)
 
 
 def get_tokenizer(model_config: ModelConfig) -> Any:
@@ -29,10 +19,10 @@ def get_tokenizer(model_config: ModelConfig) -> Any:
         kwargs["use_fast"] = False
     source = model_config.tokenizer or model_config.path
     if model_config.tokenizer is None and model_config.gguf_file is not None:
-        cache = _gguf_cache_dir(model_config.gguf_file)
+        cache = gguf_cache_dir(model_config.gguf_file)
         if os.path.isfile(os.path.join(cache, "tokenizer_config.json")):
             return AutoTokenizer.from_pretrained(cache, **kwargs)
-        logger.info("Converting the GGUF tokenizer (once; cached in %s)", cache)
+        logger.info("Converting the GGUF tokenizer once (cached in %s)", cache)
         tok = AutoTokenizer.from_pretrained(os.path.dirname(model_config.gguf_file),
                                             gguf_file=os.path.basename(model_config.gguf_file), **kwargs)
         try:

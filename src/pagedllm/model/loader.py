@@ -16,6 +16,7 @@ import transformers
 from torch import nn
 from tqdm import tqdm
 
+from pagedllm.model.gguf_cache import gguf_architecture, iterate_gguf_tensors, load_gguf_config
 from pagedllm.model.layers import RMSNorm
 from pagedllm.model.registry import get_model_class
 
@@ -57,8 +58,7 @@ def resolve_model(
                 f"({[g.name for g in ggufs]}); expected config.json or exactly one .gguf file")
         gguf_file = str(ggufs[0].absolute())
     if gguf_file is not None:
-        config = transformers.AutoConfig.from_pretrained(
-            str(path), gguf_file=os.path.basename(gguf_file), trust_remote_code=trust_remote_code)
+        config = load_gguf_config(gguf_file, trust_remote_code=trust_remote_code)
     else:
         config = transformers.AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
     if not getattr(config, "architectures", None):  # GGUF configs only know their model_type
@@ -198,18 +198,13 @@ def _unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def _iterate_gguf(gguf_path: str, config) -> Iterator[tuple[str, torch.Tensor]]:
-    import gguf
-
-    reader = gguf.GGUFReader(gguf_path)
-    permuted = reader.get_field("general.architecture").contents() == "llama"  # only llama is permuted
+    permuted = gguf_architecture(gguf_path) == "llama"  # only llama's q/k rows are permuted
     n_heads = config.num_attention_heads
     n_kv_heads = getattr(config, "num_key_value_heads", None) or n_heads
-    for tensor in _progress(reader.tensors, "Loading GGUF weights"):
-        hf_name = _gguf_to_hf_name(tensor.name)
+    for name, array in _progress(list(iterate_gguf_tensors(gguf_path)), "Loading GGUF weights"):
+        hf_name = _gguf_to_hf_name(name)
         if hf_name is None:
             continue
-        # The reader already lists shapes numpy-style (rows first), i.e. HF's [out, in].
-        array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         # Dequantized arrays are fresh; unquantized ones are read-only views of the mmap.
         weight = torch.from_numpy(array) if array.flags.writeable else torch.tensor(array)
         if permuted and ".self_attn.q_proj." in hf_name:

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import time
 
 import torch
 
@@ -25,12 +24,9 @@ class Worker:
             torch.cuda.set_device(self.device)
         mc = config.model_config
         torch.manual_seed(mc.seed)
-        start = time.perf_counter()
         resolved = ResolvedModel(path=mc.path, gguf_file=mc.gguf_file, hf_config=mc.hf_config)
         model = load_model(resolved, mc.load_format, _TORCH_DTYPES[mc.dtype],
                            self.device, seed=mc.seed)
-        logger.info("Loaded %s (%s, %s) on %s in %.1f s", mc.architecture, mc.dtype, mc.load_format,
-                    self.device, time.perf_counter() - start)
         self.model_runner = ModelRunner(config, model, self.device)
 
     def determine_num_blocks(self) -> int:

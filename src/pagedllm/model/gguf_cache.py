@@ -1,0 +1,88 @@
+"""GGUF files, read once: config, tokenizer and tensor table cached beside each other.
+
+Parsing a GGUF header with the `gguf` package walks every vocabulary entry in Python
+(about 5 s for SmolLM2's 49k tokens), and transformers parses it again for the config.
+The first load caches what they produce, keyed by the file's path, size and mtime;
+later loads memory-map the tensors straight from the file.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+_INDEX = "tensor_index.json"
+
+
+def gguf_cache_dir(gguf_file: str) -> str:
+    st = os.stat(gguf_file)
+    key = hashlib.sha256(f"{os.path.abspath(gguf_file)}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    root = os.environ.get("PAGEDLLM_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pagedllm")
+    return os.path.join(root, "gguf", key)
+
+
+def _write_json_atomically(path: str, data: Any) -> None:
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(data, f)
+        os.replace(tmp, path)
+    except OSError:  # a read-only home still works, only slower to start
+        pass
+
+
+def load_gguf_config(gguf_file: str, trust_remote_code: bool = False) -> Any:
+    """The transformers config of a GGUF model (cached as config.json)."""
+    import transformers
+
+    cache = gguf_cache_dir(gguf_file)
+    if os.path.isfile(os.path.join(cache, "config.json")):
+        return transformers.AutoConfig.from_pretrained(cache, trust_remote_code=trust_remote_code)
+    config = transformers.AutoConfig.from_pretrained(
+        os.path.dirname(gguf_file), gguf_file=os.path.basename(gguf_file), trust_remote_code=trust_remote_code)
+    try:
+        config.save_pretrained(cache)
+    except OSError:
+        pass
+    return config
+
+
+def _tensor_index(gguf_file: str) -> dict[str, Any]:
+    """Architecture and, per tensor, its name, quantization type, dtype, shape and offset."""
+    path = os.path.join(gguf_cache_dir(gguf_file), _INDEX)
+    if os.path.isfile(path):
+        with open(path) as f:
+            return json.load(f)
+    import gguf
+
+    reader = gguf.GGUFReader(gguf_file)
+    index = {
+        "architecture": reader.get_field("general.architecture").contents(),
+        "tensors": [
+            {"name": t.name, "qtype": int(t.tensor_type), "dtype": t.data.dtype.str,
+             "shape": list(t.data.shape), "offset": int(t.data_offset)}
+            for t in reader.tensors
+        ],
+    }
+    _write_json_atomically(path, index)
+    return index
+
+
+def gguf_architecture(gguf_file: str) -> str:
+    return _tensor_index(gguf_file)["architecture"]
+
+
+def iterate_gguf_tensors(gguf_file: str) -> Iterator[tuple[str, np.ndarray]]:
+    """(GGUF tensor name, float32 array in numpy/HF order) for every tensor, dequantized."""
+    import gguf
+
+    for t in _tensor_index(gguf_file)["tensors"]:
+        raw = np.memmap(gguf_file, dtype=np.dtype(t["dtype"]), mode="r", offset=t["offset"],
+                        shape=tuple(t["shape"]))
+        yield t["name"], gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(t["qtype"]))
