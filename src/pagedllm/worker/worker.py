@@ -21,6 +21,8 @@ class Worker:
         self.config = config
         self.device = torch.device(config.device)
         if self.device.type == "cuda":
+            if self.device.index is None:
+                self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
         mc = config.model_config
         torch.manual_seed(mc.seed)
