@@ -4,7 +4,10 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from pagedllm.logger import configure_logging
 from pagedllm.version import __version__
+
+configure_logging()
 
 # Names load on first use, so `import pagedllm.core` stays free of torch and the CLI starts fast.
 _LAZY = {

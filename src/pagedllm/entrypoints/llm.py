@@ -23,6 +23,7 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        kwargs.setdefault("disable_log_stats", True)  # the progress bar reports throughput
         engine_args = EngineArgs.from_kwargs(model=model, **kwargs)
         self.llm_engine = LLMEngine.from_engine_args(engine_args)
         self._counter = itertools.count()

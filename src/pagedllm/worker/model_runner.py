@@ -208,8 +208,11 @@ class ModelRunner:
             temperature=torch.tensor(temps, dtype=torch.float32, device=dev),
             all_greedy=all(t == 0.0 for t in temps),
             all_random=all(t != 0.0 for t in temps),
-            output_token_ids=[s.output_token_ids for s in states],
         )
+        # Output histories are only read by penalties, bad words and logits processors.
+        if any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
+               or p.logits_processors for p in params):
+            md.output_token_ids = [s.output_token_ids for s in states]
         if any(p.top_p < 1.0 for p in params):
             md.top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
         if any(p.top_k > 0 for p in params):

@@ -1,0 +1,21 @@
+"""The `pagedllm` logger: one concise line per event on stderr, like vLLM's."""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+_FORMAT = "%(levelname)s %(asctime)s %(filename)s:%(lineno)d] %(message)s"
+
+
+def configure_logging() -> None:
+    """INFO and up to stderr, unless PAGEDLLM_CONFIGURE_LOGGING=0 (then the application's
+    own logging config rules). PAGEDLLM_LOGGING_LEVEL picks the level."""
+    logger = logging.getLogger("pagedllm")
+    if os.environ.get("PAGEDLLM_CONFIGURE_LOGGING", "1") == "0" or logger.handlers:
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(_FORMAT, datefmt="%m-%d %H:%M:%S"))
+    logger.addHandler(handler)
+    logger.setLevel(os.environ.get("PAGEDLLM_LOGGING_LEVEL", "INFO").upper())
+    logger.propagate = False
