@@ -131,7 +131,11 @@ def test_stop_strings_spanning_tokens_truncate_text(llm, include):
 def test_n_samples_share_the_prompt_and_differ(llm):
     prompt = "a b c d e f g h i j k l m n o p q r s t u v w x y z " * 3
     sp = SamplingParams(n=4, temperature=1.0, max_tokens=12, ignore_eos=True, seed=7)
+    stats = llm.llm_engine.engine_core.kv_cache_manager.stats
+    hits_before = stats.hits
     out = llm.generate([prompt], sp, use_tqdm=False)[0]
+    # Samples 2..4 reuse the first one's full prompt blocks instead of recomputing them.
+    assert stats.hits - hits_before >= 3 * ((len(out.prompt_token_ids) - 1) // 16 * 16)
     assert [o.index for o in out.outputs] == [0, 1, 2, 3]
     assert len({tuple(o.token_ids) for o in out.outputs}) > 1
     again = llm.generate([prompt], sp, use_tqdm=False)[0]
@@ -190,3 +194,16 @@ def test_engine_step_api_streams_deltas_and_aborts(llm):
         if len(deltas) == 2:
             engine.abort_request("cancel")
     assert sum(len(d) for d in deltas) == 6 and all(len(d) == 1 for d in deltas)
+
+
+def test_priority_scheduling_runs_lower_values_first(tiny_models):
+    llm = LLM(tiny_models["qwen2"], kv_cache_memory_bytes=TEST_KV_BYTES, max_num_seqs=1,
+              scheduling_policy="priority")
+    engine = llm.llm_engine
+    sp = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    for req_id, prio in (("late", 5), ("urgent", -3), ("normal", 0)):
+        engine.add_request(req_id, "same prompt", sp, priority=prio)
+    order = []
+    while engine.has_unfinished_requests():
+        order += [o.request_id for o in engine.step() if o.finished]
+    assert order == ["urgent", "normal", "late"]
