@@ -19,6 +19,8 @@ def main() -> None:
     p.add_argument("--num-requests", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="for both engines; the workload is defined in float32")
     args = p.parse_args()
 
     import torch
@@ -27,7 +29,7 @@ def main() -> None:
     from pagedllm.engine.arg_utils import default_model
 
     gguf = default_model()
-    llm = LLM(gguf, dtype="float32", max_model_len=2048, kv_cache_memory_bytes=2 << 30)
+    llm = LLM(gguf, dtype=args.dtype, max_model_len=2048, kv_cache_memory_bytes=2 << 30)
     tok = llm.get_tokenizer()
     convs = [[{"role": "user", "content": f"Write a short story about item {i}"}] for i in range(args.num_requests)]
     prompts = [tok.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in convs]
@@ -38,14 +40,14 @@ def main() -> None:
     outs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], sp)
     ours_s = time.perf_counter() - start
     ours_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    result = {"benchmark": "cpu_vs_hf", "model": "SmolLM2-135M-Instruct (GGUF Q4_1 dequantized, fp32)",
+    result = {"benchmark": "cpu_vs_hf", "model": "SmolLM2-135M-Instruct (GGUF Q4_1 dequantized)", "dtype": args.dtype,
               "num_requests": args.num_requests, "torch_threads": torch.get_num_threads(),
               "pagedllm_output_tok_s": round(ours_tokens / ours_s, 1), "pagedllm_elapsed_s": round(ours_s, 2)}
     if not args.skip_hf:
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf),
-                                                     dtype=torch.float32).eval()
+                                                     dtype=getattr(torch, args.dtype)).eval()
         tok.padding_side = "left"
         batch = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
         with torch.no_grad():

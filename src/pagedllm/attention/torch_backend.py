@@ -74,8 +74,9 @@ class TorchAttentionBackend(AttentionBackend):
     def _decode(self, query, kv_cache, metadata, reqs, scale, sliding_window, out):
         """One query token per request, all requests in one padded batch.
 
-        K and V of every request are gathered with one copy each; then, per KV head, a batched
-        matmul over requests reads them in place (strided), so nothing else is copied.
+        K and V of every request are gathered with one copy each, then one fused SDPA call
+        attends over them in place (strided views; GQA without expanding K/V; float32
+        accumulation for half types, so nothing is cast).
         """
         device = query.device
         qsl = metadata.query_start_loc_cpu
@@ -91,21 +92,15 @@ class TorchAttentionBackend(AttentionBackend):
         block_ids = metadata.block_tables[req_sel, :max_blocks].reshape(-1)
         # On a 2-D [blocks, block_bytes] view index_select is one memcpy per block; on the
         # 4-D cache (or along another dim) it copies slice by slice, several times slower.
-        k_blocks, v_blocks = kv_cache[0].flatten(1), kv_cache[1].flatten(1)
-        k = k_blocks.index_select(0, block_ids).view(b, -1, num_kv_heads, head_dim)  # [B, L, Hkv, D]
-        v = v_blocks.index_select(0, block_ids).view(b, -1, num_kv_heads, head_dim)
+        k = kv_cache[0].flatten(1).index_select(0, block_ids).view(b, -1, num_kv_heads, head_dim)
+        v = kv_cache[1].flatten(1).index_select(0, block_ids).view(b, -1, num_kv_heads, head_dim)
         seq_lens = metadata.seq_lens[req_sel].to(torch.long)[:, None]
         k_pos = torch.arange(k.shape[1], device=device)[None, :]
         valid = k_pos < seq_lens
         if sliding_window is not None:
             valid &= k_pos >= seq_lens - sliding_window
-        bias = torch.zeros(b, 1, k.shape[1], dtype=torch.float32, device=device)
-        bias.masked_fill_(~valid[:, None, :], float("-inf"))
-        q = query[tok].view(b, num_kv_heads, -1, head_dim).to(torch.float32)  # [B, Hkv, G, D]
-        o = torch.empty_like(q)
-        for h in range(num_kv_heads):
-            k_h = k[:, :, h].to(torch.float32)  # [B, L, D], a strided view when already fp32
-            v_h = v[:, :, h].to(torch.float32)
-            scores = torch.baddbmm(bias, q[:, h], k_h.transpose(1, 2), alpha=scale)  # [B, G, L]
-            torch.bmm(torch.softmax(scores, dim=-1), v_h, out=o[:, h])
-        out[tok] = o.reshape(b, -1, head_dim).to(out.dtype)
+        o = F.scaled_dot_product_attention(
+            query[tok].unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=valid[:, None, None, :],
+            scale=scale, enable_gqa=query.shape[1] != num_kv_heads,
+        )  # [B, H, 1, D]
+        out[tok] = o.squeeze(2)
