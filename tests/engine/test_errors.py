@@ -106,3 +106,14 @@ def test_missing_model_path_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="not"):
         EngineArgs(model=str(tmp_path / "nope")).create_engine_config()
     assert not os.path.exists(tmp_path / "nope")
+
+
+def test_a_failing_logits_processor_fails_its_call_and_engine_still_serves(llm):
+    def broken(output_ids, logits):
+        raise RuntimeError("user processor failed")
+
+    with pytest.raises(RuntimeError, match="user processor failed"):
+        llm.generate(["a", "b"], [SamplingParams(max_tokens=3), SamplingParams(max_tokens=3,
+                                                                               logits_processors=[broken])],
+                     use_tqdm=False)
+    still_serves(llm)
