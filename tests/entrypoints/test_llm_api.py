@@ -98,3 +98,15 @@ def test_outputs_come_back_in_input_order_with_vllm_fields(tiny_models):
         assert out.num_cached_tokens >= 0 and out.prompt_logprobs is None
     assert llm.generate("a single string", SamplingParams(max_tokens=1), use_tqdm=False)[0].prompt == \
         "a single string"
+
+
+def test_dummy_weights_without_a_tokenizer(tiny_models):
+    llm = LLM(tiny_models["qwen3"], load_format="dummy", skip_tokenizer_init=True,
+              kv_cache_memory_bytes=TEST_KV_BYTES)
+    out = llm.generate([TokensPrompt(prompt_token_ids=[3, 4, 5])],
+                       SamplingParams(max_tokens=4, detokenize=False, ignore_eos=True, temperature=0), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4 and out[0].outputs[0].text == ""
+    with pytest.raises(ValueError, match="tokenizer"):
+        llm.generate(["text needs a tokenizer"], SamplingParams(detokenize=False), use_tqdm=False)
+    with pytest.raises(ValueError, match="skip_tokenizer_init"):
+        llm.get_tokenizer()
