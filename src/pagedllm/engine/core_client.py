@@ -156,7 +156,7 @@ class EngineCoreClient:
                     self._die(f"the engine core process died (exit code {self.process.exitcode})")
                     return
                 continue
-            except (EOFError, OSError, ValueError):
+            except (EOFError, OSError, ValueError, AttributeError):  # closed by shutdown()
                 if not self._closing:
                     self._die("the engine core's output queue closed")
                 return
@@ -182,6 +182,8 @@ class EngineCoreClient:
         self._outputs.put(("dead", reason))
 
     def _send(self, msg: tuple) -> None:
+        if self._closing:
+            raise EngineDeadError("the engine core was shut down")
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
         self._input_q.put(msg)
@@ -191,7 +193,7 @@ class EngineCoreClient:
         self._send(("add", request))
 
     def abort_requests(self, request_ids: list[str]) -> None:
-        if request_ids and self.dead_reason is None:
+        if request_ids and self.dead_reason is None and not self._closing:
             self._input_q.put(("abort", list(request_ids)))
 
     def call_utility(self, method: str, *args: Any) -> concurrent.futures.Future:
@@ -228,6 +230,11 @@ class EngineCoreClient:
             self.process.join(timeout_s)
         self._kill()
         self._outputs.put(("closed",))
+        if getattr(self, "_reader", None) is not None:
+            self._reader.join(2 * _PARENT_POLL_S)
+        # Drop the queues now: their semaphores are released when collected, not at a
+        # signal-driven exit (which would make the resource tracker warn of leaks).
+        self._input_q = self._output_q = None
 
     def _kill(self) -> None:
         if self.process.is_alive():

@@ -324,6 +324,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: Optional
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
         engine.shutdown()
+        logger.info("Engine shut down")
 
     app = FastAPI(title="pagedllm OpenAI-compatible server", version=__version__, lifespan=lifespan)
     app.state.serving = serving
