@@ -229,14 +229,14 @@ def test_client_disconnect_mid_stream_aborts_and_frees_blocks(http):
         assert data and "[DONE]" not in data[-1]
         stats = http.get("/internal/stats").json()
         assert stats["num_running"] == 1 and stats["num_free_blocks"] < stats["num_blocks"]
-    _wait_all_blocks_free(http, timeout_s=5)
+    _wait_all_blocks_free(http, timeout_s=2)
 
 
 def test_client_timeout_on_non_streaming_request_aborts_it(http):
     body = {"model": MODEL_NAME, "prompt": "Tell me a long story", "max_tokens": 450, "ignore_eos": True, "n": 4}
     with pytest.raises(httpx.TimeoutException):
         http.post("/v1/completions", json=body, timeout=0.5)
-    _wait_all_blocks_free(http, timeout_s=5)
+    _wait_all_blocks_free(http, timeout_s=2)  # generating it all would take several seconds
 
 
 def test_api_key_is_required_on_v1_only(server):

@@ -83,6 +83,24 @@ async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[t
                 await s.aclose()
 
 
+class APIKeyMiddleware:
+    """401 on /v1/* without 'Authorization: Bearer KEY'. Plain ASGI (not BaseHTTPMiddleware),
+    so handlers still see the client's disconnect."""
+
+    def __init__(self, app: Any, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self.expected):
+                response = error_response(401, "Invalid or missing API key (Authorization: Bearer ...)")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 class OpenAIServing:
     """The request handlers, independent of FastAPI's routing."""
 
@@ -329,13 +347,8 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: Optional
     app = FastAPI(title="pagedllm OpenAI-compatible server", version=__version__, lifespan=lifespan)
     app.state.serving = serving
 
-    @app.middleware("http")
-    async def authenticate(request: Request, call_next: Any) -> Any:
-        if api_key is not None and request.url.path.startswith("/v1"):
-            given = request.headers.get("authorization", "")
-            if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                return error_response(401, "Invalid or missing API key (Authorization: Bearer ...)")
-        return await call_next(request)
+    if api_key is not None:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
