@@ -64,13 +64,14 @@ class SamplingRequest(OpenAIModel):
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     stop: Optional[Union[str, list[str]]] = None
-    seed: Optional[int] = None
+    # Bounded here: values a torch generator / int64 tensor cannot hold would fail in the engine.
+    seed: Optional[int] = Field(None, ge=-(2 ** 63), lt=2 ** 64)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     user: Optional[str] = None
     logit_bias: Optional[dict[str, float]] = None
     # vLLM extras
-    top_k: Optional[int] = None
+    top_k: Optional[int] = Field(None, ge=-1, lt=2 ** 31)
     min_p: Optional[float] = None
     repetition_penalty: Optional[float] = None
     min_tokens: int = 0
@@ -96,6 +97,8 @@ class SamplingRequest(OpenAIModel):
                 logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
             except ValueError:
                 raise ValueError(f"logit_bias keys must be token ids, got {sorted(self.logit_bias)}") from None
+            if any(not -100.0 <= v <= 100.0 for v in logit_bias.values()):
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {sorted(logit_bias.values())}")
         return SamplingParams(
             n=self.n, temperature=pick("temperature", 1.0), top_p=pick("top_p", 1.0), top_k=pick("top_k", 0),
             min_p=pick("min_p", 0.0), repetition_penalty=pick("repetition_penalty", 1.0),
