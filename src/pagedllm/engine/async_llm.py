@@ -10,7 +10,7 @@ from typing import Any, AsyncIterator
 from pagedllm.config import EngineConfig
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.core_client import EngineCoreClient, EngineDeadError
-from pagedllm.engine.output_processor import OutputProcessor, ParentRequest
+from pagedllm.engine.output_processor import OutputProcessor, ParentRequest, split_samples
 from pagedllm.engine.processor import Processor
 from pagedllm.inputs import PromptType
 from pagedllm.outputs import RequestMetrics, RequestOutput
@@ -68,18 +68,7 @@ class AsyncLLM:
         self._ensure_output_task()
         text, core_req = self.processor.process(request_id, prompt, params, priority=priority)
         params = core_req.sampling_params
-        child_ids, child_params = [request_id], [params]
-        if params.n > 1:  # n samples = n engine requests sharing the prompt's cached blocks
-            child_ids, child_params = [], []
-            for i in range(params.n):
-                p = params.clone()
-                p.n = 1
-                if p.seed is not None:
-                    p.seed += i
-                if i > 0:
-                    p.prompt_logprobs = None
-                child_ids.append(f"{i}_{request_id}")
-                child_params.append(p)
+        child_ids, child_params = split_samples(request_id, params)
         parent = ParentRequest(request_id, text, core_req.prompt_token_ids, params,
                                RequestMetrics(arrival_time=core_req.arrival_time))
         self.output_processor.add_request(parent, child_ids, child_params)
