@@ -106,3 +106,34 @@ def test_offline_and_engine_modules_do_not_import_server_dependencies():
             "bad = [m for m in ('fastapi', 'uvicorn', 'starlette', 'openai', 'httpx') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": SRC_DIR})
+
+
+def test_async_llm_fails_pending_requests_when_the_core_dies(tiny_models):
+    import asyncio
+
+    from pagedllm import RequestOutputKind
+    from pagedllm.engine.async_llm import AsyncLLM
+
+    async def run() -> None:
+        engine = AsyncLLM.from_engine_args(EngineArgs(model=tiny_models["llama"], kv_cache_memory_bytes=TEST_KV_BYTES,
+                                                      disable_log_stats=True))
+        try:
+            params = SamplingParams(temperature=0, max_tokens=5, output_kind=RequestOutputKind.DELTA)
+            outs = [o async for o in engine.generate("Hello", params, "first")]
+            assert outs[-1].finished and sum(len(o.outputs[0].token_ids) for o in outs) == 5
+            await engine.check_health()
+            long = SamplingParams(max_tokens=400, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+            stream = engine.generate("Hello", long, "doomed")
+            await stream.__anext__()
+            os.kill(engine.engine_core.process.pid, signal.SIGKILL)
+            with pytest.raises(EngineDeadError, match="died"):
+                async for _ in stream:
+                    pass
+            with pytest.raises(EngineDeadError):
+                await engine.check_health()
+            with pytest.raises(EngineDeadError):
+                engine.add_request("after", "Hello", params)
+        finally:
+            engine.shutdown()
+
+    asyncio.run(run())
