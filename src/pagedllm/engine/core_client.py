@@ -21,7 +21,7 @@ logger = logging.getLogger("pagedllm")
 # Messages into the core process:
 #   ("add", EngineCoreRequest) | ("abort", [request ids]) | ("utility", call_id, method, args) | ("shutdown",)
 # Messages out of it:
-#   ("ready", num_blocks) | ("startup_error", text) | ("outputs", EngineCoreOutputs)
+#   ("ready", num_blocks) | ("startup_error", text, traceback) | ("outputs", EngineCoreOutputs)
 #   | ("error", request_id, message) | ("utility_result", call_id, result, error_text) | ("fatal", text)
 
 _PARENT_POLL_S = 1.0
@@ -54,7 +54,7 @@ def run_engine_core(config: EngineConfig, input_q: Any, output_q: Any, parent_pi
     try:
         core = EngineCore(config)
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
-        output_q.put(("startup_error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        output_q.put(("startup_error", f"{type(e).__name__}: {e}", traceback.format_exc()))
         return
     output_q.put(("ready", core.kv_cache_manager.num_blocks))
     try:
@@ -142,6 +142,7 @@ class EngineCoreClient:
             if msg[0] == "ready":
                 return msg[1]
             if msg[0] == "startup_error":
+                logger.debug("engine core start-up failure:\n%s", msg[2])
                 raise RuntimeError(f"the engine core failed to start: {msg[1]}")
         raise RuntimeError(f"the engine core did not start within {timeout_s:.0f} s")
 
@@ -232,17 +233,18 @@ class EngineCoreClient:
         self._outputs.put(("closed",))
         if getattr(self, "_reader", None) is not None:
             self._reader.join(2 * _PARENT_POLL_S)
-        # Drop the queues now: their semaphores are released when collected, not at a
-        # signal-driven exit (which would make the resource tracker warn of leaks).
-        self._input_q = self._output_q = None
 
     def _kill(self) -> None:
         if self.process.is_alive():
             self.process.kill()
             self.process.join(5.0)
         for q in (self._input_q, self._output_q):
-            q.cancel_join_thread()  # never hang at exit on an unread queue
-            q.close()
+            if q is not None:
+                q.cancel_join_thread()  # never hang at exit on an unread queue
+                q.close()
+        # Drop the queues now: their semaphores are released when collected, not at a
+        # signal-driven exit (which would make the resource tracker warn of leaks).
+        self._input_q = self._output_q = None
 
 
 __all__ = ["EngineCoreClient", "EngineCoreOutputs", "EngineDeadError"]
