@@ -239,9 +239,13 @@ class EngineCoreClient:
             self.process.kill()
             self.process.join(5.0)
         for q in (self._input_q, self._output_q):
-            if q is not None:
-                q.cancel_join_thread()  # never hang at exit on an unread queue
-                q.close()
+            if q is None:
+                continue
+            q.close()
+            if self.process.exitcode == 0:
+                q.join_thread()  # the child read everything: the feeder thread ends at once
+            else:
+                q.cancel_join_thread()  # never hang on a queue nobody will read
         # Drop the queues now: their semaphores are released when collected, not at a
         # signal-driven exit (which would make the resource tracker warn of leaks).
         self._input_q = self._output_q = None
