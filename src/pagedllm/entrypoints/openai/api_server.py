@@ -22,7 +22,7 @@ from pagedllm.entrypoints.openai.protocol import (
     ChatStreamChoice, ChatTokenLogprob, ChatTopLogprob, CompletionChoice, CompletionLogprobs, CompletionRequest,
     CompletionResponse, DeltaMessage, ErrorInfo, ErrorResponse, ModelCard, ModelList, UsageInfo, random_id,
 )
-from pagedllm.outputs import CompletionOutput, RequestOutput, SampleLogprobs
+from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.version import __version__
 
 logger = logging.getLogger("pagedllm")
