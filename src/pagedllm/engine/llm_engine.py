@@ -10,7 +10,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.messages import SchedulerStats
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.core import EngineCore
-from pagedllm.engine.output_processor import OutputProcessor, ParentRequest
+from pagedllm.engine.output_processor import OutputProcessor, ParentRequest, split_samples
 from pagedllm.engine.processor import Processor
 from pagedllm.inputs import PromptType
 from pagedllm.outputs import RequestMetrics, RequestOutput
@@ -60,19 +60,7 @@ class LLMEngine:
         params = params if params is not None else self.get_default_sampling_params()
         text, core_req = self.processor.process(request_id, prompt, params, arrival_time, priority)
         params = core_req.sampling_params
-        child_params = [params]
-        child_ids = [request_id]
-        if params.n > 1:  # n samples = n engine requests; they share the prompt's cached blocks
-            child_ids, child_params = [], []
-            for i in range(params.n):
-                p = params.clone()
-                p.n = 1
-                if p.seed is not None:
-                    p.seed += i
-                if i > 0:
-                    p.prompt_logprobs = None  # reported once, from the first sample
-                child_ids.append(f"{i}_{request_id}")
-                child_params.append(p)
+        child_ids, child_params = split_samples(request_id, params)
         parent = ParentRequest(request_id, text, core_req.prompt_token_ids, params,
                                RequestMetrics(arrival_time=core_req.arrival_time))
         self.output_processor.add_request(parent, child_ids, child_params)

@@ -62,6 +62,24 @@ class ParentRequest:
         return all(c.finish_reason is not None for c in self.children)
 
 
+def split_samples(request_id: str, params: SamplingParams) -> tuple[list[str], list[SamplingParams]]:
+    """The engine requests of one user request: n samples = n requests (which share the
+    prompt's cached blocks), seeds offset per sample, prompt logprobs from the first only."""
+    if params.n == 1:
+        return [request_id], [params]
+    child_ids, child_params = [], []
+    for i in range(params.n):
+        p = params.clone()
+        p.n = 1
+        if p.seed is not None:
+            p.seed += i
+        if i > 0:
+            p.prompt_logprobs = None  # reported once, from the first sample
+        child_ids.append(f"{i}_{request_id}")
+        child_params.append(p)
+    return child_ids, child_params
+
+
 class OutputProcessor:
     def __init__(self, tokenizer: Any | None) -> None:
         self.tokenizer = tokenizer

@@ -1,0 +1,197 @@
+"""AsyncLLM: the asyncio engine — processing in this process, EngineCore in its own."""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+from dataclasses import replace
+from typing import Any, AsyncIterator
+
+from pagedllm.config import EngineConfig
+from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.core_client import EngineCoreClient, EngineDeadError
+from pagedllm.engine.output_processor import OutputProcessor, ParentRequest, split_samples
+from pagedllm.engine.processor import Processor
+from pagedllm.inputs import PromptType
+from pagedllm.outputs import RequestMetrics, RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("pagedllm")
+
+
+class AsyncLLM:
+    """`generate()` streams RequestOutputs per request; a background task reads the core's
+    outputs, detokenizes them and routes each to its request's asyncio queue."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        from pagedllm.tokenizer import get_tokenizer
+
+        self.config = config
+        self.model_config = config.model_config
+        self.tokenizer = None if config.model_config.skip_tokenizer_init else get_tokenizer(config.model_config)
+        self.processor = Processor(config.model_config, self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.engine_core = EngineCoreClient(config)
+        self.parents: dict[str, ParentRequest] = {}
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._output_task: asyncio.Task | None = None
+        # One thread that blocks on the core's output queue, so the event loop never does.
+        self._reader_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pagedllm-async-reader")
+        self._closed = False
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> "AsyncLLM":
+        return cls(engine_args.create_engine_config())
+
+    def get_tokenizer(self) -> Any:
+        if self.tokenizer is None:
+            raise ValueError("the tokenizer was not initialized (skip_tokenizer_init=True)")
+        return self.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        return SamplingParams(**self.model_config.default_sampling_overrides())
+
+    # ---- requests ----------------------------------------------------------------------------
+    def add_request(
+        self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        """Validate and submit now (ValueError for bad input, before anything streams); the
+        returned iterator yields the outputs and aborts the request if closed early."""
+        if self._closed:
+            raise EngineDeadError("the engine was shut down")
+        if self.engine_core.dead_reason is not None:
+            raise EngineDeadError(self.engine_core.dead_reason)
+        if not isinstance(request_id, str):
+            raise ValueError(f"request_id must be a string, got {type(request_id).__name__}")
+        if request_id in self.parents:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        self._ensure_output_task()
+        text, core_req = self.processor.process(request_id, prompt, params, priority=priority)
+        params = core_req.sampling_params
+        child_ids, child_params = split_samples(request_id, params)
+        parent = ParentRequest(request_id, text, core_req.prompt_token_ids, params,
+                               RequestMetrics(arrival_time=core_req.arrival_time))
+        self.output_processor.add_request(parent, child_ids, child_params)
+        q: asyncio.Queue = asyncio.Queue()
+        self.parents[request_id] = parent
+        self._queues[request_id] = q
+        try:
+            for child_id, p in zip(child_ids, child_params):
+                self.engine_core.add_request(replace(core_req, request_id=child_id, sampling_params=p))
+        except BaseException:
+            self.abort(request_id)
+            raise
+        return self._stream(request_id, q)
+
+    async def _stream(self, request_id: str, q: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+        finished = False
+        try:
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:  # cancelled or closed early (client disconnect): free its blocks now
+                self.abort(request_id)
+
+    async def generate(
+        self, prompt: PromptType, sampling_params: SamplingParams, request_id: str, priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        stream = self.add_request(request_id, prompt, sampling_params, priority)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            await stream.aclose()
+            self.abort(request_id)  # no-op once finished; covers a stream that never started
+
+    def abort(self, request_ids: str | list[str]) -> None:
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        engine_ids = []
+        for rid in request_ids:
+            parent = self.parents.pop(rid, None)
+            self._queues.pop(rid, None)
+            if parent is not None:
+                engine_ids.extend(c.request_id for c in parent.children)
+        if engine_ids:
+            self.output_processor.abort_requests(engine_ids)
+            self.engine_core.abort_requests(engine_ids)
+
+    # ---- the output loop -----------------------------------------------------------------------
+    def _ensure_output_task(self) -> None:
+        if self._output_task is None or self._output_task.done():
+            self._output_task = asyncio.get_running_loop().create_task(self._output_loop())
+
+    async def _output_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            msg = await loop.run_in_executor(self._reader_pool, self.engine_core.get_output)
+            kind = msg[0]
+            if kind == "outputs":
+                self._process_core_outputs(msg[1])
+            elif kind == "error":
+                self._fail_engine_request(msg[1], ValueError(msg[2]))
+            elif kind in ("dead", "closed"):
+                error = EngineDeadError(msg[1] if kind == "dead" else "the engine was shut down")
+                for rid, q in list(self._queues.items()):
+                    q.put_nowait(error)
+                self.parents.clear()
+                self._queues.clear()
+                return
+
+    def _process_core_outputs(self, core_outputs: Any) -> None:
+        outputs, to_abort = self.output_processor.process_outputs(core_outputs.outputs)
+        if to_abort:
+            self.engine_core.abort_requests(to_abort)
+        for ro in outputs:
+            q = self._queues.get(ro.request_id)
+            if q is not None:
+                q.put_nowait(ro)
+            if ro.finished:
+                self.parents.pop(ro.request_id, None)
+                self._queues.pop(ro.request_id, None)
+
+    def _fail_engine_request(self, engine_request_id: str, error: Exception) -> None:
+        state = self.output_processor.states.get(engine_request_id)
+        if state is None:
+            return
+        parent_id = state.parent.request_id
+        q = self._queues.get(parent_id)
+        self.abort(parent_id)  # its other samples too
+        if q is not None:
+            q.put_nowait(error)
+
+    # ---- utilities --------------------------------------------------------------------------------
+    async def get_stats(self) -> dict[str, Any]:
+        """The core's KV cache and queue sizes: num_free_blocks, num_blocks, kv_cache_usage,
+        num_running, num_waiting."""
+        return await asyncio.wrap_future(self.engine_core.call_utility("get_stats"))
+
+    async def reset_prefix_cache(self) -> bool:
+        return await asyncio.wrap_future(self.engine_core.call_utility("reset_prefix_cache"))
+
+    async def check_health(self) -> None:
+        if self._closed:
+            raise EngineDeadError("the engine was shut down")
+        if not self.engine_core.is_alive():
+            raise EngineDeadError(self.engine_core.dead_reason or "the engine core process is not running")
+
+    @property
+    def is_running(self) -> bool:
+        return not self._closed and self.engine_core.is_alive()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.parents)
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.engine_core.shutdown()  # also wakes the reader thread with ("closed",)
+        self._reader_pool.shutdown(wait=False)

@@ -1,0 +1,320 @@
+"""The OpenAI-compatible server end to end: a real `pagedllm serve` process, the official
+`openai` client, outputs checked against the offline `LLM` on the same tiny model."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+from pagedllm import LLM, SamplingParams  # noqa: E402
+from tests.conftest import TEST_KV_BYTES  # noqa: E402
+
+API_KEY = "test-key"
+MODEL_NAME = "tiny"
+SRC_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "src")
+STARTUP_TIMEOUT_S = 90
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def server(tiny_models, tmp_path_factory):
+    port = _free_port()
+    log_path = tmp_path_factory.mktemp("server") / "server.log"
+    env = {**os.environ, "PYTHONPATH": os.path.abspath(SRC_DIR), "PAGEDLLM_API_KEY": API_KEY}
+    cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", tiny_models["llama"], "--host", "127.0.0.1",
+           "--port", str(port), "--served-model-name", MODEL_NAME, "other-name",
+           "--kv-cache-memory-bytes", str(TEST_KV_BYTES), "--disable-log-stats", "--uvicorn-log-level", "warning"]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    base_url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"the server exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"{base_url}/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"the server did not start in {STARTUP_TIMEOUT_S} s:\n{log_path.read_text()[-3000:]}")
+        time.sleep(0.25)
+    engine_pids = _children(proc.pid)
+    yield base_url
+    # SIGTERM: uvicorn shuts down gracefully and the engine core process goes with it.
+    proc.send_signal(signal.SIGTERM)
+    try:
+        rc = proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail(f"the server ignored SIGTERM:\n{log_path.read_text()[-3000:]}")
+    # uvicorn re-raises the signal once it has shut down gracefully, so -SIGTERM is a clean exit.
+    log = log_path.read_text()
+    assert rc in (0, -signal.SIGTERM), log[-3000:]
+    assert "Engine shut down" in log, log[-3000:]
+    deadline = time.monotonic() + 5
+    while any(_alive(p) for p in engine_pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(p) for p in engine_pids), "the engine core process outlived the server"
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_models):
+    return LLM(tiny_models["llama"], kv_cache_memory_bytes=TEST_KV_BYTES)
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0)
+
+
+@pytest.fixture
+def http(server):
+    with httpx.Client(base_url=server, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30) as c:
+        yield c
+
+
+def _wait_all_blocks_free(http, timeout_s: float = 10.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = http.get("/internal/stats").json()
+        idle = stats["num_running"] == 0 and stats["num_waiting"] == 0
+        if idle and stats["num_free_blocks"] == stats["num_blocks"]:
+            return stats
+        if time.monotonic() > deadline:
+            pytest.fail(f"blocks still held after {timeout_s} s: {stats}")
+        time.sleep(0.05)
+
+
+def test_models_health_and_version(http, client):
+    assert http.get("/health").status_code == 200
+    assert http.get("/version").json()["version"]
+    assert [m.id for m in client.models.list().data] == [MODEL_NAME, "other-name"]
+
+
+def test_greedy_completion_equals_llm_generate_with_usage(client, llm):
+    prompt = "The capital of France is"
+    expected = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0]
+    resp = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=12, temperature=0)
+    assert resp.choices[0].text == expected.outputs[0].text
+    assert resp.choices[0].finish_reason == expected.outputs[0].finish_reason
+    assert resp.usage.prompt_tokens == len(expected.prompt_token_ids)
+    assert resp.usage.completion_tokens == len(expected.outputs[0].token_ids)
+    assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
+    # Streamed, the deltas add up to the same text, and the usage chunk comes last.
+    chunks = list(client.completions.create(model="other-name", prompt=prompt, max_tokens=12, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected.outputs[0].text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(expected.outputs[0].token_ids)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == expected.outputs[0].finish_reason
+
+
+def test_completion_prompt_forms_n_echo_and_logprobs(client, llm):
+    tok = llm.get_tokenizer()
+    ids = tok.encode("Once upon a time")
+    sp = SamplingParams(temperature=0, max_tokens=5)
+    expected = llm.generate([{"prompt_token_ids": ids}, "hello there"], sp, use_tqdm=False)
+    resp = client.completions.create(model=MODEL_NAME, prompt=[ids, tok.encode("hello there")], max_tokens=5,
+                                     temperature=0)
+    assert [c.text for c in resp.choices] == [e.outputs[0].text for e in expected]
+    assert resp.usage.prompt_tokens == sum(len(e.prompt_token_ids) for e in expected)
+    resp = client.completions.create(model=MODEL_NAME, prompt=["Once upon a time", "hello there"], max_tokens=5,
+                                     temperature=0, n=2, echo=True, logprobs=2)
+    assert sorted(c.index for c in resp.choices) == [0, 1, 2, 3]
+    by_index = {c.index: c for c in resp.choices}
+    assert by_index[1].text == "Once upon a time" + expected[0].outputs[0].text  # greedy: both samples agree
+    assert by_index[3].text == "hello there" + expected[1].outputs[0].text
+    lp = by_index[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == 5 and all(len(t) >= 2 for t in lp.top_logprobs)
+    assert resp.usage.completion_tokens == 4 * 5
+
+
+def test_chat_greedy_equals_llm_chat_stream_and_not(client, llm):
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "text", "text": "What is 2+2?"}]}]
+    expected = llm.chat(messages, SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)[0]
+    resp = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_completion_tokens=10,
+                                          temperature=0)
+    assert resp.choices[0].message.role == "assistant"
+    assert resp.choices[0].message.content == expected.outputs[0].text
+    assert resp.usage.prompt_tokens == len(expected.prompt_token_ids)
+    assert resp.usage.completion_tokens == len(expected.outputs[0].token_ids)
+    chunks = list(client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=10, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert len({c.id for c in chunks}) == 1
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected.outputs[0].text
+    assert chunks[-2].choices[0].finish_reason == expected.outputs[0].finish_reason
+    assert chunks[-1].choices == []
+    assert chunks[-1].usage.total_tokens == len(expected.prompt_token_ids) + len(expected.outputs[0].token_ids)
+
+
+def test_chat_continue_final_message_and_logprobs(client, llm):
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello, my"}]
+    expected = llm.chat(messages, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False,
+                        add_generation_prompt=False, continue_final_message=True)[0]
+    resp = client.chat.completions.create(
+        model=MODEL_NAME, messages=messages, max_tokens=4, temperature=0, logprobs=True, top_logprobs=3,
+        extra_body={"add_generation_prompt": False, "continue_final_message": True})
+    assert resp.choices[0].message.content == expected.outputs[0].text
+    content = resp.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(c.top_logprobs) == 3 for c in content)
+
+
+def test_concurrent_streams_complete_unmixed(server, llm):
+    prompts = [f"Request number {i} says" for i in range(16)]
+    expected = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
+
+    async def run() -> list[tuple[set[str], str]]:
+        aclient = openai.AsyncOpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0)
+
+        async def one(prompt: str) -> tuple[set[str], str]:
+            stream = await aclient.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=16,
+                                                      temperature=0, stream=True)
+            ids, text = set(), ""
+            async for chunk in stream:
+                ids.add(chunk.id)
+                text += chunk.choices[0].text
+            return ids, text
+
+        try:
+            return await asyncio.gather(*(one(p) for p in prompts))
+        finally:
+            await aclient.close()
+
+    results = asyncio.run(run())
+    assert all(len(ids) == 1 for ids, _ in results)
+    assert len({next(iter(ids)) for ids, _ in results}) == len(prompts)
+    assert [text for _, text in results] == [e.outputs[0].text for e in expected]
+
+
+def test_client_disconnect_mid_stream_aborts_and_frees_blocks(http):
+    body = {"model": MODEL_NAME, "prompt": "Tell me a long story", "max_tokens": 400, "ignore_eos": True,
+            "stream": True}
+    with http.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()  # kept referenced: closing it would close the connection early
+        data = [line for line in (next(lines) for _ in range(5)) if line.startswith("data: ")]
+        assert data and "[DONE]" not in data[-1]
+        stats = http.get("/internal/stats").json()
+        assert stats["num_running"] == 1 and stats["num_free_blocks"] < stats["num_blocks"]
+    _wait_all_blocks_free(http, timeout_s=2)
+
+
+def test_client_timeout_on_non_streaming_request_aborts_it(http):
+    body = {"model": MODEL_NAME, "prompt": "Tell me a long story", "max_tokens": 450, "ignore_eos": True, "n": 4}
+    with pytest.raises(httpx.TimeoutException):
+        http.post("/v1/completions", json=body, timeout=0.5)
+    _wait_all_blocks_free(http, timeout_s=2)  # generating it all would take several seconds
+
+
+def test_api_key_is_required_on_v1_only(server):
+    assert httpx.get(f"{server}/health").status_code == 200
+    r = httpx.get(f"{server}/v1/models")
+    assert r.status_code == 401 and r.json()["error"]["code"] == 401
+    assert httpx.get(f"{server}/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert httpx.get(f"{server}/v1/models", headers={"Authorization": f"Bearer {API_KEY}"}).status_code == 200
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{server}/v1", api_key="wrong", max_retries=0).models.list()
+
+
+LONG_PROMPT = " ".join(["word"] * 600)
+BAD_REQUESTS = [
+    # (path, body, status, a word the message must contain)
+    ("/v1/completions", "{not json", 400, "JSON"),
+    ("/v1/completions", {"model": MODEL_NAME}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "x", "top_p": 2}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "x", "n": 0}, 400, "n"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 100}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "stop_token_ids": [10 ** 9]}, 400, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"abc": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 1e9}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "seed": 2 ** 70}, 400, "seed"),
+    ("/v1/completions", {"prompt": "x", "top_k": 10 ** 20}, 400, "top_k"),
+    ("/v1/completions", {"prompt": [[1, 2], []]}, 400, "empty"),
+    ("/v1/completions", {"prompt": "x", "stop": [""]}, 400, "stop"),
+    ("/v1/completions", {"prompt": "x", "min_tokens": 5, "max_tokens": 2}, 400, "min_tokens"),
+    ("/v1/completions", {"prompt": LONG_PROMPT}, 400, "max_model_len"),
+    ("/v1/completions", {"prompt": [10 ** 9]}, 400, "token ids"),
+    ("/v1/completions", {"prompt": []}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "x", "stream": True, "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "gpt-4"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
+    ("/v1/chat/completions", {"messages": [{"content": "x"}]}, 400, "role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "text"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "continue_final_message": True},
+     400, "continue_final_message"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400, "logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": LONG_PROMPT}]}, 400, "max_model_len"),
+]
+
+
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(http):
+    for path, body, status, word in BAD_REQUESTS:
+        if isinstance(body, str):
+            r = http.post(path, content=body, headers={"Content-Type": "application/json"})
+        else:
+            r = http.post(path, json=body)
+        assert r.status_code == status, (path, body, r.text)
+        error = r.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["code"] == status
+        assert word.lower() in error["message"].lower(), (body, error)
+    r = http.get("/v1/nowhere")
+    assert r.status_code == 404 and r.json()["error"]["code"] == 404
+    ok = http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "still alive", "max_tokens": 3})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+    _wait_all_blocks_free(http)
+    assert http.get("/health").status_code == 200
+
+
+def test_engine_args_flags_are_generated_from_the_dataclass():
+    from pagedllm.engine.arg_utils import EngineArgs
+    from pagedllm.entrypoints.cli import engine_args_from, make_parser
+
+    ns = make_parser().parse_args(["serve", "m", "--max-model-len", "128", "--no-enable-prefix-caching",
+                                   "--gpu-memory-utilization", "0.5", "--override-generation-config",
+                                   json.dumps({"temperature": 0.1}), "--served-model-name", "a", "b"])
+    args = engine_args_from(ns)
+    assert isinstance(args, EngineArgs)
+    assert (args.model, args.max_model_len, args.enable_prefix_caching, args.gpu_memory_utilization) == \
+        ("m", 128, False, 0.5)
+    assert args.override_generation_config == {"temperature": 0.1} and ns.served_model_name == ["a", "b"]
+    help_text = make_parser()._subparsers._group_actions[0].choices["serve"].format_help()
+    for name in EngineArgs.field_names():
+        assert "--" + name.replace("_", "-") in help_text
+    assert "(default: 0.9)" in help_text
