@@ -109,8 +109,8 @@ class SamplingParams:
             raise bad("top_k", "0 or -1 (disabled) or a positive integer")
         if not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", "in [0, 1]")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad("seed", "an integer or None")
+        if self.seed is not None and (not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**64):
+            raise bad("seed", "None or an integer in [-2**63, 2**64)")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
             raise bad("max_tokens", "an integer >= 1 or None")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:

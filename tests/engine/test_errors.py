@@ -34,6 +34,7 @@ def still_serves(llm):
     ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
     ({"stop": [""]}, "stop"),
     ({"logprobs": -3}, "logprobs"),
+    ({"seed": 2**64}, "seed"),
 ])
 def test_invalid_sampling_params_raise_value_error_naming_the_field(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -117,3 +118,8 @@ def test_a_failing_logits_processor_fails_its_call_and_engine_still_serves(llm):
                                                                                logits_processors=[broken])],
                      use_tqdm=False)
     still_serves(llm)
+
+
+def test_top_k_beyond_the_vocabulary_means_all_tokens(llm):
+    out = llm.generate(["x"], SamplingParams(top_k=2**40, temperature=0.7, max_tokens=2, seed=1), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) >= 1

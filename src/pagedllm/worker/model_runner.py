@@ -223,7 +223,8 @@ class ModelRunner:
         if any(p.top_p < 1.0 for p in params):
             md.top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
         if any(p.top_k > 0 for p in params):
-            md.top_k = torch.tensor([p.top_k or self.vocab_size for p in params], dtype=torch.long, device=dev)
+            md.top_k = torch.tensor([min(p.top_k or self.vocab_size, self.vocab_size) for p in params],
+                                    dtype=torch.long, device=dev)
         if any(p.min_p > 0.0 for p in params):
             md.min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev)
         md.generators = {i: s.generator for i, s in enumerate(states) if s.generator is not None}
