@@ -110,6 +110,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         except (ValueError, RuntimeError) as e:
             print(f"pagedllm serve: error: {e}", file=sys.stderr)
             sys.exit(1)
+        except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down cleanly
+            sys.exit(130)
 
 
 if __name__ == "__main__":
