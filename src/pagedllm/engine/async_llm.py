@@ -4,16 +4,15 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-from dataclasses import replace
 from typing import Any, AsyncIterator
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.core_client import EngineCoreClient, EngineDeadError
-from pagedllm.engine.output_processor import OutputProcessor, ParentRequest, split_samples
+from pagedllm.engine.output_processor import OutputProcessor, ParentRequest, register_request
 from pagedllm.engine.processor import Processor
 from pagedllm.inputs import PromptType
-from pagedllm.outputs import RequestMetrics, RequestOutput
+from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedllm")
@@ -61,23 +60,17 @@ class AsyncLLM:
             raise EngineDeadError("the engine was shut down")
         if self.engine_core.dead_reason is not None:
             raise EngineDeadError(self.engine_core.dead_reason)
-        if not isinstance(request_id, str):
-            raise ValueError(f"request_id must be a string, got {type(request_id).__name__}")
         if request_id in self.parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
         self._ensure_output_task()
-        text, core_req = self.processor.process(request_id, prompt, params, priority=priority)
-        params = core_req.sampling_params
-        child_ids, child_params = split_samples(request_id, params)
-        parent = ParentRequest(request_id, text, core_req.prompt_token_ids, params,
-                               RequestMetrics(arrival_time=core_req.arrival_time))
-        self.output_processor.add_request(parent, child_ids, child_params)
+        parent, core_reqs = register_request(self.processor, self.output_processor, request_id, prompt, params,
+                                             priority=priority)
         q: asyncio.Queue = asyncio.Queue()
         self.parents[request_id] = parent
         self._queues[request_id] = q
         try:
-            for child_id, p in zip(child_ids, child_params):
-                self.engine_core.add_request(replace(core_req, request_id=child_id, sampling_params=p))
+            for core_req in core_reqs:
+                self.engine_core.add_request(core_req)
         except BaseException:
             self.abort(request_id)
             raise

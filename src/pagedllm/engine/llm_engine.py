@@ -3,17 +3,16 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import replace
 from typing import Any
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.messages import SchedulerStats
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.core import EngineCore
-from pagedllm.engine.output_processor import OutputProcessor, ParentRequest, split_samples
+from pagedllm.engine.output_processor import OutputProcessor, ParentRequest, register_request
 from pagedllm.engine.processor import Processor
 from pagedllm.inputs import PromptType
-from pagedllm.outputs import RequestMetrics, RequestOutput
+from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedllm")
@@ -53,26 +52,19 @@ class LLMEngine:
         self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
         arrival_time: float | None = None, priority: int = 0,
     ) -> None:
-        if not isinstance(request_id, str):
-            raise ValueError(f"request_id must be a string, got {type(request_id).__name__}")
         if request_id in self.parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
         params = params if params is not None else self.get_default_sampling_params()
-        text, core_req = self.processor.process(request_id, prompt, params, arrival_time, priority)
-        params = core_req.sampling_params
-        child_ids, child_params = split_samples(request_id, params)
-        parent = ParentRequest(request_id, text, core_req.prompt_token_ids, params,
-                               RequestMetrics(arrival_time=core_req.arrival_time))
-        self.output_processor.add_request(parent, child_ids, child_params)
+        parent, core_reqs = register_request(self.processor, self.output_processor, request_id, prompt, params,
+                                             arrival_time, priority)
         added: list[str] = []
         try:
-            for child_id, p in zip(child_ids, child_params):
-                core_req.request_id, core_req.sampling_params = child_id, p
-                self.engine_core.add_request(replace(core_req))  # each child its own message
-                added.append(child_id)
+            for core_req in core_reqs:
+                self.engine_core.add_request(core_req)
+                added.append(core_req.request_id)
         except Exception:
             self.engine_core.abort_requests(added)
-            self.output_processor.abort_requests(child_ids)
+            self.output_processor.abort_requests([r.request_id for r in core_reqs])
             raise
         self.parents[request_id] = parent
 

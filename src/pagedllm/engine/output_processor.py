@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from pagedllm.core.messages import EngineCoreOutput, PositionLogprobs
+from pagedllm.core.messages import EngineCoreOutput, EngineCoreRequest, PositionLogprobs
 from pagedllm.engine.detokenizer import IncrementalDetokenizer, decode_token
+from pagedllm.engine.processor import Processor
+from pagedllm.inputs import PromptType
 from pagedllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestMetrics, RequestOutput, SampleLogprobs
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -78,6 +80,23 @@ def split_samples(request_id: str, params: SamplingParams) -> tuple[list[str], l
         child_ids.append(f"{i}_{request_id}")
         child_params.append(p)
     return child_ids, child_params
+
+
+def register_request(
+    processor: Processor, output_processor: "OutputProcessor", request_id: str, prompt: PromptType,
+    params: SamplingParams, arrival_time: float | None = None, priority: int = 0,
+) -> tuple[ParentRequest, list[EngineCoreRequest]]:
+    """Validate and process one user request, register its samples for output processing,
+    and return the engine-core requests (one per sample) the caller must submit."""
+    if not isinstance(request_id, str):
+        raise ValueError(f"request_id must be a string, got {type(request_id).__name__}")
+    text, core_req = processor.process(request_id, prompt, params, arrival_time, priority)
+    params = core_req.sampling_params
+    child_ids, child_params = split_samples(request_id, params)
+    parent = ParentRequest(request_id, text, core_req.prompt_token_ids, params,
+                           RequestMetrics(arrival_time=core_req.arrival_time))
+    output_processor.add_request(parent, child_ids, child_params)
+    return parent, [replace(core_req, request_id=i, sampling_params=p) for i, p in zip(child_ids, child_params)]
 
 
 class OutputProcessor:
