@@ -189,7 +189,7 @@ class OpenAIServing:
         request_id = random_id("cmpl")
         ids, streams = self._add(request_id, prompts, params)
         if req.stream:
-            return StreamingResponse(self._completion_stream(req, model, request_id, ids, streams),
+            return StreamingResponse(self._sse_guard(self._completion_stream(req, model, request_id, streams), ids),
                                      media_type="text/event-stream")
         finals = await self._collect(raw, ids, streams)
         if len(finals) != len(ids):
@@ -207,38 +207,12 @@ class OpenAIServing:
         usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
         return CompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
 
-    async def _completion_stream(self, req: CompletionRequest, model: str, request_id: str, ids: list[str],
-                                 streams: list[AsyncIterator]) -> AsyncIterator[str]:
-        created = int(time.time())
-        usage = UsageInfo()
-        echoed: set[int] = set()
-        offsets: dict[int, int] = {}
-        counted_prompts: set[int] = set()
+    async def _sse_guard(self, events: AsyncIterator[str], ids: list[str]) -> AsyncIterator[str]:
+        """A stream's server-sent events, then errors as an error event, then `[DONE]`; the
+        requests are aborted however the stream ends (a no-op for finished ones)."""
         try:
-            async for pi, ro in _merge(streams):
-                if pi not in counted_prompts:
-                    counted_prompts.add(pi)
-                    usage.prompt_tokens += len(ro.prompt_token_ids)
-                for out in ro.outputs:
-                    index = pi * req.n + out.index
-                    usage.completion_tokens += len(out.token_ids)
-                    text = out.text
-                    if req.echo and index not in echoed:
-                        echoed.add(index)
-                        text = self._prompt_text(ro) + text
-                    if not text and out.finish_reason is None and not out.token_ids:
-                        continue
-                    logprobs = None
-                    if req.logprobs is not None:
-                        logprobs = self._completion_logprobs(out, offsets.get(index, len(text) - len(out.text)))
-                    offsets[index] = offsets.get(index, len(text) - len(out.text)) + len(out.text)
-                    chunk = CompletionResponse(id=request_id, created=created, model=model, choices=[
-                        CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=out.finish_reason,
-                                         stop_reason=out.stop_reason)])
-                    yield _sse(chunk)
-            if req.stream_options and req.stream_options.include_usage:
-                usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
-                yield _sse(CompletionResponse(id=request_id, created=created, model=model, choices=[], usage=usage))
+            async for event in events:
+                yield event
         except ValueError as e:
             yield _sse(ErrorResponse(error=ErrorInfo(message=str(e), type="BadRequestError", code=400)))
         except EngineDeadError as e:
@@ -246,6 +220,38 @@ class OpenAIServing:
         finally:
             self.engine.abort(ids)
         yield "data: [DONE]\n\n"
+
+    async def _completion_stream(self, req: CompletionRequest, model: str, request_id: str,
+                                 streams: list[AsyncIterator]) -> AsyncIterator[str]:
+        created = int(time.time())
+        usage = UsageInfo()
+        echoed: set[int] = set()
+        offsets: dict[int, int] = {}
+        counted_prompts: set[int] = set()
+        async for pi, ro in _merge(streams):
+            if pi not in counted_prompts:
+                counted_prompts.add(pi)
+                usage.prompt_tokens += len(ro.prompt_token_ids)
+            for out in ro.outputs:
+                index = pi * req.n + out.index
+                usage.completion_tokens += len(out.token_ids)
+                text = out.text
+                if req.echo and index not in echoed:
+                    echoed.add(index)
+                    text = self._prompt_text(ro) + text
+                if not text and out.finish_reason is None and not out.token_ids:
+                    continue
+                logprobs = None
+                if req.logprobs is not None:
+                    logprobs = self._completion_logprobs(out, offsets.get(index, len(text) - len(out.text)))
+                offsets[index] = offsets.get(index, len(text) - len(out.text)) + len(out.text)
+                chunk = CompletionResponse(id=request_id, created=created, model=model, choices=[
+                    CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=out.finish_reason,
+                                     stop_reason=out.stop_reason)])
+                yield _sse(chunk)
+        if req.stream_options and req.stream_options.include_usage:
+            usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+            yield _sse(CompletionResponse(id=request_id, created=created, model=model, choices=[], usage=usage))
 
     # ---- /v1/chat/completions ----------------------------------------------------------------------
     def chat_prompt(self, req: ChatCompletionRequest) -> dict[str, Any]:
@@ -282,7 +288,7 @@ class OpenAIServing:
         request_id = random_id("chatcmpl")
         ids, streams = self._add(request_id, [prompt], params)
         if req.stream:
-            return StreamingResponse(self._chat_stream(req, model, request_id, ids, streams),
+            return StreamingResponse(self._sse_guard(self._chat_stream(req, model, request_id, streams), ids),
                                      media_type="text/event-stream")
         finals = await self._collect(raw, ids, streams)
         if not finals:
@@ -297,7 +303,7 @@ class OpenAIServing:
                           total_tokens=len(ro.prompt_token_ids) + completion_tokens)
         return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
 
-    async def _chat_stream(self, req: ChatCompletionRequest, model: str, request_id: str, ids: list[str],
+    async def _chat_stream(self, req: ChatCompletionRequest, model: str, request_id: str,
                            streams: list[AsyncIterator]) -> AsyncIterator[str]:
         created = int(time.time())
         usage = UsageInfo()
@@ -309,29 +315,21 @@ class OpenAIServing:
                 choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
             return _sse(body)
 
-        try:
-            for i in range(req.n):  # the role comes first, once per choice
-                yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
-            async for _, ro in _merge(streams):
-                usage.prompt_tokens = len(ro.prompt_token_ids)
-                for out in ro.outputs:
-                    usage.completion_tokens += len(out.token_ids)
-                    if not out.text and out.finish_reason is None and not out.token_ids:
-                        continue
-                    logprobs = self._chat_logprobs(out, req.top_logprobs or 0) if req.logprobs else None
-                    yield chunk([ChatStreamChoice(index=out.index, delta=DeltaMessage(content=out.text),
-                                                  logprobs=logprobs, finish_reason=out.finish_reason,
-                                                  stop_reason=out.stop_reason)])
-            if req.stream_options and req.stream_options.include_usage:
-                usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
-                yield chunk([], usage)
-        except ValueError as e:
-            yield _sse(ErrorResponse(error=ErrorInfo(message=str(e), type="BadRequestError", code=400)))
-        except EngineDeadError as e:
-            yield _sse(ErrorResponse(error=ErrorInfo(message=str(e), type="ServiceUnavailableError", code=503)))
-        finally:
-            self.engine.abort(ids)
-        yield "data: [DONE]\n\n"
+        for i in range(req.n):  # the role comes first, once per choice
+            yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
+        async for _, ro in _merge(streams):
+            usage.prompt_tokens = len(ro.prompt_token_ids)
+            for out in ro.outputs:
+                usage.completion_tokens += len(out.token_ids)
+                if not out.text and out.finish_reason is None and not out.token_ids:
+                    continue
+                logprobs = self._chat_logprobs(out, req.top_logprobs or 0) if req.logprobs else None
+                yield chunk([ChatStreamChoice(index=out.index, delta=DeltaMessage(content=out.text),
+                                              logprobs=logprobs, finish_reason=out.finish_reason,
+                                              stop_reason=out.stop_reason)])
+        if req.stream_options and req.stream_options.include_usage:
+            usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+            yield chunk([], usage)
 
 
 def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: Optional[str] = None,
