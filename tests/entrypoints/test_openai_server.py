@@ -318,3 +318,25 @@ def test_engine_args_flags_are_generated_from_the_dataclass():
     for name in EngineArgs.field_names():
         assert "--" + name.replace("_", "-") in help_text
     assert "(default: 0.9)" in help_text
+
+
+def test_tokenize_and_detokenize_round_trip(http, llm):
+    tok = llm.get_tokenizer()
+    r = http.post("/tokenize", json={"model": MODEL_NAME, "prompt": "Hello, paged world!"})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["tokens"] == tok.encode("Hello, paged world!") and body["count"] == len(body["tokens"])
+    assert body["max_model_len"] == llm.llm_engine.model_config.max_model_len
+    r = http.post("/detokenize", json={"tokens": body["tokens"]})
+    assert r.status_code == 200 and r.json()["prompt"] == tok.decode(body["tokens"])
+    # Chat messages go through the chat template, exactly as /v1/chat/completions renders them.
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    r = http.post("/tokenize", json={"messages": messages})
+    expected = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+                          add_special_tokens=False)
+    assert r.json()["tokens"] == expected
+    for path, payload in (("/tokenize", {}), ("/tokenize", {"prompt": "x", "messages": messages}),
+                          ("/detokenize", {"tokens": [-1]}), ("/detokenize", {"tokens": "abc"}),
+                          ("/tokenize", {"prompt": "x", "model": "no-such-model"})):
+        r = http.post(path, json=payload)
+        assert r.status_code in (400, 404) and "message" in r.json()["error"], (path, payload, r.text)

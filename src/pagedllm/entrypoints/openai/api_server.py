@@ -20,7 +20,8 @@ from pagedllm.entrypoints.chat_utils import apply_chat_template, load_chat_templ
 from pagedllm.entrypoints.openai.protocol import (
     ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs, ChatResponseMessage,
     ChatStreamChoice, ChatTokenLogprob, ChatTopLogprob, CompletionChoice, CompletionLogprobs, CompletionRequest,
-    CompletionResponse, DeltaMessage, ErrorInfo, ErrorResponse, ModelCard, ModelList, UsageInfo, random_id,
+    CompletionResponse, DeltaMessage, DetokenizeRequest, DetokenizeResponse, ErrorInfo, ErrorResponse, ModelCard,
+    ModelList, TokenizeRequest, TokenizeResponse, UsageInfo, random_id,
 )
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.version import __version__
@@ -254,7 +255,25 @@ class OpenAIServing:
             yield _sse(CompletionResponse(id=request_id, created=created, model=model, choices=[], usage=usage))
 
     # ---- /v1/chat/completions ----------------------------------------------------------------------
-    def chat_prompt(self, req: ChatCompletionRequest) -> dict[str, Any]:
+    # ---- /tokenize and /detokenize ------------------------------------------------------------------
+    def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
+        self.model_name(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give exactly one of `prompt` or `messages`", param="prompt")
+        if req.messages is not None:
+            ids = self.chat_prompt(req)["prompt_token_ids"]
+        else:
+            ids = self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        return TokenizeResponse(count=len(ids), max_model_len=self.engine.model_config.max_model_len, tokens=ids)
+
+    def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
+        self.model_name(req.model)
+        vocab = self.engine.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in req.tokens):
+            raise APIError(400, f"tokens must be token ids in [0, {vocab})", param="tokens")
+        return DetokenizeResponse(prompt=self.tokenizer.decode(req.tokens))
+
+    def chat_prompt(self, req: ChatCompletionRequest | TokenizeRequest) -> dict[str, Any]:
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
         try:
             ids = apply_chat_template(
@@ -402,6 +421,14 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: Optional
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Any:
         return await serving.create_chat_completion(req, raw)
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest) -> TokenizeResponse:
+        return serving.tokenize(req)
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest) -> DetokenizeResponse:
+        return serving.detokenize(req)
 
     @app.get("/internal/stats")
     async def internal_stats() -> dict[str, Any]:

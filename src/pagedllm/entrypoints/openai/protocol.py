@@ -236,3 +236,32 @@ class ChatCompletionChunk(OpenAIModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: Optional[UsageInfo] = None
+
+
+# ---- /tokenize and /detokenize (vLLM's extra endpoints) --------------------------------------------
+class TokenizeRequest(OpenAIModel):
+    """Either a plain `prompt` or chat `messages` (rendered with the chat template)."""
+
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: Optional[str] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+
+
+class TokenizeResponse(OpenAIModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(OpenAIModel):
+    model: Optional[str] = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(OpenAIModel):
+    prompt: str
