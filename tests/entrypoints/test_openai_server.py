@@ -340,3 +340,36 @@ def test_tokenize_and_detokenize_round_trip(http, llm):
                           ("/tokenize", {"prompt": "x", "model": "no-such-model"})):
         r = http.post(path, json=payload)
         assert r.status_code in (400, 404) and "message" in r.json()["error"], (path, payload, r.text)
+
+
+def _scrape(server) -> dict[str, float]:
+    """`/metrics` parsed by prometheus_client's own parser: sample name + labels -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = httpx.get(f"{server}/metrics", timeout=10)  # open without the API key
+    assert r.status_code == 200
+    values = {}
+    for family in text_string_to_metric_families(r.text):
+        for sample in family.samples:
+            reason = sample.labels.get("finished_reason")
+            values[sample.name + (f"[{reason}]" if reason else "")] = sample.value
+    return values
+
+
+def test_metrics_parse_and_counters_move(server, client, llm):
+    before = _scrape(server)
+    prompt = "Counting tokens for the metrics test"
+    n_prompt = len(llm.get_tokenizer().encode(prompt))
+    client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=5, temperature=0,
+                              extra_body={"ignore_eos": True})
+    after = _scrape(server)
+    moved = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    assert moved["pagedllm:generation_tokens_total"] == 5
+    assert moved["pagedllm:prompt_tokens_total"] == n_prompt
+    assert moved["pagedllm:request_success_total[length]"] == 1
+    for hist in ("time_to_first_token_seconds", "time_per_output_token_seconds", "e2e_request_latency_seconds",
+                 "request_queue_time_seconds"):
+        assert moved[f"pagedllm:{hist}_count"] == 1, hist
+    assert moved["pagedllm:prefix_cache_queries_total"] >= n_prompt
+    assert after["pagedllm:num_requests_running"] == 0 and "pagedllm:kv_cache_usage_perc" in after
+    assert "pagedllm:num_preemptions_total" in after and "pagedllm:num_requests_waiting" in after

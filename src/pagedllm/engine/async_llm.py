@@ -37,6 +37,8 @@ class AsyncLLM:
         # One thread that blocks on the core's output queue, so the event loop never does.
         self._reader_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pagedllm-async-reader")
         self._closed = False
+        # Optional observer with on_step / on_finished / on_aborted (the server's Prometheus metrics).
+        self.metrics: Any = None
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> "AsyncLLM":
@@ -107,14 +109,18 @@ class AsyncLLM:
         if isinstance(request_ids, str):
             request_ids = [request_ids]
         engine_ids = []
+        num_aborted = 0
         for rid in request_ids:
             parent = self.parents.pop(rid, None)
             self._queues.pop(rid, None)
             if parent is not None:
+                num_aborted += 1
                 engine_ids.extend(c.request_id for c in parent.children)
         if engine_ids:
             self.output_processor.abort_requests(engine_ids)
             self.engine_core.abort_requests(engine_ids)
+        if num_aborted and self.metrics is not None:
+            self.metrics.on_aborted(num_aborted)
 
     # ---- the output loop -----------------------------------------------------------------------
     def _ensure_output_task(self) -> None:
@@ -149,6 +155,11 @@ class AsyncLLM:
             if ro.finished:
                 self.parents.pop(ro.request_id, None)
                 self._queues.pop(ro.request_id, None)
+                if self.metrics is not None:
+                    self.metrics.on_finished(ro)
+        if self.metrics is not None:
+            op = self.output_processor
+            self.metrics.on_step(core_outputs.scheduler_stats, op.num_prompt_tokens, op.num_generation_tokens)
 
     def _fail_engine_request(self, engine_request_id: str, error: Exception) -> None:
         state = self.output_processor.states.get(engine_request_id)

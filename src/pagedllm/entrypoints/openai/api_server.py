@@ -10,6 +10,7 @@ import time
 from typing import Any, AsyncIterator, Optional
 
 from fastapi import FastAPI, Request
+from prometheus_client import CONTENT_TYPE_LATEST
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -17,6 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.core_client import EngineDeadError
 from pagedllm.entrypoints.chat_utils import apply_chat_template, load_chat_template
+from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.protocol import (
     ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs, ChatResponseMessage,
     ChatStreamChoice, ChatTokenLogprob, ChatTopLogprob, CompletionChoice, CompletionLogprobs, CompletionRequest,
@@ -354,6 +356,8 @@ class OpenAIServing:
 def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: Optional[str] = None,
               chat_template: Optional[str] = None) -> FastAPI:
     serving = OpenAIServing(engine, served_model_names, chat_template)
+    metrics_registry = ServerMetrics(served_model_names[0])
+    engine.metrics = metrics_registry
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -429,6 +433,10 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: Optional
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest) -> DetokenizeResponse:
         return serving.detokenize(req)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(metrics_registry.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/internal/stats")
     async def internal_stats() -> dict[str, Any]:

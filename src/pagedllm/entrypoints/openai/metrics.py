@@ -1,0 +1,97 @@
+"""Prometheus metrics of the server (`GET /metrics`), fed by AsyncLLM after every step."""
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from pagedllm.core.messages import SchedulerStats
+from pagedllm.outputs import RequestOutput
+
+_LATENCY_BUCKETS_S = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                      40.0, 80.0, 160.0)
+_TOKEN_LATENCY_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+                            2.5, 5.0)
+
+
+class ServerMetrics:
+    """vLLM's metric set under the `pagedllm:` prefix, labelled with the served model name."""
+
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        self.labels = {"model_name": model_name}
+        r, names = self.registry, ["model_name"]
+        self.running = Gauge("pagedllm:num_requests_running", "Requests in the running batch.", names, registry=r)
+        self.waiting = Gauge("pagedllm:num_requests_waiting", "Requests waiting to be scheduled.", names, registry=r)
+        self.kv_usage = Gauge("pagedllm:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).", names,
+                              registry=r)
+        self.prefix_queries = Counter("pagedllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                                      names, registry=r)
+        self.prefix_hits = Counter("pagedllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", names,
+                                   registry=r)
+        self.preemptions = Counter("pagedllm:num_preemptions", "Requests preempted (recomputed later).", names,
+                                   registry=r)
+        self.prompt_tokens = Counter("pagedllm:prompt_tokens", "Prompt tokens processed.", names, registry=r)
+        self.generation_tokens = Counter("pagedllm:generation_tokens", "Tokens generated.", names, registry=r)
+        self.finished = Counter("pagedllm:request_success", "Finished requests by finish reason.",
+                                names + ["finished_reason"], registry=r)
+        self.ttft = Histogram("pagedllm:time_to_first_token_seconds", "Time to first token.", names,
+                              buckets=_LATENCY_BUCKETS_S, registry=r)
+        self.tpot = Histogram("pagedllm:time_per_output_token_seconds", "Mean time per output token after the first.",
+                              names, buckets=_TOKEN_LATENCY_BUCKETS_S, registry=r)
+        self.e2e = Histogram("pagedllm:e2e_request_latency_seconds", "Arrival to finish.", names,
+                             buckets=_LATENCY_BUCKETS_S, registry=r)
+        self.queue = Histogram("pagedllm:request_queue_time_seconds", "Arrival to first scheduling.", names,
+                               buckets=_LATENCY_BUCKETS_S, registry=r)
+        self._last_cumulative = {"queries": 0, "hits": 0, "preemptions": 0, "prompt": 0, "generation": 0}
+        # Export every series from the start (at 0), so a scrape never misses one.
+        for metric in (self.running, self.waiting, self.kv_usage, self.prefix_queries, self.prefix_hits,
+                       self.preemptions, self.prompt_tokens, self.generation_tokens, self.ttft, self.tpot, self.e2e,
+                       self.queue):
+            metric.labels(**self.labels)
+        for reason in ("stop", "length", "abort"):
+            self.finished.labels(**self.labels, finished_reason=reason)
+
+    def _advance(self, key: str, total: int, counter: Counter) -> None:
+        """Counters move by the growth of the engine's running totals."""
+        delta = total - self._last_cumulative[key]
+        if delta > 0:
+            counter.labels(**self.labels).inc(delta)
+            self._last_cumulative[key] = total
+
+    def on_step(self, stats: SchedulerStats | None, num_prompt_tokens: int, num_generation_tokens: int) -> None:
+        self._advance("prompt", num_prompt_tokens, self.prompt_tokens)
+        self._advance("generation", num_generation_tokens, self.generation_tokens)
+        if stats is None:
+            return
+        self.running.labels(**self.labels).set(stats.num_running_reqs)
+        self.waiting.labels(**self.labels).set(stats.num_waiting_reqs)
+        self.kv_usage.labels(**self.labels).set(stats.kv_cache_usage)
+        self._advance("queries", stats.prefix_cache_queries, self.prefix_queries)
+        self._advance("hits", stats.prefix_cache_hits, self.prefix_hits)
+        self._advance("preemptions", stats.num_preemptions, self.preemptions)
+
+    def on_finished(self, output: RequestOutput) -> None:
+        reason = next((c.finish_reason for c in output.outputs if c.finish_reason), "abort")
+        self.finished.labels(**self.labels, finished_reason=reason).inc()
+        m = output.metrics
+        if m is None:
+            return
+        if m.finished_time is not None:
+            self.e2e.labels(**self.labels).observe(m.finished_time - m.arrival_time)
+        if m.time_in_queue is not None:
+            self.queue.labels(**self.labels).observe(m.time_in_queue)
+        if m.first_token_time is not None:
+            self.ttft.labels(**self.labels).observe(m.first_token_time - m.arrival_time)
+            if m.last_token_time is not None and m.num_generation_tokens > 1:
+                self.tpot.labels(**self.labels).observe(
+                    (m.last_token_time - m.first_token_time) / (m.num_generation_tokens - 1))
+
+    def on_aborted(self, num_requests: int) -> None:
+        if num_requests:
+            self.finished.labels(**self.labels, finished_reason="abort").inc(num_requests)
+
+    def render(self) -> Any:
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry)
