@@ -1,6 +1,7 @@
 """Resolved engine configuration: what EngineArgs turn into once the model is known."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 from dataclasses import dataclass, field
@@ -47,7 +48,8 @@ class ModelConfig:
     def architecture(self) -> str:
         return (getattr(self.hf_config, "architectures", None) or ["?"])[0]
 
-    def read_generation_config(self) -> dict[str, Any]:
+    @functools.cached_property
+    def generation_config_dict(self) -> dict[str, Any]:
         """The raw generation_config.json as vLLM reads it ('auto': the model's; a folder: that
         one's; 'vllm': none), with override_generation_config applied on top."""
         raw: dict[str, Any] = {}
@@ -63,11 +65,11 @@ class ModelConfig:
         return raw
 
     def default_sampling_overrides(self) -> dict[str, Any]:
-        raw = self.read_generation_config()
+        raw = self.generation_config_dict
         return {ours: raw[theirs] for theirs, ours in _GENERATION_CONFIG_KEYS.items() if theirs in raw}
 
     def generation_eos_token_ids(self) -> set[int]:
-        eos = self.read_generation_config().get("eos_token_id")
+        eos = self.generation_config_dict.get("eos_token_id")
         if eos is None:
             return set()
         return {eos} if isinstance(eos, int) else set(eos)

@@ -7,10 +7,9 @@ import logging
 from typing import Any, AsyncIterator
 
 from pagedllm.config import EngineConfig
-from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.core_client import EngineCoreClient, EngineDeadError
-from pagedllm.engine.output_processor import OutputProcessor, ParentRequest, register_request
-from pagedllm.engine.processor import Processor
+from pagedllm.engine.frontend import EngineFrontend
+from pagedllm.engine.output_processor import register_request
 from pagedllm.inputs import PromptType
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -18,20 +17,13 @@ from pagedllm.sampling_params import SamplingParams
 logger = logging.getLogger("pagedllm")
 
 
-class AsyncLLM:
+class AsyncLLM(EngineFrontend):
     """`generate()` streams RequestOutputs per request; a background task reads the core's
     outputs, detokenizes them and routes each to its request's asyncio queue."""
 
     def __init__(self, config: EngineConfig) -> None:
-        from pagedllm.tokenizer import get_tokenizer
-
-        self.config = config
-        self.model_config = config.model_config
-        self.tokenizer = None if config.model_config.skip_tokenizer_init else get_tokenizer(config.model_config)
-        self.processor = Processor(config.model_config, self.tokenizer)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        super().__init__(config)
         self.engine_core = EngineCoreClient(config)
-        self.parents: dict[str, ParentRequest] = {}
         self._queues: dict[str, asyncio.Queue] = {}
         self._output_task: asyncio.Task | None = None
         # One thread that blocks on the core's output queue, so the event loop never does.
@@ -39,18 +31,6 @@ class AsyncLLM:
         self._closed = False
         # Optional observer with on_step / on_finished / on_aborted (the server's Prometheus metrics).
         self.metrics: Any = None
-
-    @classmethod
-    def from_engine_args(cls, engine_args: EngineArgs) -> "AsyncLLM":
-        return cls(engine_args.create_engine_config())
-
-    def get_tokenizer(self) -> Any:
-        if self.tokenizer is None:
-            raise ValueError("the tokenizer was not initialized (skip_tokenizer_init=True)")
-        return self.tokenizer
-
-    def get_default_sampling_params(self) -> SamplingParams:
-        return SamplingParams(**self.model_config.default_sampling_overrides())
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(

@@ -3,14 +3,12 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.messages import SchedulerStats
-from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.core import EngineCore
-from pagedllm.engine.output_processor import OutputProcessor, ParentRequest, register_request
-from pagedllm.engine.processor import Processor
+from pagedllm.engine.frontend import EngineFrontend
+from pagedllm.engine.output_processor import register_request
 from pagedllm.inputs import PromptType
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -20,33 +18,14 @@ logger = logging.getLogger("pagedllm")
 _STATS_INTERVAL_S = 5.0
 
 
-class LLMEngine:
+class LLMEngine(EngineFrontend):
     def __init__(self, config: EngineConfig) -> None:
-        from pagedllm.tokenizer import get_tokenizer
-
-        self.config = config
-        self.model_config = config.model_config
-        self.tokenizer = None if config.model_config.skip_tokenizer_init else get_tokenizer(config.model_config)
-        self.processor = Processor(config.model_config, self.tokenizer)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        super().__init__(config)
         self.engine_core = EngineCore(config)
-        self.parents: dict[str, ParentRequest] = {}
         self.log_stats = config.log_stats
         self.last_stats: SchedulerStats | None = None
         self._last_log_time = time.monotonic()
         self._logged_tokens = (0, 0)
-
-    @classmethod
-    def from_engine_args(cls, engine_args: EngineArgs) -> "LLMEngine":
-        return cls(engine_args.create_engine_config())
-
-    def get_tokenizer(self) -> Any:
-        if self.tokenizer is None:
-            raise ValueError("the tokenizer was not initialized (skip_tokenizer_init=True)")
-        return self.tokenizer
-
-    def get_default_sampling_params(self) -> SamplingParams:
-        return SamplingParams(**self.model_config.default_sampling_overrides())
 
     def add_request(
         self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,

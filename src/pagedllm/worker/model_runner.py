@@ -56,8 +56,7 @@ class ModelRunner:
 
     # ---- KV cache ---------------------------------------------------------------------------
     def kv_cache_bytes_per_block(self) -> int:
-        elem_size = torch.empty(0, dtype=self.dtype).element_size()
-        return len(self.attn_layers) * int(np.prod(self._kv_shape(1))) * elem_size
+        return len(self.attn_layers) * int(np.prod(self._kv_shape(1))) * self.dtype.itemsize
 
     def _kv_shape(self, num_blocks: int) -> tuple[int, ...]:
         layer = self.attn_layers[0]
@@ -74,7 +73,7 @@ class ModelRunner:
             return torch.zeros(shape, dtype=self.dtype, device=self.device)
         # calloc hands out fresh zero pages without touching them: a 4 GiB CPU cache costs
         # no start-up time and only the memory actually written.
-        nbytes = int(np.prod(shape)) * torch.empty(0, dtype=self.dtype).element_size()
+        nbytes = int(np.prod(shape)) * self.dtype.itemsize
         return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(self.dtype).view(shape)
 
     @torch.inference_mode()
