@@ -53,6 +53,8 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     # Requests the worker should forget (finished or aborted since the last step).
     finished_req_ids: set[str] = field(default_factory=set)
+    # Preempted this step: the worker drops their state (they come back as new requests).
+    preempted_req_ids: set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -165,7 +167,7 @@ class Scheduler:
         num_scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
-        preempted = False
+        preempted_ids: set[str] = set()
         now = time.time()
 
         i = 0
@@ -181,7 +183,7 @@ class Scheduler:
                     budget += num_scheduled.pop(victim.request_id)
                     i -= 1
                 self._preempt(victim)
-                preempted = True
+                preempted_ids.add(victim.request_id)
                 if victim is request:
                     break
             if new_blocks is None:  # preempted itself: nothing left to run beyond this point
@@ -194,7 +196,7 @@ class Scheduler:
 
         # New work only when nothing was preempted this step, so a preempted request is
         # not overtaken by the ones behind it.
-        while not preempted and self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+        while not preempted_ids and self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
             request = self.waiting.peek()
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit_tokens
@@ -227,6 +229,7 @@ class Scheduler:
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_req_ids=self.finished_req_ids,
+            preempted_req_ids=preempted_ids,
         )
         self.finished_req_ids = set()
         for req_id, n in num_scheduled.items():

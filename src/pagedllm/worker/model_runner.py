@@ -30,8 +30,8 @@ class CachedRequestState:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    row: int  # this request's row in the runner's persistent token / block-table arrays
     generator: torch.Generator | None = None
-    prompt_ids_tensor: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -52,7 +52,24 @@ class ModelRunner:
             layer.attn_backend = self.attn_backend
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
+        # Seeded requests that were preempted keep their RNG stream until they resume.
+        self._preempted_generators: dict[str, torch.Generator] = {}
         self.kv_caches: list[torch.Tensor] = []
+
+        sc = config.scheduler_config
+        self.max_num_reqs = sc.max_num_seqs
+        self.max_num_tokens = sc.max_num_batched_tokens
+        self.max_blocks_per_req = -(-sc.max_model_len // self.block_size)
+        # Persistent host arrays, one row per running request (rows are reused): every
+        # request's tokens and block table, so a step's inputs are a few vectorized gathers
+        # instead of per-request Python work. np.zeros is calloc: untouched rows cost nothing.
+        self._free_rows = list(range(self.max_num_reqs - 1, -1, -1))
+        self.token_ids_cpu = np.zeros((self.max_num_reqs, sc.max_model_len), dtype=np.int64)
+        self.block_table_cpu = np.zeros((self.max_num_reqs, self.max_blocks_per_req), dtype=np.int32)
+        self._buffers = _DeviceBuffers(self.max_num_tokens, self.max_num_reqs, self.max_blocks_per_req, device)
+        # CUDA graphs of decode steps, by padded batch size (filled by capture_cuda_graphs).
+        self.cuda_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graph_sizes: list[int] = []
 
     # ---- KV cache ---------------------------------------------------------------------------
     def kv_cache_bytes_per_block(self) -> int:
@@ -104,28 +121,99 @@ class ModelRunner:
             for layer, cache in zip(self.attn_layers, saved):
                 layer.kv_cache = cache
 
+    # ---- CUDA graphs -------------------------------------------------------------------------
+    def cuda_graph_sizes(self) -> list[int]:
+        """The padded batch sizes captured: 1, 2, 4, 8, then every 16 up to max_num_seqs."""
+        limit = min(self.max_num_reqs, self.max_num_tokens)
+        sizes = [b for b in (1, 2, 4, 8) if b < limit] + list(range(16, limit, 16)) + [limit]
+        return sorted(set(sizes))
+
+    @torch.inference_mode()
+    def capture_cuda_graphs(self) -> None:
+        """Capture one graph of the model forward per decode batch size, largest first, in one
+        shared memory pool. A decode step then replays the smallest graph that holds it."""
+        if self.device.type != "cuda" or not getattr(self.attn_backend, "cuda_graph_safe", False):
+            return
+        import time
+
+        t0 = time.perf_counter()
+        buf = self._buffers
+        sizes = self.cuda_graph_sizes()
+        pool = torch.cuda.graph_pool_handle()
+        # Capture-time inputs: one context token per request, nothing written to the cache.
+        buf.input_ids.zero_()
+        buf.positions.zero_()
+        buf.slot_mapping.fill_(-1)
+        buf.seq_lens.fill_(1)
+        buf.block_tables.zero_()
+        for bs in reversed(sizes):
+            md = self._graph_metadata(bs)
+            args = (buf.input_ids[:bs], buf.positions[:bs], md)
+            self.model(*args)  # warm-up: compiles kernels, settles allocator state
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                out = self.model(*args)
+            self.cuda_graphs[bs] = (graph, out)
+        torch.cuda.synchronize(self.device)
+        self._graph_sizes = sizes
+        logger.info("Captured %d CUDA graphs for decode batches of 1..%d in %.1f s",
+                    len(sizes), sizes[-1], time.perf_counter() - t0)
+
+    def _graph_metadata(self, bs: int) -> AttentionMetadata:
+        buf = self._buffers
+        return AttentionMetadata(
+            num_actual_tokens=bs, slot_mapping=buf.slot_mapping[:bs], block_tables=buf.block_tables[:bs],
+            query_start_loc=buf.graph_query_start_loc[:bs + 1], seq_lens=buf.seq_lens[:bs],
+            query_start_loc_cpu=list(range(bs + 1)), seq_lens_cpu=[1] * bs,
+            max_query_len=1, max_seq_len=self.config.scheduler_config.max_model_len,
+        )
+
+    def _graph_size_for(self, num_reqs: int) -> int | None:
+        for size in self._graph_sizes:
+            if size >= num_reqs:
+                return size
+        return None
+
     # ---- one step ---------------------------------------------------------------------------
     def _update_states(self, sched: SchedulerOutput) -> None:
         for req_id in sched.finished_req_ids:
-            self.requests.pop(req_id, None)
+            self._preempted_generators.pop(req_id, None)
+            self._drop(req_id)
+        for req_id in sched.preempted_req_ids:
+            state = self._drop(req_id)
+            if state is not None and state.generator is not None:
+                self._preempted_generators[req_id] = state.generator
         for new in sched.scheduled_new_reqs:
             self._add_request(new)
         for cached in sched.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
-            state.block_ids.extend(cached.new_block_ids)
+            if cached.new_block_ids:
+                n = len(state.block_ids)
+                self.block_table_cpu[state.row, n:n + len(cached.new_block_ids)] = cached.new_block_ids
+                state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
+    def _drop(self, req_id: str) -> CachedRequestState | None:
+        state = self.requests.pop(req_id, None)
+        if state is not None:
+            self._free_rows.append(state.row)
+        return state
+
     def _add_request(self, new: NewRequestData) -> None:
-        old = self.requests.get(new.req_id)  # resumed after preemption: keep its RNG stream
-        generator = old.generator if old is not None else None
+        generator = self._preempted_generators.pop(new.req_id, None)  # resumed: same RNG stream
+        row = self._free_rows.pop()
         params = new.sampling_params
         if generator is None and params.seed is not None:
             generator = torch.Generator(device=self.device)
             generator.manual_seed(params.seed)
+        token_ids = list(new.prompt_token_ids) + list(new.output_token_ids)
+        self.token_ids_cpu[row, :len(token_ids)] = token_ids
+        self.block_table_cpu[row, :len(new.block_ids)] = new.block_ids
         self.requests[new.req_id] = CachedRequestState(
-            req_id=new.req_id, token_ids=list(new.prompt_token_ids) + list(new.output_token_ids),
-            num_prompt_tokens=len(new.prompt_token_ids), sampling_params=params,
-            block_ids=list(new.block_ids), num_computed_tokens=new.num_computed_tokens, generator=generator,
+            req_id=new.req_id, token_ids=token_ids, num_prompt_tokens=len(new.prompt_token_ids),
+            sampling_params=params, block_ids=list(new.block_ids), num_computed_tokens=new.num_computed_tokens,
+            row=row, generator=generator,
         )
 
     @torch.inference_mode()
@@ -135,20 +223,30 @@ class ModelRunner:
         if not req_ids:
             return ModelRunnerOutput([], [])
         batch = self._prepare_inputs(req_ids, sched.num_scheduled_tokens)
-        hidden = self.model(batch.input_ids, batch.positions, batch.attn_metadata)
+        if batch.graph_size is not None:
+            graph, out = self.cuda_graphs[batch.graph_size]
+            graph.replay()
+            hidden = out[:len(req_ids)]
+        else:
+            hidden = self.model(batch.input_ids, batch.positions, batch.attn_metadata)
 
         sample_rows = [i for i, r in enumerate(req_ids) if batch.completes[i]]
         sampled_lists: list[list[int]] = [[] for _ in req_ids]
         logprobs: dict[str, PositionLogprobs] = {}
         if sample_rows:
             states = [self.requests[req_ids[i]] for i in sample_rows]
-            idx = torch.tensor([batch.query_start_loc[i + 1] - 1 for i in sample_rows], device=self.device)
-            logits = self.model.compute_logits(hidden[idx])
+            if len(sample_rows) == batch.num_tokens:  # every token is a request's last: decode
+                last_hidden = hidden[:batch.num_tokens]
+            else:
+                last = np.asarray(batch.query_start_loc)[np.asarray(sample_rows) + 1] - 1
+                last_hidden = hidden[torch.from_numpy(last).to(self.device, non_blocking=True)]
+            logits = self.model.compute_logits(last_hidden)
             out = self.sampler(logits, self._sampling_metadata(states))
             tokens = out.sampled_token_ids.tolist()
             if out.logprobs is not None:
                 lp_ids, lps, ranks = out.logprob_token_ids.tolist(), out.logprobs.tolist(), out.ranks.tolist()
             for j, (row, state) in enumerate(zip(sample_rows, states)):
+                self.token_ids_cpu[state.row, len(state.token_ids)] = tokens[j]
                 state.token_ids.append(tokens[j])
                 sampled_lists[row] = [tokens[j]]
                 k = state.sampling_params.logprobs
@@ -163,48 +261,66 @@ class ModelRunner:
         input_ids: torch.Tensor
         positions: torch.Tensor
         attn_metadata: AttentionMetadata
+        num_tokens: int
         query_start_loc: list[int]
         starts: list[int]  # num_computed_tokens of each request before this step
         completes: list[bool]  # this step reaches the request's last token: sample
+        graph_size: int | None  # replay the CUDA graph of this padded batch size
 
     def _prepare_inputs(self, req_ids: list[str], num_scheduled: dict[str, int]) -> "_Batch":
+        """The flat batch, built with vectorized gathers from the persistent arrays."""
         bs = self.block_size
-        counts = [num_scheduled[r] for r in req_ids]
-        total = sum(counts)
-        input_ids = np.empty(total, dtype=np.int64)
-        positions = np.empty(total, dtype=np.int64)
-        slots = np.empty(total, dtype=np.int64)
-        max_blocks = max(len(self.requests[r].block_ids) for r in req_ids)
-        block_tables = np.zeros((len(req_ids), max_blocks), dtype=np.int32)
-        qsl, seq_lens, starts, completes = [0], [], [], []
-        for i, req_id in enumerate(req_ids):
-            state = self.requests[req_id]
-            start, n = state.num_computed_tokens, counts[i]
-            end = start + n
-            lo = qsl[-1]
-            pos = np.arange(start, end)
-            positions[lo:lo + n] = pos
-            input_ids[lo:lo + n] = state.token_ids[start:end]
-            table = np.asarray(state.block_ids, dtype=np.int64)
-            slots[lo:lo + n] = table[pos // bs] * bs + pos % bs
-            block_tables[i, :len(table)] = table
-            qsl.append(lo + n)
-            seq_lens.append(end)
-            starts.append(start)
-            completes.append(end == len(state.token_ids))
-            state.num_computed_tokens = end
-        dev = self.device
-        md = AttentionMetadata(
-            num_actual_tokens=total,
-            slot_mapping=torch.from_numpy(slots).to(dev),
-            block_tables=torch.from_numpy(block_tables).to(dev),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens,
-            max_query_len=max(counts), max_seq_len=max(seq_lens),
-        )
-        return self._Batch(torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev), md,
-                           qsl, starts, completes)
+        states = [self.requests[r] for r in req_ids]
+        counts = np.fromiter((num_scheduled[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
+        starts = [s.num_computed_tokens for s in states]
+        rows = np.fromiter((s.row for s in states), dtype=np.int64, count=len(states))
+        num_reqs, total = len(req_ids), int(counts.sum())
+        qsl = np.zeros(num_reqs + 1, dtype=np.int64)
+        np.cumsum(counts, out=qsl[1:])
+        starts_np = np.asarray(starts, dtype=np.int64)
+        seq_lens = starts_np + counts
+        if total == num_reqs:  # decode only: one token per request
+            token_rows, positions = rows, starts_np
+        else:
+            token_rows = np.repeat(rows, counts)
+            positions = np.repeat(starts_np - qsl[:-1], counts) + np.arange(total)
+        input_ids = self.token_ids_cpu[token_rows, positions]
+        slots = self.block_table_cpu[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
+        num_blocks = -(-int(seq_lens.max()) // bs)
+        block_tables = self.block_table_cpu[rows, :num_blocks]
+        completes = [end == len(s.token_ids) for end, s in zip(seq_lens.tolist(), states)]
+        for s, end in zip(states, seq_lens.tolist()):
+            s.num_computed_tokens = end
+
+        graph_size = self._graph_size_for(num_reqs) if total == num_reqs else None
+        buf = self._buffers
+        qsl_list, seq_lens_list = qsl.tolist(), seq_lens.tolist()
+        if graph_size is not None:
+            n = graph_size
+            buf.begin_step()
+            ids_d = buf.upload("input_ids", input_ids, n, pad=0)
+            pos_d = buf.upload("positions", positions, n, pad=0)
+            slots_d = buf.upload("slot_mapping", slots, n, pad=-1)
+            seq_d = buf.upload("seq_lens", seq_lens, n, pad=1)
+            buf.upload_block_tables(block_tables)
+            buf.end_step()
+            md = self._graph_metadata(n)
+            md.slot_mapping, md.seq_lens = slots_d, seq_d
+        else:
+            buf.begin_step()
+            ids_d = buf.upload("input_ids", input_ids)
+            pos_d = buf.upload("positions", positions)
+            slots_d = buf.upload("slot_mapping", slots)
+            seq_d = buf.upload("seq_lens", seq_lens)
+            qsl_d = buf.upload("query_start_loc", qsl)
+            bt_d = buf.upload_block_tables(block_tables)
+            buf.end_step()
+            md = AttentionMetadata(
+                num_actual_tokens=total, slot_mapping=slots_d, block_tables=bt_d, query_start_loc=qsl_d,
+                seq_lens=seq_d, query_start_loc_cpu=qsl_list, seq_lens_cpu=seq_lens_list,
+                max_query_len=int(counts.max()), max_seq_len=int(seq_lens.max()),
+            )
+        return self._Batch(ids_d, pos_d, md, total, qsl_list, starts, completes, graph_size)
 
     def _sampling_metadata(self, states: list[CachedRequestState]) -> SamplingMetadata:
         dev = self.device
@@ -295,3 +411,76 @@ class ModelRunner:
             ids, lps, ranks = compute_logprobs_with_ranks(logprobs, targets, num_top)
             result[req_id] = list(zip(ids.tolist(), lps.tolist(), ranks.tolist()))
         return result
+
+
+class _DeviceBuffers:
+    """Fixed device tensors for one step's inputs, fed from pinned host staging buffers.
+
+    A step costs one host-to-device copy per array, and CUDA graphs replay over the same
+    addresses. On CPU the arrays are used in place (no copies at all).
+    """
+
+    _DTYPES = {"input_ids": torch.int64, "positions": torch.int64, "slot_mapping": torch.int64,
+               "seq_lens": torch.int32, "query_start_loc": torch.int32}
+
+    def __init__(self, max_tokens: int, max_reqs: int, max_blocks: int, device: torch.device) -> None:
+        self.device = device
+        self.on_cpu = device.type == "cpu"
+        sizes = {"input_ids": max_tokens, "positions": max_tokens, "slot_mapping": max_tokens,
+                 "seq_lens": max_reqs, "query_start_loc": max_reqs + 1}
+        self.host: dict[str, torch.Tensor] = {}
+        self.dev: dict[str, torch.Tensor] = {}
+        if self.on_cpu:
+            return
+        for name, size in sizes.items():
+            self.host[name] = torch.zeros(size, dtype=self._DTYPES[name], pin_memory=True)
+            self.dev[name] = torch.zeros(size, dtype=self._DTYPES[name], device=device)
+        self.host["block_tables"] = torch.zeros(max_reqs * max_blocks, dtype=torch.int32, pin_memory=True)
+        self.dev["block_tables"] = torch.zeros(max_reqs, max_blocks, dtype=torch.int32, device=device)
+        self.graph_query_start_loc = torch.arange(max_reqs + 1, dtype=torch.int32, device=device)
+        # The pinned buffers are rewritten each step: wait until the last step's copies ran.
+        self._copied = torch.cuda.Event()
+        self._pending = False
+
+    def __getattr__(self, name: str) -> torch.Tensor:  # buf.input_ids etc.: the device tensors
+        dev = self.__dict__.get("dev", {})
+        if name in dev:
+            return dev[name]
+        raise AttributeError(name)
+
+    def begin_step(self) -> None:
+        if not self.on_cpu and self._pending:
+            self._copied.synchronize()
+
+    def end_step(self) -> None:
+        if not self.on_cpu:
+            self._copied.record()
+            self._pending = True
+
+    def upload(self, name: str, values: np.ndarray, size: int | None = None, pad: int = 0) -> torch.Tensor:
+        """``values`` (padded with ``pad`` up to ``size``) on the device, as a view of the buffer."""
+        dtype = self._DTYPES[name]
+        n = len(values)
+        if self.on_cpu:
+            t = torch.from_numpy(np.ascontiguousarray(values)).to(dtype)
+            if size is not None and size > n:
+                t = torch.cat([t, torch.full((size - n,), pad, dtype=dtype)])
+            return t
+        size = n if size is None else size
+        host = self.host[name]
+        host.numpy()[:n] = values
+        if size > n:
+            host[n:size] = pad
+        dev = self.dev[name][:size]
+        dev.copy_(host[:size], non_blocking=True)
+        return dev
+
+    def upload_block_tables(self, table: np.ndarray) -> torch.Tensor:
+        rows, cols = table.shape
+        if self.on_cpu:
+            return torch.from_numpy(np.ascontiguousarray(table))
+        host = self.host["block_tables"][:rows * cols]
+        host.numpy().reshape(rows, cols)[:] = table
+        dev = self.dev["block_tables"][:rows, :cols]
+        dev.copy_(host.view(rows, cols), non_blocking=True)
+        return dev

@@ -64,6 +64,8 @@ class Worker:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.model_runner.initialize_kv_cache(num_blocks)
+        if self.device.type == "cuda" and not self.config.model_config.enforce_eager:
+            self.model_runner.capture_cuda_graphs()
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(sched)
