@@ -160,6 +160,10 @@ class KVCacheManager:
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
         total_tokens = num_computed + num_new_tokens
+        if not new_computed_blocks and total_tokens <= len(blocks) * self.block_size and (
+                not self.enable_caching
+                or total_tokens // self.block_size <= self.num_cached_blocks.get(request.request_id, 0)):
+            return []  # the common decode step: room left in the last block, nothing to cache
         num_required = -(-total_tokens // self.block_size)
         num_new_blocks = max(num_required - len(blocks) - len(new_computed_blocks), 0)
         # Hits sitting in the free queue stop being free once touched.

@@ -32,10 +32,39 @@ class CachedRequestState:
     num_computed_tokens: int
     row: int  # this request's row in the runner's persistent token / block-table arrays
     generator: torch.Generator | None = None
+    features: frozenset[str] = frozenset()  # the sampling features it uses (see sampling_features)
 
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
+
+
+def sampling_features(p: SamplingParams) -> frozenset[str]:
+    """Which optional sampler inputs a request needs, so a step builds only those."""
+    f = set()
+    if p.top_p < 1.0:
+        f.add("top_p")
+    if p.top_k > 0:
+        f.add("top_k")
+    if p.min_p > 0.0:
+        f.add("min_p")
+    if p.logprobs is not None:
+        f.add("logprobs")
+    if p.presence_penalty != 0.0:
+        f.add("presence")
+    if p.frequency_penalty != 0.0:
+        f.add("frequency")
+    if p.repetition_penalty != 1.0:
+        f.add("repetition")
+    if p.allowed_token_ids:
+        f.add("allowed")
+    if p.logit_bias:
+        f.add("bias")
+    if p.min_tokens > 0 or p._bad_words_token_ids:
+        f.add("ban")
+    if p.logits_processors:
+        f.add("procs")
+    return frozenset(f)
 
 
 class ModelRunner:
@@ -213,7 +242,7 @@ class ModelRunner:
         self.requests[new.req_id] = CachedRequestState(
             req_id=new.req_id, token_ids=token_ids, num_prompt_tokens=len(new.prompt_token_ids),
             sampling_params=params, block_ids=list(new.block_ids), num_computed_tokens=new.num_computed_tokens,
-            row=row, generator=generator,
+            row=row, generator=generator, features=sampling_features(params),
         )
 
     @torch.inference_mode()
@@ -323,51 +352,57 @@ class ModelRunner:
         return self._Batch(ids_d, pos_d, md, total, qsl_list, starts, completes, graph_size)
 
     def _sampling_metadata(self, states: list[CachedRequestState]) -> SamplingMetadata:
+        """Per-row sampling settings; only what some row of this batch uses is built."""
         dev = self.device
         params = [s.sampling_params for s in states]
         temps = [p.temperature for p in params]
         md = SamplingMetadata(
-            temperature=torch.tensor(temps, dtype=torch.float32, device=dev),
+            temperature=torch.tensor(temps, dtype=torch.float32).to(dev, non_blocking=True),
             all_greedy=all(t == 0.0 for t in temps),
             all_random=all(t != 0.0 for t in temps),
         )
-        # Output histories are only read by penalties, bad words and logits processors.
-        if any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
-               or p.logits_processors for p in params):
+        features = frozenset().union(*(s.features for s in states))
+        if not features:
+            md.generators = {i: s.generator for i, s in enumerate(states) if s.generator is not None}
+            return md
+        # Output histories are only read by penalties and logits processors.
+        if features & {"presence", "frequency", "repetition", "procs"}:
             md.output_token_ids = [s.output_token_ids for s in states]
-        if any(p.top_p < 1.0 for p in params):
+        if "top_p" in features:
             md.top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
-        if any(p.top_k > 0 for p in params):
+        if "top_k" in features:
             md.top_k = torch.tensor([min(p.top_k or self.vocab_size, self.vocab_size) for p in params],
                                     dtype=torch.long, device=dev)
-        if any(p.min_p > 0.0 for p in params):
+        if "min_p" in features:
             md.min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev)
         md.generators = {i: s.generator for i, s in enumerate(states) if s.generator is not None}
-        wanted = [p.logprobs for p in params if p.logprobs is not None]
-        if wanted:
+        if "logprobs" in features:
+            wanted = [p.logprobs for p in params if p.logprobs is not None]
             md.max_num_logprobs = -1 if -1 in wanted else max(wanted)
-        if any(p.presence_penalty != 0.0 for p in params):
+        if "presence" in features:
             md.presence_penalties = torch.tensor([p.presence_penalty for p in params], device=dev)
-        if any(p.frequency_penalty != 0.0 for p in params):
+        if "frequency" in features:
             md.frequency_penalties = torch.tensor([p.frequency_penalty for p in params], device=dev)
-        if any(p.repetition_penalty != 1.0 for p in params):
+        if "repetition" in features:
             md.repetition_penalties = torch.tensor([p.repetition_penalty for p in params], device=dev)
             md.prompt_token_ids = self._padded_prompts(states)
-        if any(p.allowed_token_ids for p in params):
+        if "allowed" in features:
             mask = torch.zeros(len(states), self.vocab_size, dtype=torch.bool)
             for i, p in enumerate(params):
                 if p.allowed_token_ids:
                     mask[i] = True
                     mask[i, p.allowed_token_ids] = False
             md.allowed_token_ids_mask = mask.to(dev)
-        for i, (s, p) in enumerate(zip(states, params)):
-            if p.logit_bias:
-                md.logit_bias[i] = {int(k): float(v) for k, v in p.logit_bias.items()}
-            banned = self._banned_tokens(s)
-            if banned:
-                md.banned_token_ids[i] = banned
-            if p.logits_processors:
-                md.logits_processors[i] = (p.logits_processors, s.token_ids[:s.num_prompt_tokens])
+        if features & {"bias", "ban", "procs"}:
+            for i, (s, p) in enumerate(zip(states, params)):
+                if p.logit_bias:
+                    md.logit_bias[i] = {int(k): float(v) for k, v in p.logit_bias.items()}
+                if "ban" in s.features:
+                    banned = self._banned_tokens(s)
+                    if banned:
+                        md.banned_token_ids[i] = banned
+                if p.logits_processors:
+                    md.logits_processors[i] = (p.logits_processors, s.token_ids[:s.num_prompt_tokens])
         return md
 
     @staticmethod
