@@ -207,3 +207,35 @@ def test_priority_scheduling_runs_lower_values_first(tiny_models):
     while engine.has_unfinished_requests():
         order += [o.request_id for o in engine.step() if o.finished]
     assert order == ["urgent", "normal", "late"]
+
+
+def test_prefix_cache_hits_are_reported_as_num_cached_tokens(llm):
+    prompt = "A long shared system prompt that repeats itself. " * 8
+    sp = SamplingParams(temperature=0, max_tokens=2)
+    first, = llm.generate([prompt], sp, use_tqdm=False)
+    second, = llm.generate([prompt], sp, use_tqdm=False)
+    block_size = llm.llm_engine.config.cache_config.block_size
+    assert first.num_cached_tokens == 0
+    # Every full block of the prompt but the one holding its last token (computed to sample from).
+    assert second.num_cached_tokens == (len(second.prompt_token_ids) - 1) // block_size * block_size > 0
+    assert second.outputs[0].text == first.outputs[0].text
+
+
+def test_streamed_prompt_logprobs_come_once_and_whole_under_chunked_prefill(tiny_models):
+    llm = LLM(tiny_models["llama"], kv_cache_memory_bytes=TEST_KV_BYTES, max_num_batched_tokens=8,
+              enable_chunked_prefill=True)
+    engine = llm.llm_engine
+    prompt_ids = list(range(5, 45))  # 40 tokens: prefilled in 5 chunks
+    engine.add_request("delta", TokensPrompt(prompt_token_ids=prompt_ids),
+                       SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=1,
+                                      output_kind=RequestOutputKind.DELTA))
+    sent = []
+    while engine.has_unfinished_requests():
+        # Copied as received: what a streaming consumer sees at that moment.
+        sent += [list(out.prompt_logprobs) for out in engine.step() if out.prompt_logprobs is not None]
+    final, = llm.generate([TokensPrompt(prompt_token_ids=prompt_ids)],
+                          SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=1),
+                          use_tqdm=False)
+    assert len(sent) == 1 and len(sent[0]) == len(prompt_ids) and sent[0][0] is None
+    assert [pos[t].logprob for t, pos in zip(prompt_ids[1:], sent[0][1:])] == \
+        pytest.approx([pos[t].logprob for t, pos in zip(prompt_ids[1:], final.prompt_logprobs[1:])], abs=1e-5)

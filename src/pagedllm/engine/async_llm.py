@@ -10,6 +10,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.engine.core_client import EngineCoreClient, EngineDeadError
 from pagedllm.engine.frontend import EngineFrontend
 from pagedllm.engine.output_processor import register_request
+from pagedllm.engine.stat_logger import LoggingStatLogger
 from pagedllm.inputs import PromptType
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -31,6 +32,8 @@ class AsyncLLM(EngineFrontend):
         self._closed = False
         # Optional observer with on_step / on_finished / on_aborted (the server's Prometheus metrics).
         self.metrics: Any = None
+        # The periodic stats line; the server's timer calls do_log_stats().
+        self.stat_logger = LoggingStatLogger() if config.log_stats else None
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(
@@ -137,9 +140,11 @@ class AsyncLLM(EngineFrontend):
                 self._queues.pop(ro.request_id, None)
                 if self.metrics is not None:
                     self.metrics.on_finished(ro)
+        op = self.output_processor
         if self.metrics is not None:
-            op = self.output_processor
             self.metrics.on_step(core_outputs.scheduler_stats, op.num_prompt_tokens, op.num_generation_tokens)
+        if self.stat_logger is not None:
+            self.stat_logger.record(core_outputs.scheduler_stats, op.num_prompt_tokens, op.num_generation_tokens)
 
     def _fail_engine_request(self, engine_request_id: str, error: Exception) -> None:
         state = self.output_processor.states.get(engine_request_id)
@@ -152,6 +157,15 @@ class AsyncLLM(EngineFrontend):
             q.put_nowait(error)
 
     # ---- utilities --------------------------------------------------------------------------------
+    @property
+    def log_stats(self) -> bool:
+        return self.stat_logger is not None
+
+    def do_log_stats(self) -> None:
+        """Write the stats line (throughput since the last one, queues, KV cache); quiet when idle."""
+        if self.stat_logger is not None:
+            self.stat_logger.log()
+
     async def get_stats(self) -> dict[str, Any]:
         """The core's KV cache and queue sizes: num_free_blocks, num_blocks, kv_cache_usage,
         num_running, num_waiting."""

@@ -1,21 +1,15 @@
 """LLMEngine: the synchronous engine — processor, engine core and output processor in one loop."""
 from __future__ import annotations
 
-import logging
-import time
-
 from pagedllm.config import EngineConfig
 from pagedllm.core.messages import SchedulerStats
 from pagedllm.engine.core import EngineCore
 from pagedllm.engine.frontend import EngineFrontend
 from pagedllm.engine.output_processor import register_request
+from pagedllm.engine.stat_logger import LoggingStatLogger
 from pagedllm.inputs import PromptType
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
-
-logger = logging.getLogger("pagedllm")
-
-_STATS_INTERVAL_S = 5.0
 
 
 class LLMEngine(EngineFrontend):
@@ -24,8 +18,7 @@ class LLMEngine(EngineFrontend):
         self.engine_core = EngineCore(config)
         self.log_stats = config.log_stats
         self.last_stats: SchedulerStats | None = None
-        self._last_log_time = time.monotonic()
-        self._logged_tokens = (0, 0)
+        self.stat_logger = LoggingStatLogger() if config.log_stats else None
 
     def add_request(
         self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
@@ -67,8 +60,10 @@ class LLMEngine(EngineFrontend):
             if ro.finished:
                 self.parents.pop(ro.request_id, None)
         self.last_stats = core_out.scheduler_stats
-        if self.log_stats:
-            self._maybe_log_stats()
+        if self.stat_logger is not None:
+            op = self.output_processor
+            self.stat_logger.record(core_out.scheduler_stats, op.num_prompt_tokens, op.num_generation_tokens)
+            self.stat_logger.maybe_log()
         return outputs
 
     def has_unfinished_requests(self) -> bool:
@@ -79,23 +74,3 @@ class LLMEngine(EngineFrontend):
 
     def reset_prefix_cache(self) -> bool:
         return self.engine_core.reset_prefix_cache()
-
-    def _maybe_log_stats(self) -> None:
-        now = time.monotonic()
-        if now - self._last_log_time < _STATS_INTERVAL_S or self.last_stats is None:
-            return
-        op = self.output_processor
-        dt = now - self._last_log_time
-        prompt_tps = (op.num_prompt_tokens - self._logged_tokens[0]) / dt
-        gen_tps = (op.num_generation_tokens - self._logged_tokens[1]) / dt
-        s = self.last_stats
-        logger.info(
-            "Throughput: prompt %.1f tok/s, generation %.1f tok/s | running %d, waiting %d | KV cache %.1f%% | "
-            "prefix cache hit rate %.1f%% | preemptions %d", prompt_tps, gen_tps, s.num_running_reqs,
-            s.num_waiting_reqs, 100 * s.kv_cache_usage,
-            100 * s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0,
-            s.num_preemptions,
-        )
-        self._last_log_time = now
-        self._logged_tokens = (op.num_prompt_tokens, op.num_generation_tokens)
-

@@ -205,8 +205,12 @@ class OutputProcessor:
             outputs = [c.completion(delta=False) for c in parent.children]
         prompt_logprobs = parent.prompt_logprobs
         if delta and prompt_logprobs is not None:
-            prompt_logprobs = None if parent.prompt_logprobs_sent else prompt_logprobs
-            parent.prompt_logprobs_sent = True
+            # Sent once, whole: a chunked prefill reports them over several steps.
+            complete = len(prompt_logprobs) >= len(parent.prompt_token_ids) or finished
+            if parent.prompt_logprobs_sent or not complete:
+                prompt_logprobs = None
+            else:
+                parent.prompt_logprobs_sent = True
         return RequestOutput(
             request_id=parent.request_id, prompt=parent.prompt, prompt_token_ids=parent.prompt_token_ids,
             prompt_logprobs=prompt_logprobs, outputs=outputs, finished=finished, metrics=parent.metrics,
