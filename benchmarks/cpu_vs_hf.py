@@ -1,67 +1,8 @@
-"""Workload 5: the real SmolLM2-135M-Instruct on CPU, fp32 — pagedllm vs transformers `generate`.
-
-32 chat requests ("Write a short story about item i"), max_tokens 128, temperature 0,
-ignore_eos; transformers runs the same 32 prompts as one left-padded batch. Both in this run.
-"""
-from __future__ import annotations
-
-import argparse
+"""Runs pagedllm.benchmarks.cpu_vs_hf (also `pagedllm bench cpu`) from a source checkout."""
 import os
 import sys
-import time
 
-sys.path.insert(0, os.path.dirname(__file__))
-from common import emit  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+from pagedllm.benchmarks.cpu_vs_hf import main  # noqa: E402
 
-
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--num-requests", type=int, default=32)
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--skip-hf", action="store_true")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                   help="for both engines; the workload is defined in float32")
-    args = p.parse_args()
-
-    import torch
-
-    from pagedllm import LLM, SamplingParams
-    from pagedllm.engine.arg_utils import default_model
-
-    gguf = default_model()
-    llm = LLM(gguf, dtype=args.dtype, max_model_len=2048, kv_cache_memory_bytes=2 << 30)
-    tok = llm.get_tokenizer()
-    convs = [[{"role": "user", "content": f"Write a short story about item {i}"}] for i in range(args.num_requests)]
-    prompts = [tok.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in convs]
-    prompt_ids = [tok.encode(t, add_special_tokens=False) for t in prompts]
-    sp = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": prompt_ids[0]}], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
-    start = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], sp)
-    ours_s = time.perf_counter() - start
-    ours_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    result = {"benchmark": "cpu_vs_hf", "model": "SmolLM2-135M-Instruct (GGUF Q4_1 dequantized)", "dtype": args.dtype,
-              "num_requests": args.num_requests, "torch_threads": torch.get_num_threads(),
-              "pagedllm_output_tok_s": round(ours_tokens / ours_s, 1), "pagedllm_elapsed_s": round(ours_s, 2)}
-    if not args.skip_hf:
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf),
-                                                     dtype=getattr(torch, args.dtype)).eval()
-        tok.padding_side = "left"
-        batch = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
-        with torch.no_grad():
-            model.generate(**{k: v[:1] for k, v in batch.items()}, max_new_tokens=2, do_sample=False,
-                           pad_token_id=tok.pad_token_id)  # warm-up
-            start = time.perf_counter()
-            gen = model.generate(**batch, max_new_tokens=args.max_tokens, min_new_tokens=args.max_tokens,
-                                 do_sample=False, pad_token_id=tok.pad_token_id)
-            hf_s = time.perf_counter() - start
-        hf_tokens = (gen.shape[1] - batch["input_ids"].shape[1]) * gen.shape[0]
-        result.update(hf_output_tok_s=round(hf_tokens / hf_s, 1), hf_elapsed_s=round(hf_s, 2),
-                      speedup=round((ours_tokens / ours_s) / (hf_tokens / hf_s), 2))
-    emit(result)
-
-
-if __name__ == "__main__":
-    main()
+main()

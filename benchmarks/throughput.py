@@ -1,60 +1,8 @@
-"""Workload 1: offline throughput (../shared/BENCHMARKS.md).
-
-256 requests, random.seed(0): prompts of randint(100, 1024) token ids from randint(0, 10000),
-then max_tokens of randint(100, 1024); temperature 0.6, ignore_eos. One short warm-up, then
-one timed LLM.generate. Run on CPU with a small --num-prompts and --shape tiny-llama.
-"""
-from __future__ import annotations
-
-import argparse
+"""Runs pagedllm.benchmarks.throughput (also `pagedllm bench throughput`) from a source checkout."""
 import os
-import random
 import sys
-import time
 
-sys.path.insert(0, os.path.dirname(__file__))
-from common import SHAPES, emit, write_shape  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+from pagedllm.benchmarks.throughput import main  # noqa: E402
 
-
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b")
-    p.add_argument("--model", help="a real model instead of a dummy shape")
-    p.add_argument("--num-prompts", type=int, default=256)
-    p.add_argument("--max-input-len", type=int, default=1024)
-    p.add_argument("--max-output-len", type=int, default=1024)
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--max-model-len", type=int, default=4096)
-    p.add_argument("--engine-args", default="", help="extra EngineArgs as k=v,k=v (ints parsed)")
-    args = p.parse_args()
-
-    from pagedllm import LLM, SamplingParams, TokensPrompt
-
-    random.seed(0)
-    lo_in, lo_out = min(100, args.max_input_len), min(100, args.max_output_len)
-    prompts = [[random.randint(0, 10000) for _ in range(random.randint(lo_in, args.max_input_len))]
-               for _ in range(args.num_prompts)]
-    max_tokens = [random.randint(lo_out, args.max_output_len) for _ in range(args.num_prompts)]
-
-    extra = {}
-    for kv in filter(None, args.engine_args.split(",")):
-        k, v = kv.split("=", 1)
-        extra[k] = int(v) if v.lstrip("-").isdigit() else v
-    model = args.model or write_shape(args.shape)
-    llm = LLM(model, load_format="auto" if args.model else "dummy", dtype=args.dtype,
-              skip_tokenizer_init=not args.model, max_model_len=args.max_model_len, **extra)
-    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m, detokenize=False) for m in max_tokens]
-    llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3])], SamplingParams(max_tokens=4, detokenize=False),
-                 use_tqdm=False)
-    start = time.perf_counter()
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)
-    elapsed = time.perf_counter() - start
-    out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    in_tokens = sum(len(p) for p in prompts)
-    emit({"benchmark": "throughput", "engine": "pagedllm", "shape": args.model or args.shape,
-          "num_prompts": args.num_prompts, "elapsed_s": round(elapsed, 2), "output_tokens": out_tokens,
-          "output_tok_s": round(out_tokens / elapsed, 1), "total_tok_s": round((in_tokens + out_tokens) / elapsed, 1)})
-
-
-if __name__ == "__main__":
-    main()
+main()

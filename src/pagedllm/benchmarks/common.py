@@ -1,0 +1,126 @@
+"""Shared pieces of the benchmarks: model shapes, engine-arg parsing, result lines and tables."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Sequence
+
+# ../shared/BENCHMARKS.md model shapes, as config.json files written on the fly (dummy weights).
+SHAPES = {
+    "qwen3-0.6b": dict(
+        architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=1024, num_hidden_layers=28,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=128, intermediate_size=3072, vocab_size=151936,
+        tie_word_embeddings=True, rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=40960,
+        hidden_act="silu", dtype="bfloat16", bos_token_id=151643, eos_token_id=151645,
+    ),
+    "llama3-8b": dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, intermediate_size=14336, vocab_size=128256,
+        tie_word_embeddings=False, rope_theta=5e5, rms_norm_eps=1e-5, max_position_embeddings=131072,
+        hidden_act="silu", dtype="bfloat16", bos_token_id=128000, eos_token_id=128001,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 8192},
+    ),
+    # Small enough for a 2-core CPU smoke run of the same code path.
+    "tiny-llama": dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=256, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=4, intermediate_size=768, vocab_size=32000,
+        tie_word_embeddings=False, rope_theta=1e4, rms_norm_eps=1e-5, max_position_embeddings=4096,
+        hidden_act="silu", dtype="bfloat16", bos_token_id=1, eos_token_id=2,
+    ),
+}
+
+
+def write_shape(shape: str, tokenizer_dir: str | None = None, **overrides) -> str:
+    """A temporary model folder: the shape's config.json (with ``overrides``), plus the
+    tokenizer files of ``tokenizer_dir`` when given (the server needs a tokenizer)."""
+    if shape not in SHAPES:
+        raise ValueError(f"unknown shape {shape!r}; known: {sorted(SHAPES)}")
+    folder = tempfile.mkdtemp(prefix=f"pagedllm-{shape}-")
+    if tokenizer_dir is not None:
+        for name in os.listdir(tokenizer_dir):
+            if name != "config.json" and not name.endswith((".safetensors", ".bin", ".gguf", ".pt")):
+                src = os.path.join(tokenizer_dir, name)
+                if os.path.isfile(src):
+                    shutil.copy(src, folder)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump({**SHAPES[shape], **overrides}, f)
+    return folder
+
+
+def weight_bytes(config: dict, itemsize: int = 2) -> int:
+    """Parameter bytes of a Llama-family shape: embeddings, layers, final norm, lm_head if untied."""
+    hidden, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
+    head_dim = config.get("head_dim") or hidden // heads
+    attn = hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden
+    norms = 2 * hidden + (2 * head_dim if config["model_type"] == "qwen3" else 0)
+    per_layer = attn + 3 * hidden * inter + norms
+    params = vocab * hidden * (1 if config.get("tie_word_embeddings") else 2) + hidden
+    params += config["num_hidden_layers"] * per_layer
+    return params * itemsize
+
+
+def parse_engine_args(text: str) -> dict:
+    """``k=v,k=v`` → EngineArgs keyword arguments (integers, floats and true/false parsed)."""
+    extra: dict = {}
+    for kv in filter(None, text.split(",")):
+        if "=" not in kv:
+            raise ValueError(f"--engine-args takes k=v pairs separated by commas, got {kv!r}")
+        k, v = kv.split("=", 1)
+        for convert in (int, float):
+            try:
+                extra[k] = convert(v)
+                break
+            except ValueError:
+                pass
+        else:
+            extra[k] = {"true": True, "false": False}.get(v.lower(), v)
+    return extra
+
+
+def int_list(text: str) -> list[int]:
+    """``1,32`` → [1, 32]."""
+    return [int(x) for x in text.split(",") if x]
+
+
+def float_list(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x]
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
+                                       cwd=os.path.dirname(os.path.abspath(__file__)),
+                                       stderr=subprocess.DEVNULL).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def device_name() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+
+
+def emit(result: dict) -> None:
+    """One JSON line per result."""
+    result = {"commit": git_commit(), "device": device_name(), "time": time.strftime("%Y-%m-%d %H:%M"), **result}
+    print(json.dumps(result), flush=True)
+
+
+def print_table(rows: Sequence[dict], columns: Sequence[str]) -> None:
+    """A plain-text table of ``columns`` from result dicts (missing values print as '-')."""
+    cells = [[str(c) for c in columns]] + [["-" if r.get(c) is None else str(r[c]) for c in columns] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
+    for n, row in enumerate(cells):
+        print("  ".join(v.rjust(w) for v, w in zip(row, widths)))
+        if n == 0:
+            print("  ".join("-" * w for w in widths))
