@@ -9,9 +9,12 @@ from tests.conftest import TEST_KV_BYTES
 PROMPTS = ["Once upon a time", "The weather today", "def fibonacci(n):", "1, 2, 3,"]
 
 
-@pytest.fixture(scope="module")
-def llm(tiny_models):
-    return LLM(tiny_models["llama"], dtype="float32", kv_cache_memory_bytes=TEST_KV_BYTES)
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
+def llm(tiny_models, request):
+    # Every behaviour also under async scheduling (the default on GPU), where a step is
+    # scheduled before the previous step's tokens are known.
+    return LLM(tiny_models["llama"], dtype="float32", kv_cache_memory_bytes=TEST_KV_BYTES,
+               async_scheduling=request.param)
 
 
 def texts(outs):

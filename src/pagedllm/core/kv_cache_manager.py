@@ -186,7 +186,8 @@ class KVCacheManager:
         Safe within the same step: every layer writes all new K/V before any attention reads.
         """
         start = self.num_cached_blocks.get(request.request_id, 0)
-        end = num_tokens // self.block_size
+        # Only blocks whose tokens are all known (async scheduling computes ahead of them).
+        end = min(num_tokens, request.num_tokens) // self.block_size
         if end <= start:
             return
         self._update_block_hashes(request)

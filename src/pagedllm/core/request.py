@@ -48,6 +48,8 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit on first scheduling; -1 until then
         self.num_preemptions = 0
+        # Async scheduling: tokens being sampled by steps still in flight (not yet appended).
+        self.num_output_placeholders = 0
         self.first_scheduled_time: float | None = None
         # Content hashes of this request's full blocks, extended as tokens are appended.
         self.block_hashes: list[bytes] = []

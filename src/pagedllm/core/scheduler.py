@@ -74,6 +74,9 @@ class SchedulerConfig:
     max_model_len: int
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"  # or "priority"
+    # Schedule step N+1 while step N runs: a decode's next input is its in-flight token
+    # (a placeholder here, taken from the device by the worker).
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         if self.policy not in ("fcfs", "priority"):
@@ -173,7 +176,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(request.num_tokens + request.num_output_placeholders - request.num_computed_tokens, budget)
+            if num_new <= 0 or self._reaches_limit(request):
+                i += 1  # its last token is in flight and ends it: nothing to run
+                continue
             while True:
                 new_blocks = self.kv.allocate_slots(request, num_new)
                 if new_blocks is not None:
@@ -198,6 +204,8 @@ class Scheduler:
         # not overtaken by the ones behind it.
         while not preempted_ids and self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
             request = self.waiting.peek()
+            if request.num_output_placeholders:  # preempted with a token still in flight
+                break
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit_tokens
             if not cfg.enable_chunked_prefill and num_new > budget:
@@ -233,8 +241,19 @@ class Scheduler:
         )
         self.finished_req_ids = set()
         for req_id, n in num_scheduled.items():
-            self.requests[req_id].num_computed_tokens += n
+            request = self.requests[req_id]
+            request.num_computed_tokens += n
+            if cfg.async_scheduling and request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders:
+                request.num_output_placeholders += 1  # this step samples its next token
         return out
+
+    def _reaches_limit(self, request: Request) -> bool:
+        """Async scheduling: the tokens in flight already reach max_tokens / max_model_len."""
+        if not request.num_output_placeholders:
+            return False
+        n = request.num_output_tokens + request.num_output_placeholders
+        return (request.max_tokens is not None and n >= request.max_tokens) or \
+            request.num_tokens + request.num_output_placeholders >= self.config.max_model_len
 
     def _pick_victim(self) -> Request:
         if self.config.policy == "priority":
@@ -267,13 +286,18 @@ class Scheduler:
             prompt_lps = result.prompt_logprobs.get(req_id)
             if not token_ids and prompt_lps is None:
                 continue
+            if self.config.async_scheduling:
+                request.num_output_placeholders -= len(token_ids)
             new_token_ids: list[int] = []
             for token_id in token_ids:
                 request.append_output_token(token_id)
                 new_token_ids.append(token_id)
                 status = self._check_stop(request, token_id)
                 if status is not None:
-                    self.running.remove(request)
+                    if request.status == RequestStatus.RUNNING:
+                        self.running.remove(request)
+                    else:  # preempted while its last token was in flight
+                        self.waiting.remove({req_id})
                     self._finish(request, status)
                     break
             lp = result.logprobs.get(req_id)

@@ -60,6 +60,9 @@ class EngineArgs:
     device: str = "auto"
     skip_tokenizer_init: bool = False
     scheduling_policy: str = "fcfs"
+    # None: on for CUDA (the host prepares step N+1 while the GPU runs step N), off on CPU
+    # (one set of cores does both, nothing to overlap).
+    async_scheduling: bool | None = None
     max_logprobs: int = 20
     disable_log_stats: bool = False
 
@@ -157,6 +160,7 @@ class EngineArgs:
         scheduler_config = SchedulerConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched, max_model_len=max_model_len,
             enable_chunked_prefill=enable_chunked, policy=self.scheduling_policy,
+            async_scheduling=device != "cpu" if self.async_scheduling is None else self.async_scheduling,
         )
         return EngineConfig(model_config, cache_config, scheduler_config, device,
                             log_stats=not self.disable_log_stats)

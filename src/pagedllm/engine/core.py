@@ -39,6 +39,7 @@ class EngineCore:
         )
         self.kv_cache_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
         self.scheduler = Scheduler(sc, self.kv_cache_manager)
+        self._in_flight = None  # async scheduling: (SchedulerOutput, pending result) of the last step
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.scheduler.add_request(Request.from_engine_core_request(request))
@@ -47,6 +48,8 @@ class EngineCore:
         return EngineCoreOutputs(self.scheduler.abort_requests(request_ids))
 
     def step(self) -> EngineCoreOutputs:
+        if self.config.scheduler_config.async_scheduling:
+            return self._step_async()
         if not self.scheduler.has_unfinished_requests():
             return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats())
         sched = self.scheduler.schedule()
@@ -54,8 +57,22 @@ class EngineCore:
         outputs = self.scheduler.update_from_output(sched, result)
         return EngineCoreOutputs(outputs, self.scheduler.make_stats())
 
+    def _step_async(self) -> EngineCoreOutputs:
+        """Launch step N+1, then read step N's tokens: the host work of one step (scheduling,
+        inputs, outputs) overlaps the device work of the other."""
+        launched = None
+        if self.scheduler.has_unfinished_requests():
+            sched = self.scheduler.schedule()
+            launched = (sched, self.executor.execute_model(sched, non_block=True))
+        outputs = []
+        if self._in_flight is not None:
+            prev_sched, pending = self._in_flight
+            outputs = self.scheduler.update_from_output(prev_sched, pending.result())
+        self._in_flight = launched
+        return EngineCoreOutputs(outputs, self.scheduler.make_stats())
+
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()

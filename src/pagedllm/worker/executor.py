@@ -21,8 +21,9 @@ class UniProcExecutor:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.worker.initialize_kv_cache(num_blocks)
 
-    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        return self.worker.execute_model(sched)
+    def execute_model(self, sched: SchedulerOutput, non_block: bool = False):
+        """The step's ModelRunnerOutput, or with ``non_block`` a handle whose result() waits."""
+        return self.worker.execute_model(sched, non_block)
 
     def shutdown(self) -> None:
         pass

@@ -33,10 +33,15 @@ class CachedRequestState:
     row: int  # this request's row in the runner's persistent token / block-table arrays
     generator: torch.Generator | None = None
     features: frozenset[str] = frozenset()  # the sampling features it uses (see sampling_features)
+    num_inflight: int = 0  # sampled by a step whose result is not read yet (async scheduling)
 
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
+
+
+# Features that read the exact output history, so an in-flight step must land first.
+_HISTORY_FEATURES = frozenset({"presence", "frequency", "repetition", "procs", "ban"})
 
 
 def sampling_features(p: SamplingParams) -> frozenset[str]:
@@ -98,6 +103,13 @@ class ModelRunner:
         self._buffers = _DeviceBuffers(self.max_num_tokens, self.max_num_reqs, self.max_blocks_per_req, device)
         # CUDA graphs of decode steps, by padded batch size (filled by capture_cuda_graphs).
         self.cuda_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # Async scheduling: the last step's sampled tokens, still on the device.
+        self._pending: _PendingOutput | None = None
+        self._prev_sampled: torch.Tensor | None = None
+        self._prev_index: dict[str, int] = {}
+        self._sampled_host = [torch.zeros(self.max_num_reqs, dtype=torch.int64, pin_memory=device.type == "cuda")
+                              for _ in range(2)]  # double-buffered: step N+1 copies while N is read
+        self._sampled_host_turn = 0
         self._graph_sizes: list[int] = []
 
     # ---- KV cache ---------------------------------------------------------------------------
@@ -246,11 +258,16 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, sched: SchedulerOutput, non_block: bool = False):
+        """Run one step. With ``non_block`` the sampled tokens stay in flight: the return is a
+        handle whose ``result()`` waits for them, and the next step may be launched first
+        (async scheduling: its decodes read their input tokens from the device)."""
         self._update_states(sched)
         req_ids = [c.req_id for c in sched.scheduled_cached_reqs] + [n.req_id for n in sched.scheduled_new_reqs]
         if not req_ids:
-            return ModelRunnerOutput([], [])
+            return _PendingOutput.done(ModelRunnerOutput([], [])) if non_block else ModelRunnerOutput([], [])
+        if self._pending is not None and self._needs_known_outputs(req_ids):
+            self._pending.result()  # penalties / bad words / processors read the exact history
         batch = self._prepare_inputs(req_ids, sched.num_scheduled_tokens)
         if batch.graph_size is not None:
             graph, out = self.cuda_graphs[batch.graph_size]
@@ -259,9 +276,8 @@ class ModelRunner:
         else:
             hidden = self.model(batch.input_ids, batch.positions, batch.attn_metadata)
 
-        sample_rows = [i for i, r in enumerate(req_ids) if batch.completes[i]]
-        sampled_lists: list[list[int]] = [[] for _ in req_ids]
-        logprobs: dict[str, PositionLogprobs] = {}
+        sample_rows = [i for i in range(len(req_ids)) if batch.completes[i]]
+        pending = _PendingOutput(self, req_ids, sample_rows)
         if sample_rows:
             states = [self.requests[req_ids[i]] for i in sample_rows]
             if len(sample_rows) == batch.num_tokens:  # every token is a request's last: decode
@@ -271,19 +287,19 @@ class ModelRunner:
                 last_hidden = hidden[torch.from_numpy(last).to(self.device, non_blocking=True)]
             logits = self.model.compute_logits(last_hidden)
             out = self.sampler(logits, self._sampling_metadata(states))
-            tokens = out.sampled_token_ids.tolist()
-            if out.logprobs is not None:
-                lp_ids, lps, ranks = out.logprob_token_ids.tolist(), out.logprobs.tolist(), out.ranks.tolist()
-            for j, (row, state) in enumerate(zip(sample_rows, states)):
-                self.token_ids_cpu[state.row, len(state.token_ids)] = tokens[j]
-                state.token_ids.append(tokens[j])
-                sampled_lists[row] = [tokens[j]]
-                k = state.sampling_params.logprobs
-                if k is not None:
-                    n = len(lp_ids[j]) if k < 0 else 1 + k
-                    logprobs[state.req_id] = (lp_ids[j][:n], lps[j][:n], ranks[j][:n])
-        prompt_logprobs = self._prompt_logprobs(req_ids, batch, hidden)
-        return ModelRunnerOutput(req_ids, sampled_lists, logprobs, prompt_logprobs)
+            pending.launch_copy(states, out)
+            for state in states:
+                state.num_inflight += 1
+            self._prev_sampled = out.sampled_token_ids
+            self._prev_index = {state.req_id: j for j, state in enumerate(states)}
+        pending.prompt_logprobs = self._prompt_logprobs(req_ids, batch, hidden)
+        if non_block:
+            self._pending = pending
+            return pending
+        return pending.result()
+
+    def _needs_known_outputs(self, req_ids: list[str]) -> bool:
+        return any(s.num_inflight and s.features & _HISTORY_FEATURES for s in map(self.requests.__getitem__, req_ids))
 
     @dataclass
     class _Batch:
@@ -317,7 +333,10 @@ class ModelRunner:
         slots = self.block_table_cpu[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
         num_blocks = -(-int(seq_lens.max()) // bs)
         block_tables = self.block_table_cpu[rows, :num_blocks]
-        completes = [end == len(s.token_ids) for end, s in zip(seq_lens.tolist(), states)]
+        completes = [end == len(s.token_ids) + s.num_inflight for end, s in zip(seq_lens.tolist(), states)]
+        # Inputs still in flight (async scheduling): the previous step's samples, on the device.
+        inflight = [(int(qsl[i]) + len(s.token_ids) - starts[i], self._prev_index[s.req_id])
+                    for i, s in enumerate(states) if s.num_inflight]
         for s, end in zip(states, seq_lens.tolist()):
             s.num_computed_tokens = end
 
@@ -349,6 +368,9 @@ class ModelRunner:
                 seq_lens=seq_d, query_start_loc_cpu=qsl_list, seq_lens_cpu=seq_lens_list,
                 max_query_len=int(counts.max()), max_seq_len=int(seq_lens.max()),
             )
+        if inflight:
+            dst, src = (torch.tensor(x, dtype=torch.int64).to(self.device, non_blocking=True) for x in zip(*inflight))
+            ids_d[dst] = self._prev_sampled[src]
         return self._Batch(ids_d, pos_d, md, total, qsl_list, starts, completes, graph_size)
 
     def _sampling_metadata(self, states: list[CachedRequestState]) -> SamplingMetadata:
@@ -519,3 +541,66 @@ class _DeviceBuffers:
         dev = self.dev["block_tables"][:rows, :cols]
         dev.copy_(host.view(rows, cols), non_blocking=True)
         return dev
+
+
+class _PendingOutput:
+    """One step's ModelRunnerOutput, its sampled tokens possibly still being copied to the host."""
+
+    def __init__(self, runner: "ModelRunner", req_ids: list[str], sample_rows: list[int]) -> None:
+        self.runner, self.req_ids, self.sample_rows = runner, req_ids, sample_rows
+        self.states: list[CachedRequestState] = []
+        self.sampler_output = None
+        self.host_tokens: torch.Tensor | None = None
+        self.event = None
+        self.prompt_logprobs: dict[str, list[PositionLogprobs]] = {}
+        self._result: ModelRunnerOutput | None = None
+
+    @classmethod
+    def done(cls, output: ModelRunnerOutput) -> "_PendingOutput":
+        pending = cls(None, output.req_ids, [])
+        pending._result = output
+        return pending
+
+    def launch_copy(self, states: list[CachedRequestState], out) -> None:
+        runner = self.runner
+        self.states, self.sampler_output = states, out
+        n = len(states)
+        if runner.device.type == "cuda":
+            runner._sampled_host_turn ^= 1
+            self.host_tokens = runner._sampled_host[runner._sampled_host_turn][:n]
+            self.host_tokens.copy_(out.sampled_token_ids, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host_tokens = out.sampled_token_ids
+
+    def result(self) -> ModelRunnerOutput:
+        """Wait for the tokens, append them to the runner's request states (once)."""
+        if self._result is not None:
+            return self._result
+        runner = self.runner
+        sampled_lists: list[list[int]] = [[] for _ in self.req_ids]
+        logprobs: dict[str, PositionLogprobs] = {}
+        if self.states:
+            if self.event is not None:
+                self.event.synchronize()
+            tokens = self.host_tokens.tolist()
+            out = self.sampler_output
+            if out.logprobs is not None:
+                lp_ids, lps, ranks = out.logprob_token_ids.tolist(), out.logprobs.tolist(), out.ranks.tolist()
+            for j, (row, state) in enumerate(zip(self.sample_rows, self.states)):
+                tok = tokens[j]
+                if runner.requests.get(state.req_id) is state:  # not finished/preempted since
+                    runner.token_ids_cpu[state.row, len(state.token_ids)] = tok
+                    state.token_ids.append(tok)
+                    state.num_inflight -= 1
+                sampled_lists[row] = [tok]
+                k = state.sampling_params.logprobs
+                if k is not None:
+                    n = len(lp_ids[j]) if k < 0 else 1 + k
+                    logprobs[state.req_id] = (lp_ids[j][:n], lps[j][:n], ranks[j][:n])
+        if runner is not None and runner._pending is self:
+            runner._pending = None
+        self._result = ModelRunnerOutput(self.req_ids, sampled_lists, logprobs, self.prompt_logprobs)
+        self.runner = self.states = self.sampler_output = None
+        return self._result

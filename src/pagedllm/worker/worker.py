@@ -67,5 +67,5 @@ class Worker:
         if self.device.type == "cuda" and not self.config.model_config.enforce_eager:
             self.model_runner.capture_cuda_graphs()
 
-    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        return self.model_runner.execute_model(sched)
+    def execute_model(self, sched: SchedulerOutput, non_block: bool = False):
+        return self.model_runner.execute_model(sched, non_block)
