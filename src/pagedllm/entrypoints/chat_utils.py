@@ -1,11 +1,16 @@
 """Chat messages → prompt token ids through the tokenizer's chat template."""
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any, Union
 
 ChatMessage = dict[str, Any]
 _ROLES = ("system", "user", "assistant", "tool", "developer")
+# How message content reaches the template (vLLM's --chat-template-content-format): "string"
+# joins text parts into one string, "openai" passes a list of {"type": "text", "text"} parts,
+# "auto" picks "openai" when the template loops over a message's content.
+CONTENT_FORMATS = ("auto", "string", "openai")
 
 
 def load_chat_template(chat_template: str | None) -> str | None:
@@ -20,23 +25,64 @@ def load_chat_template(chat_template: str | None) -> str | None:
     raise ValueError(f"chat_template {chat_template!r} is neither a file nor a Jinja template")
 
 
-def _content_to_text(content: Union[str, list, None], i: int) -> str:
+def _is_content_access(node: Any) -> bool:
+    import jinja2.nodes as nodes
+
+    while isinstance(node, nodes.Filter):  # `message['content'] | selectattr(...)` still iterates the parts
+        node = node.node
+    if isinstance(node, nodes.Getitem):
+        return isinstance(node.arg, nodes.Const) and node.arg.value == "content"
+    return isinstance(node, nodes.Getattr) and node.attr == "content"
+
+
+@functools.lru_cache(maxsize=32)
+def detect_content_format(template: str) -> str:
+    """"openai" when the template loops over a message's content (directly or through a variable
+    set from it), else "string" — vLLM's auto-detection, on the template's Jinja syntax tree."""
+    import jinja2
+    import jinja2.nodes as nodes
+
+    try:
+        tree = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+    except jinja2.TemplateSyntaxError:
+        return "string"
+    content_vars = {a.target.name for a in tree.find_all(nodes.Assign)
+                    if isinstance(a.target, nodes.Name) and _is_content_access(a.node)}
+    for loop in tree.find_all(nodes.For):
+        it = loop.iter
+        while isinstance(it, nodes.Filter):
+            it = it.node
+        if _is_content_access(it) or (isinstance(it, nodes.Name) and it.name in content_vars):
+            return "openai"
+    return "string"
+
+
+def resolve_content_format(content_format: str, template: str | None) -> str:
+    if content_format not in CONTENT_FORMATS:
+        raise ValueError(f"chat_template_content_format must be one of {list(CONTENT_FORMATS)}, got {content_format!r}")
+    if content_format != "auto":
+        return content_format
+    return detect_content_format(template) if isinstance(template, str) else "string"
+
+
+def _text_parts(content: Union[str, list, None], i: int) -> list[str]:
     if content is None:
-        return ""
+        return []
     if isinstance(content, str):
-        return content
+        return [content]
     if isinstance(content, list):
         parts = []
         for part in content:
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise ValueError(f"messages[{i}].content parts must be {{'type': 'text', 'text': str}}, got {part!r}")
             parts.append(part["text"])
-        return "\n".join(parts)
+        return parts
     raise ValueError(f"messages[{i}].content must be a string or a list of text parts")
 
 
-def normalize_messages(messages: list[ChatMessage]) -> list[ChatMessage]:
-    """Check roles and flatten list-of-parts content into strings, for string-format templates."""
+def normalize_messages(messages: list[ChatMessage], content_format: str = "string") -> list[ChatMessage]:
+    """Check roles and give every message's content the template's format: one string
+    (text parts joined by newlines) or a list of text parts."""
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages must be a non-empty list")
     out = []
@@ -45,22 +91,31 @@ def normalize_messages(messages: list[ChatMessage]) -> list[ChatMessage]:
             raise ValueError(f"messages[{i}] must be a dict with a 'role'")
         if m["role"] not in _ROLES:
             raise ValueError(f"messages[{i}].role must be one of {list(_ROLES)}, got {m['role']!r}")
-        out.append({**m, "content": _content_to_text(m.get("content"), i)})
+        parts = _text_parts(m.get("content"), i)
+        content: Any = [{"type": "text", "text": t} for t in parts] if content_format == "openai" else "\n".join(parts)
+        out.append({**m, "content": content})
     return out
 
 
-def apply_chat_template(
+def render_chat_template(
     tokenizer: Any, messages: list[ChatMessage], *, chat_template: str | None = None,
-    add_generation_prompt: bool = True, continue_final_message: bool = False, **kwargs: Any,
-) -> list[int]:
+    add_generation_prompt: bool = True, continue_final_message: bool = False, content_format: str = "auto",
+    **kwargs: Any,
+) -> str:
+    """The prompt text the chat template makes of `messages`."""
     if add_generation_prompt and continue_final_message:
         raise ValueError("add_generation_prompt and continue_final_message cannot both be True")
     template = load_chat_template(chat_template)
     if template is None and getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("the tokenizer has no chat template; pass chat_template=")
-    text = tokenizer.apply_chat_template(
-        normalize_messages(messages), chat_template=template, tokenize=False,
+    content_format = resolve_content_format(content_format, template or tokenizer.chat_template)
+    return tokenizer.apply_chat_template(
+        normalize_messages(messages, content_format), chat_template=template, tokenize=False,
         add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message, **kwargs,
     )
+
+
+def apply_chat_template(tokenizer: Any, messages: list[ChatMessage], **kwargs: Any) -> list[int]:
+    """The prompt token ids of `messages` (render_chat_template's arguments)."""
     # The template writes any BOS itself: tokenizing must not add another.
-    return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode(render_chat_template(tokenizer, messages, **kwargs), add_special_tokens=False)

@@ -1,8 +1,10 @@
-"""The `pagedllm` command line: `pagedllm serve [MODEL] [flags]` (vLLM's flag names)."""
+"""The `pagedllm` command line (vLLM's flag names): `serve` the OpenAI-compatible API,
+`generate` from one prompt in the terminal, `bench` a workload."""
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import json
 import os
 import sys
@@ -11,8 +13,11 @@ import typing
 from typing import Any, Callable, Optional, Sequence
 
 from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.entrypoints.openai.cli_args import ENV_API_KEY, FrontendArgs, add_frontend_args
 
-_ENV_API_KEY = "PAGEDLLM_API_KEY"
+# `pagedllm bench NAME` runs pagedllm.benchmarks.<module>.main(argv).
+BENCHMARKS = {"throughput": "throughput", "latency": "latency", "startup": "startup", "serve": "serve",
+              "cpu": "cpu_vs_hf"}
 
 
 def _json_value(text: str) -> Any:
@@ -51,28 +56,46 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                                help=help_text)
 
 
+_MODEL_HELP = "model folder, GGUF file or hub id; None: the embedded SmolLM2-135M-Instruct"
+
+
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedllm", description="pagedllm: LLM inference with vLLM's API")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,generate,bench}")
     serve = sub.add_parser("serve", help="start the OpenAI-compatible HTTP server",
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                       help="model folder, GGUF file or hub id; None: the embedded SmolLM2-135M-Instruct")
-    serve.add_argument("--host", default="0.0.0.0", help="address to listen on")
-    serve.add_argument("--port", type=int, default=8000, help="port to listen on")
-    serve.add_argument("--served-model-name", nargs="+", default=None,
-                       help="name(s) clients use for the model; None: MODEL as given")
-    serve.add_argument("--api-key", default=None,
-                       help=f"require 'Authorization: Bearer KEY' on /v1/* (also env {_ENV_API_KEY})")
-    serve.add_argument("--chat-template", default=None, help="chat template file or inline Jinja template")
-    serve.add_argument("--uvicorn-log-level", default="info", help="uvicorn's log level")
+    serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help=_MODEL_HELP)
+    add_frontend_args(serve)
     add_engine_args(serve)
+
+    gen = sub.add_parser("generate", help="generate from one prompt (or chat message), streaming text to stdout",
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    gen.add_argument("prompt_arg", nargs="?", default=None, metavar="PROMPT",
+                     help="the prompt (or --prompt); neither: read it from stdin")
+    gen.add_argument("--prompt", dest="prompt_flag", default=None, metavar="STR", help="the prompt")
+    gen.add_argument("--chat", action="store_true",
+                     help="send PROMPT as a user message through the chat template")
+    gen.add_argument("--system", default=None, metavar="STR", help="a system message first (with --chat)")
+    gen.add_argument("--chat-template", default=None, metavar="STR",
+                     help="chat template file or inline Jinja template (with --chat); None: the tokenizer's")
+    gen.add_argument("--max-tokens", type=int, default=256, metavar="INT", help="tokens to generate at most")
+    gen.add_argument("--temperature", type=float, default=None, metavar="FLOAT",
+                     help="0: greedy; None: the model's generation_config default (else 1.0)")
+    gen.add_argument("--top-p", type=float, default=None, metavar="FLOAT",
+                     help="None: the model's generation_config default (else 1.0)")
+    add_engine_args(gen)  # its --seed also seeds this request's sampling
+    gen.set_defaults(disable_log_stats=True)  # one request: the stats line would only interleave with the text
+
+    bench = sub.add_parser("bench", help="run a benchmark: pagedllm bench NAME [its flags] (NAME --help lists them)")
+    bench.add_argument("benchmark", choices=list(BENCHMARKS), metavar="NAME",
+                       help=f"one of {list(BENCHMARKS)} (cpu: pagedllm vs transformers on CPU)")
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER, metavar="...", help="the benchmark's own flags")
     return parser
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
     kwargs = {f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs)}
-    if ns.model_tag is not None:
+    if getattr(ns, "model_tag", None) is not None:  # serve's positional MODEL
         kwargs["model"] = ns.model_tag
     return EngineArgs(**kwargs)
 
@@ -83,35 +106,106 @@ def default_served_name(model: Optional[str]) -> str:
     return model
 
 
+def frontend_args_from(ns: argparse.Namespace) -> FrontendArgs:
+    args = FrontendArgs.from_namespace(ns)
+    args.api_key = args.api_key or os.environ.get(ENV_API_KEY) or None
+    for path in (args.ssl_keyfile, args.ssl_certfile):
+        if path is not None and not os.path.isfile(path):
+            raise ValueError(f"no such TLS file: {path}")
+    return args
+
+
+def uvicorn_kwargs(args: FrontendArgs) -> dict[str, Any]:
+    return dict(host=args.host, port=args.port, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=5,
+                ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile)
+
+
 def serve(ns: argparse.Namespace) -> None:
     import uvicorn
 
     from pagedllm.engine.async_llm import AsyncLLM
     from pagedllm.entrypoints.openai.api_server import build_app
 
+    args = frontend_args_from(ns)
     engine_args = engine_args_from(ns)
-    names = ns.served_model_name or [default_served_name(engine_args.model)]
-    api_key = ns.api_key or os.environ.get(_ENV_API_KEY) or None
+    names = args.served_model_name or [default_served_name(engine_args.model)]
     engine = AsyncLLM.from_engine_args(engine_args)
     try:
-        app = build_app(engine, names, api_key=api_key, chat_template=ns.chat_template)
-        config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level,
-                                timeout_graceful_shutdown=5)
-        uvicorn.Server(config).run()  # returns on SIGINT / SIGTERM
+        app = build_app(engine, names, args)
+        uvicorn.Server(uvicorn.Config(app, **uvicorn_kwargs(args))).run()  # returns on SIGINT / SIGTERM
     finally:
         engine.shutdown()
 
 
+def _generate_prompt(ns: argparse.Namespace) -> str:
+    if ns.prompt_arg is not None and ns.prompt_flag is not None:
+        raise ValueError("give the prompt once: as PROMPT or as --prompt")
+    prompt = ns.prompt_arg if ns.prompt_arg is not None else ns.prompt_flag
+    if prompt is None:
+        if sys.stdin.isatty():
+            raise ValueError("no prompt: give PROMPT, --prompt, or pipe it on stdin")
+        prompt = sys.stdin.read()
+    if not prompt:
+        raise ValueError("the prompt is empty")
+    if ns.system is not None and not ns.chat:
+        raise ValueError("--system needs --chat")
+    return prompt
+
+
+def generate(ns: argparse.Namespace) -> None:
+    """Stream one request's text to stdout as the engine produces it (DELTA outputs)."""
+    from pagedllm.engine.llm_engine import LLMEngine
+    from pagedllm.entrypoints.chat_utils import apply_chat_template
+    from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+
+    prompt = _generate_prompt(ns)
+    engine = LLMEngine.from_engine_args(engine_args_from(ns))
+    overrides = {k: v for k, v in (("temperature", ns.temperature), ("top_p", ns.top_p)) if v is not None}
+    params = SamplingParams(**{**engine.model_config.default_sampling_overrides(), **overrides,
+                               "max_tokens": ns.max_tokens, "seed": ns.seed, "output_kind": RequestOutputKind.DELTA})
+    if ns.chat:
+        messages = ([{"role": "system", "content": ns.system}] if ns.system is not None else []) + \
+            [{"role": "user", "content": prompt}]
+        request: Any = {"prompt_token_ids": apply_chat_template(engine.get_tokenizer(), messages,
+                                                                chat_template=ns.chat_template)}
+    else:
+        request = prompt
+    engine.add_request("generate-0", request, params)
+    try:
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                sys.stdout.write(out.outputs[0].text)
+                sys.stdout.flush()
+    except KeyboardInterrupt:
+        engine.abort_request("generate-0")
+        sys.stdout.write("\n")
+        raise
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+
+
+def bench(ns: argparse.Namespace) -> None:
+    """Hand the remaining flags to pagedllm.benchmarks.<module>.main."""
+    module_name = f"pagedllm.benchmarks.{BENCHMARKS[ns.benchmark]}"
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name is None or not module_name.startswith(e.name):
+            raise  # a dependency of the benchmark is missing: say which
+        raise ValueError(f"the benchmark module {module_name} is not installed") from None
+    module.main(ns.bench_args)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     ns = make_parser().parse_args(argv)
-    if ns.command == "serve":
-        try:
-            serve(ns)
-        except (ValueError, RuntimeError) as e:
-            print(f"pagedllm serve: error: {e}", file=sys.stderr)
-            sys.exit(1)
-        except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down cleanly
-            sys.exit(130)
+    command = {"serve": serve, "generate": generate, "bench": bench}[ns.command]
+    try:
+        command(ns)
+    except (ValueError, RuntimeError) as e:
+        print(f"pagedllm {ns.command}: error: {e}", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down cleanly
+        sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -73,8 +73,11 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        chat_template_content_format: str = "auto",
     ) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to each conversation, then generate."""
+        """Apply the tokenizer's chat template to each conversation, then generate.
+        `chat_template_content_format` (auto/string/openai) is vLLM's: how message content
+        reaches the template."""
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list of messages or of conversations")
         conversations = messages if isinstance(messages[0], list) else [messages]
@@ -82,7 +85,8 @@ class LLM:
         prompts = [
             {"prompt_token_ids": apply_chat_template(
                 tokenizer, conv, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, **(chat_template_kwargs or {}))}
+                continue_final_message=continue_final_message, content_format=chat_template_content_format,
+                **(chat_template_kwargs or {}))}
             for conv in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import time
-import uuid
 from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -10,8 +9,12 @@ from pydantic import BaseModel, ConfigDict, Field
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 
-def random_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+class BadParam(ValueError):
+    """A 400 for one request field, named in the error body's `param`."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class OpenAIModel(BaseModel):
@@ -34,10 +37,16 @@ class StreamOptions(OpenAIModel):
     continuous_usage_stats: bool = False
 
 
+class PromptTokenUsageInfo(OpenAIModel):
+    cached_tokens: Optional[int] = None
+
+
 class UsageInfo(OpenAIModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    # Only with --enable-prompt-tokens-details: prompt tokens served from the prefix cache.
+    prompt_tokens_details: Optional[PromptTokenUsageInfo] = None
 
 
 class ModelCard(OpenAIModel):
@@ -82,9 +91,13 @@ class SamplingRequest(OpenAIModel):
     spaces_between_special_tokens: bool = True
     truncate_prompt_tokens: Optional[int] = None
     prompt_logprobs: Optional[int] = None
+    allowed_token_ids: Optional[list[int]] = None
+    priority: int = Field(0, ge=-(2 ** 63), lt=2 ** 63)
+    # The engine request's id (after the endpoint's prefix); an X-Request-Id header wins.
+    request_id: Optional[str] = Field(None, min_length=1, max_length=256)
 
-    def _sampling_params(self, defaults: dict[str, Any], max_tokens: Optional[int], logprobs: Optional[int]
-                         ) -> SamplingParams:
+    def _sampling_params(self, defaults: dict[str, Any], max_tokens: Optional[int], logprobs: Optional[int],
+                         prompt_logprobs: Optional[int] = None) -> SamplingParams:
         def pick(name: str, fallback: Any) -> Any:
             v = getattr(self, name)
             return v if v is not None else defaults.get(name, fallback)
@@ -105,7 +118,8 @@ class SamplingRequest(OpenAIModel):
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             max_tokens=max_tokens, min_tokens=self.min_tokens, logprobs=logprobs,
-            prompt_logprobs=self.prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
+            prompt_logprobs=prompt_logprobs if prompt_logprobs is not None else self.prompt_logprobs,
+            allowed_token_ids=self.allowed_token_ids, skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             truncate_prompt_tokens=self.truncate_prompt_tokens, logit_bias=logit_bias,
@@ -120,13 +134,22 @@ class CompletionRequest(SamplingRequest):
     echo: bool = False
     suffix: Optional[str] = None
     best_of: Optional[int] = None
+    add_special_tokens: bool = True
 
     def to_sampling_params(self, defaults: dict[str, Any]) -> SamplingParams:
         if self.suffix:
-            raise ValueError("suffix is not supported")
-        if self.best_of is not None and self.best_of != self.n:
-            raise ValueError(f"best_of must equal n={self.n} (no server-side ranking), got {self.best_of}")
-        return self._sampling_params(defaults, self.max_tokens, self.logprobs)
+            raise BadParam("suffix", "suffix is not supported: this server does no insertion (fill-in-the-middle) "
+                                     "completions")
+        if self.best_of is not None and self.best_of < self.n:
+            raise BadParam("best_of", f"best_of must be >= n; got best_of={self.best_of}, n={self.n}")
+        if self.best_of is not None and self.best_of > self.n:
+            raise BadParam("best_of", f"best_of > n is not supported (no server-side ranking of candidates, as in "
+                                      f"vLLM V1); got best_of={self.best_of}, n={self.n}: drop best_of or set it to n")
+        # echo + logprobs reports the prompt's tokens too (vLLM's rule): their logprobs come from the engine.
+        prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
+        if self.prompt_logprobs is not None:
+            prompt_logprobs = max(self.prompt_logprobs, prompt_logprobs or 0)
+        return self._sampling_params(defaults, self.max_tokens, self.logprobs, prompt_logprobs)
 
 
 class ChatMessage(OpenAIModel):
