@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# One device call does the whole GPU pass: correctness tests, then the benchmarks, then a
+# short table. Usage (on the device machine, repo root): scripts/gpu_pass.sh [STAGES]
+# STAGES is a comma list of: tests, throughput, throughput8b, latency, startup (default: all).
+# Needs the SmolLM2 tokenizer saved under .gpu/tokenizer (carried with the call).
+set -uo pipefail
+export PYTHONPATH=src:. PAGEDLLM_TEST_TOKENIZER_DIR=.gpu/tokenizer HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+OUT=${OUT:-/tmp/pagedllm-out}
+mkdir -p "$OUT"
+STAGES=",${1:-tests,throughput,throughput8b,latency,startup},"
+RES="$OUT/results.jsonl"
+: > "$RES"
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
+python -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+stage() { [[ "$STAGES" == *",$1,"* ]]; }
+bench() {  # name, then the command; JSON lines go to $RES, the rest to $OUT/NAME.log
+  local name=$1; shift
+  echo "== $name: $*"
+  local t0=$SECONDS
+  "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  grep '^{' "$OUT/$name.log" >> "$RES"
+  grep -E '^\{|Error|error|Captured|KV cache' "$OUT/$name.log" | tail -6 | cut -c1-400
+  echo "   ($name: rc=$rc, $((SECONDS - t0)) s)"
+}
+if stage tests; then
+  echo "== tests"
+  python -m pytest -q -x -p no:cacheprovider tests/attention tests/ops tests/gpu tests/engine/test_correctness.py \
+    tests/engine/test_async_scheduling.py > "$OUT/tests.log" 2>&1
+  echo "   tests rc=$?"; tail -15 "$OUT/tests.log" | cut -c1-300
+fi
+stage throughput && bench throughput python -m pagedllm.benchmarks.throughput --shape qwen3-0.6b
+stage throughput8b && bench throughput8b python -m pagedllm.benchmarks.throughput --shape llama3-8b
+stage latency && bench latency python -m pagedllm.benchmarks.latency --shape llama3-8b --batch-sizes 1,32
+stage startup && bench startup python -m pagedllm.benchmarks.startup --shape llama3-8b
+echo "== results"
+python - "$RES" <<'PY'
+import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    keep = {k: v for k, v in r.items() if k not in ("commit", "device", "time", "engine")}
+    print(json.dumps(keep)[:300])
+PY
