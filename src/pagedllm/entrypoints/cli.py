@@ -144,7 +144,7 @@ def _generate_prompt(ns: argparse.Namespace) -> str:
     if prompt is None:
         if sys.stdin.isatty():
             raise ValueError("no prompt: give PROMPT, --prompt, or pipe it on stdin")
-        prompt = sys.stdin.read()
+        prompt = sys.stdin.read().rstrip("\n")  # `echo PROMPT | pagedllm generate`: not the newline
     if not prompt:
         raise ValueError("the prompt is empty")
     if ns.system is not None and not ns.chat:
