@@ -442,6 +442,17 @@ def test_metrics_parse_and_counters_move(server, client, llm):
     assert "pagedllm:num_preemptions_total" in after and "pagedllm:num_requests_waiting" in after
 
 
+def test_vllm_extra_parameters_reach_the_engine(http, llm):
+    token_id = llm.get_tokenizer().encode(" Paris")[-1]
+    r = http.post("/v1/completions", json={"prompt": "The capital is", "max_tokens": 3, "ignore_eos": True,
+                                           "allowed_token_ids": [token_id], "request_id": "from-the-body",
+                                           "priority": 5})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["id"] == "cmpl-from-the-body"
+    assert body["choices"][0]["text"] == llm.get_tokenizer().decode([token_id] * 3)
+
+
 # ---- server flags (the flags_server fixture turns them on) ------------------------------------------
 def test_x_request_id_is_echoed_or_generated_and_names_the_request(flags_server, server):
     url, _ = flags_server
