@@ -1,0 +1,197 @@
+"""Smoke runs of every benchmark's main() at tiny sizes on the CPU: the JSON lines they print
+carry the figures BENCHMARKS.md asks for, and the figures agree with the workload drawn."""
+from __future__ import annotations
+
+import asyncio
+import http.server
+import json
+import socket
+import statistics
+import threading
+
+import pytest
+import torch
+
+from pagedllm.benchmarks import common, cpu_vs_hf, latency, serve, startup, throughput
+from tests.conftest import TEST_KV_BYTES, build_tiny_model
+
+KV = f"kv_cache_memory_bytes={TEST_KV_BYTES}"
+
+
+def _json_lines(capsys) -> list[dict]:
+    out = capsys.readouterr().out
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    for row in rows:
+        assert {"commit", "device", "time", "benchmark"} <= row.keys()
+    return rows
+
+
+@pytest.mark.parametrize("shape", sorted(common.SHAPES))
+def test_weight_bytes_equals_the_parameter_bytes_of_the_model(shape):
+    import transformers
+
+    from pagedllm.model.registry import get_model_class
+
+    config = transformers.AutoConfig.from_pretrained(common.write_shape(shape))
+    with torch.device("meta"):
+        model = get_model_class(config.architectures)(config)
+    params = {id(p): p for p in model.parameters()}.values()  # a tied head counts once
+    assert common.weight_bytes(common.SHAPES[shape], itemsize=2) == sum(p.numel() * 2 for p in params)
+
+
+def test_throughput_counts_every_drawn_output_token(capsys):
+    throughput.main(["--shape", "tiny-llama", "--num-prompts", "3", "--max-input-len", "16", "--max-output-len", "4",
+                     "--dtype", "float32", "--engine-args", KV])
+    (row,) = _json_lines(capsys)
+    assert row["benchmark"] == "throughput" and row["num_prompts"] == 3
+    assert row["output_tokens"] == 3 * 4  # max_tokens drawn from randint(4, 4), ignore_eos
+    assert row["total_tok_s"] > row["output_tok_s"] > 0
+
+
+def test_latency_reports_each_batch_size_and_the_roofline_at_batch_1(capsys):
+    latency.main(["--shape", "tiny-llama", "--batch-sizes", "1,2", "--input-len", "8", "--output-len", "4",
+                  "--num-iters", "1", "--num-iters-warmup", "0", "--dtype", "float32", "--copy-mib", "8",
+                  "--engine-args", KV])
+    rows = _json_lines(capsys)
+    assert [r["batch_size"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["benchmark"] == "latency" and r["output_len"] == 4 and r["ttft_ms"] > 0
+        assert r["ms_per_step"] == pytest.approx((r["e2e_s"] * 1e3 - r["ttft_ms"]) / 3, abs=0.05)
+        assert r["decode_tok_s"] == pytest.approx(r["batch_size"] * 1e3 / r["ms_per_step"], rel=1e-2)
+    one, two = rows
+    assert one["weight_bytes"] == common.weight_bytes(common.SHAPES["tiny-llama"], itemsize=4)
+    assert one["copy_bandwidth_gb_s"] > 0
+    assert one["roofline_ms"] == pytest.approx(one["weight_bytes"] / (one["copy_bandwidth_gb_s"] * 1e9) * 1e3,
+                                               rel=0.05)
+    assert one["roofline_fraction"] == pytest.approx(one["roofline_ms"] / one["ms_per_step"], rel=1e-2)
+    assert "roofline_fraction" not in two
+
+
+def test_startup_is_timed_by_the_parent_and_broken_down_by_the_child(capsys):
+    startup.main(["--shape", "tiny-llama", "--engine-args", KV])
+    (row,) = _json_lines(capsys)
+    assert row["benchmark"] == "startup"
+    parts = row["interpreter_s"] + row["import_s"] + row["engine_init_s"] + row["first_token_s"]
+    assert row["startup_s"] >= parts - 0.01  # the parent's clock runs until the token is reported
+    assert row["import_s"] > 0 and row["config_s"] > 0 and row["load_s"] > 0 and row["first_token_s"] > 0
+    assert row["kv_sizing_s"] is not None and row["cuda_graphs_s"] is None  # no graphs on the CPU
+    assert row["engine_other_s"] >= -0.01
+
+
+def test_cpu_vs_hf_reports_both_engines_on_the_same_prompts(smollm2_tokenizer_dir, tmp_path, capsys):
+    # A tiny model with SmolLM2's tokenizer and chat template: the real GGUF's first parse alone
+    # would take most of this file's time budget.
+    model = build_tiny_model("llama", str(tmp_path), smollm2_tokenizer_dir)
+    cpu_vs_hf.main(["--model", model, "--num-requests", "3", "--max-tokens", "4", "--max-model-len", "256",
+                    "--kv-cache-memory-bytes", str(TEST_KV_BYTES)])
+    (row,) = _json_lines(capsys)
+    assert row["benchmark"] == "cpu_vs_hf" and row["num_requests"] == 3 and row["model"] == model
+    for engine in ("pagedllm", "hf"):  # elapsed_s is rounded to 10 ms
+        assert 3 * 4 / row[f"{engine}_output_tok_s"] == pytest.approx(row[f"{engine}_elapsed_s"], abs=0.006)
+    assert row["speedup"] == pytest.approx(row["pagedllm_output_tok_s"] / row["hf_output_tok_s"], rel=0.02)
+
+
+def test_serve_draw_follows_benchmarks_md():
+    requests, gaps = serve.draw_workload(3, 4.0)
+    import random
+
+    rng = random.Random(1)
+    for req in requests:
+        n = rng.randint(100, 1024)
+        assert req.prompt_token_ids == [rng.randint(100, 40000) for _ in range(n)]
+        assert req.max_tokens == rng.randint(100, 1024)
+    assert gaps == [rng.expovariate(4.0) for _ in range(3)]
+
+
+def test_serve_launches_a_server_and_measures_every_streamed_token(smollm2_tokenizer_dir, capsys):
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    num, max_in, max_out = 8, 24, 4
+    serve.main(["--launch", "--shape", "tiny-llama", "--tokenizer", smollm2_tokenizer_dir,
+                "--base-url", f"http://127.0.0.1:{port}", "--http-client", "stdlib", "--request-rate", "200",
+                "--num-prompts", str(num), "--max-input-len", str(max_in), "--max-output-len", str(max_out),
+                "--server-args", f"--dtype float32 --max-model-len 64 --kv-cache-memory-bytes {TEST_KV_BYTES} "
+                                 "--uvicorn-log-level warning"])
+    (row,) = _json_lines(capsys)
+    requests, _ = serve.draw_workload(num, 200.0, max_in, max_out)
+    assert row["benchmark"] == "serve" and row["http_client"] == "stdlib" and row["healthy_s"] > 0
+    assert (row["completed"], row["errors"], row["short_outputs"]) == (num, 0, 0), row["error_samples"]
+    assert row["output_tokens"] == sum(r.max_tokens for r in requests)
+    for metric in ("ttft", "tpot", "itl"):
+        p50, p90, p99 = (row[f"{metric}_ms_p{q}"] for q in serve.PERCENTILES)
+        assert 0 < p50 <= p90 <= p99
+    assert row["output_tokens"] / row["output_tok_s"] == pytest.approx(row["duration_s"], abs=0.006)
+
+
+class _FakeCompletions(http.server.BaseHTTPRequestHandler):
+    """max_tokens picks the answer: 1 → HTTP 400, 2 → an SSE error event, else that many tokens."""
+
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args):
+        pass
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        n = body["max_tokens"]
+        if n == 1:
+            payload = b'{"error": {"message": "bad request"}}'
+            self.send_response(400)
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        events = ([{"error": {"message": "engine died"}}] if n == 2 else
+                  [{"choices": [{"text": f"t{i}"}]} for i in range(n)] + [{"choices": [], "usage": {
+                      "completion_tokens": n}}])
+        for event in [f"data: {json.dumps(e)}\n\n" for e in events] + ["data: [DONE]\n\n"]:
+            for piece in (event[:7], event[7:]):  # lines split across chunks
+                self.wfile.write(f"{len(piece):x}\r\n{piece}\r\n".encode())
+        self.wfile.write(b"0\r\n\r\n")
+
+
+@pytest.mark.parametrize("client", ["stdlib", "httpx"])
+def test_serve_client_parses_chunked_streams_and_counts_errors(client):
+    if client == "httpx":
+        pytest.importorskip("httpx")
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _FakeCompletions)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/v1/completions"
+
+    async def run():
+        lines_of = serve._stdlib_lines
+        if client == "httpx":
+            import httpx
+
+            http_client = httpx.AsyncClient()
+            lines_of = lambda u, b, h: serve._httpx_lines(http_client, u, b, h)  # noqa: E731
+        results = [await serve.send_request(lines_of, url, "m", serve.BenchRequest([5, 6], n), {}, 10)
+                   for n in (5, 1, 2)]
+        with socket.socket() as s:  # a port nothing listens on
+            s.bind(("127.0.0.1", 0))
+            dead = f"http://127.0.0.1:{s.getsockname()[1]}/v1/completions"
+        results.append(await serve.send_request(lines_of, dead, "m", serve.BenchRequest([5], 3), {}, 10))
+        if client == "httpx":
+            await http_client.aclose()
+        return results
+
+    try:
+        good, http_400, stream_error, refused = asyncio.run(run())
+    finally:
+        server.shutdown()
+    assert good.ok and good.output_tokens == 5 and len(good.itl_s) == 4 and 0 < good.ttft_s <= good.latency_s
+    assert not http_400.ok and "HTTP 400" in http_400.error and "bad request" in http_400.error
+    assert not stream_error.ok and "engine died" in stream_error.error
+    assert not refused.ok and refused.error
+    summary = serve.summarize([serve.BenchRequest([5, 6], n) for n in (5, 1, 2, 3)],
+                              [good, http_400, stream_error, refused], duration_s=1.0)
+    assert (summary["completed"], summary["errors"], summary["output_tokens"]) == (1, 3, 5)
+    assert summary["tpot_ms_p50"] == pytest.approx((good.latency_s - good.ttft_s) / 4 * 1e3, abs=0.01)
+    assert summary["itl_ms_p50"] == pytest.approx(statistics.median(good.itl_s) * 1e3, abs=0.01)
