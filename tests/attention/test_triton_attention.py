@@ -99,11 +99,12 @@ CASES = [  # block_size, kv_heads, group, head_dim, dtype, kind, window, pad
     (32, 2, 1, 64, torch.float16, "prefill", None, 0),  # the interpreter's bf16 dot is wrong: bf16 on GPU only
     (16, 2, 2, 128, torch.float16, "mixed", 7, 2),
 ]
-if ON_GPU:
-    CASES += [(bs, kvh, g, hd, dt, kind, w, pad)
-              for bs in (8, 16, 32, 64, 128) for kvh, g in ((1, 1), (2, 2), (8, 4), (4, 8)) for hd in (64, 128)
-              for dt in (torch.float32, torch.bfloat16) for kind in ("mixed", "decode", "prefill")
-              for w, pad in ((None, 0), (5, 2))]
+if ON_GPU:  # 40 draws from the full product (each distinct shape compiles its own kernel)
+    _all = [(bs, kvh, g, hd, dt, kind, w, pad)
+            for bs in (8, 16, 32, 64, 128) for kvh, g in ((1, 1), (2, 2), (8, 4), (4, 8)) for hd in (64, 128)
+            for dt in (torch.float32, torch.bfloat16, torch.float16) for kind in ("mixed", "decode", "prefill")
+            for w, pad in ((None, 0), (5, 2))]
+    CASES += random.Random(0).sample(_all, 40)
 
 
 @pytest.mark.parametrize("case", range(len(CASES)))
