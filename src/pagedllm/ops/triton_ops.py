@@ -1,0 +1,190 @@
+"""Triton kernels for the per-token hot ops: RMSNorm (with the residual add), SiLU-and-mul, rotary.
+
+Each computes what the torch code in pagedllm.model.layers computes, rounding where it rounds
+(to the model dtype after the residual add, after the normalisation, after silu, after each
+rotary product), so the two paths agree to the last bit up to fp32 summation order and the
+hardware's rsqrt/exp. One launch and one pass over the data each, where torch takes four to
+eight. Outputs are fresh contiguous tensors, as the torch code returns; inputs may be the
+strided [T, H, D] views that split a fused projection (Qwen3's per-head q/k norm, rotary).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# One program holds a whole row: hidden sizes of the supported models are far below this.
+MAX_ROW_SIZE = 65536
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_inner, x_stride0, x_stride1, res_stride0,
+                     res_stride1, N, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    outer, inner = row // n_inner, row % n_inner
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    x = tl.load(x_ptr + outer * x_stride0 + inner * x_stride1 + offs, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + outer * res_stride0 + inner * res_stride1 + offs, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)  # the add in the model dtype
+        tl.store(res_out_ptr + row * N + offs, x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / N + eps)
+    normed = (xf * rstd).to(x_ptr.dtype.element_ty)  # cast to x's dtype before the weight, like HF
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+    out = normed.to(tl.float32) * w.to(tl.float32)
+    tl.store(out_ptr + row * N + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, x_stride0, inter_size, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < inter_size
+    gate = tl.load(x_ptr + row * x_stride0 + offs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * x_stride0 + inter_size + offs, mask=mask, other=0.0)
+    act = (gate / (1.0 + tl.exp(-gate))).to(x_ptr.dtype.element_ty)  # F.silu rounds here
+    out = act.to(tl.float32) * up.to(tl.float32)
+    tl.store(out_ptr + row * inter_size + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rotate_heads(x_ptr, out_ptr, t, x_stride0, x_stride1, head0, cos, sin, offs_d, mask_d,
+                  NUM_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Rotate heads [head0, head0 + BLOCK_H) of token t: [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin]."""
+    dtype = x_ptr.dtype.element_ty
+    heads = head0 + tl.arange(0, BLOCK_H)
+    mask = (heads < NUM_HEADS)[:, None] & mask_d[None, :]
+    src = x_ptr + t * x_stride0 + heads[:, None] * x_stride1 + offs_d[None, :]
+    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+    # Each product and sum rounded to the model dtype, as torch computes it in that dtype.
+    x1c, x2s = (x1 * cos).to(dtype).to(tl.float32), (x2 * sin).to(dtype).to(tl.float32)
+    x2c, x1s = (x2 * cos).to(dtype).to(tl.float32), (x1 * sin).to(dtype).to(tl.float32)
+    dst = out_ptr + (t * NUM_HEADS + heads[:, None]) * (2 * HALF) + offs_d[None, :]
+    tl.store(dst, (x1c - x2s).to(dtype), mask=mask)
+    tl.store(dst + HALF, (x2c + x1s).to(dtype), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_sin_ptr, pos_ptr, q_stride0, q_stride1, k_stride0,
+                   k_stride1, cos_sin_stride0, NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr,
+                   HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    head_block = tl.program_id(1)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HALF
+    table = cos_sin_ptr + tl.load(pos_ptr + t).to(tl.int64) * cos_sin_stride0
+    # The float32 table cast to the model dtype first, like torch's cos.to(x.dtype).
+    dtype = q_ptr.dtype.element_ty
+    cos = tl.load(table + offs_d, mask=mask_d, other=0.0).to(dtype).to(tl.float32)[None, :]
+    sin = tl.load(table + HALF + offs_d, mask=mask_d, other=0.0).to(dtype).to(tl.float32)[None, :]
+    q_blocks = tl.cdiv(NUM_Q_HEADS, BLOCK_H)
+    if head_block < q_blocks:
+        _rotate_heads(q_ptr, q_out_ptr, t, q_stride0, q_stride1, head_block * BLOCK_H, cos, sin, offs_d, mask_d,
+                      NUM_Q_HEADS, HALF, BLOCK_H)
+    else:
+        _rotate_heads(k_ptr, k_out_ptr, t, k_stride0, k_stride1, (head_block - q_blocks) * BLOCK_H, cos, sin,
+                      offs_d, mask_d, NUM_K_HEADS, HALF, BLOCK_H)
+
+
+def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
+    """x as (tensor, rows per outer index, outer stride, inner stride) over rows of its last dim;
+    no copy for up to 3 dims with a unit last stride (the [T, H, D] views of a fused qkv)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if x.dim() > 3:
+        x = x.reshape(-1, x.shape[-1])
+    if x.dim() == 1:
+        return x, 1, 0, 0
+    if x.dim() == 2:
+        return x, 1, x.stride(0), 0
+    return x, x.shape[1], x.stride(0), x.stride(1)
+
+
+def _row_launch(n: int) -> tuple[int, int]:
+    if n > MAX_ROW_SIZE:
+        raise ValueError(f"row size {n} is larger than the kernels' maximum of {MAX_ROW_SIZE}")
+    block = triton.next_power_of_2(n)
+    return block, min(max(block // 256, 1), 16)
+
+
+def _rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    n = x.shape[-1]
+    if weight.shape != (n,):
+        raise ValueError(f"weight has shape {tuple(weight.shape)}, expected ({n},)")
+    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    res_out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else out
+    num_rows = x.numel() // n if n else 0
+    if num_rows == 0:
+        return out, res_out
+    xr, n_inner, xs0, xs1 = _rows(x)
+    # residual has x's shape, so it comes out of _rows with the same rows per outer index.
+    rr, _, rs0, rs1 = _rows(residual) if residual is not None else (xr, n_inner, xs0, xs1)
+    block, num_warps = _row_launch(n)
+    _rms_norm_kernel[(num_rows,)](xr, rr, weight, out, res_out, n_inner, xs0, xs1, rs0, rs1, n, eps,
+                                  HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=num_warps)
+    return out, res_out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * (x.float() * rsqrt(mean(x.float()**2) + eps)).to(x.dtype)`` over the last dim."""
+    return _rms_norm(x, None, weight, eps)[0]
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual), the add in x's dtype; one read of each input."""
+    if residual.shape != x.shape or residual.dtype != x.dtype:
+        raise ValueError(f"residual must match x: got {tuple(residual.shape)} {residual.dtype}, "
+                         f"x is {tuple(x.shape)} {x.dtype}")
+    return _rms_norm(x, residual, weight, eps)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(x[..., :I]) * x[..., I:]`` for x of last dim 2I."""
+    if x.shape[-1] % 2:
+        raise ValueError(f"the last dim of x must be even (gate and up halves), got {x.shape[-1]}")
+    inter = x.shape[-1] // 2
+    out = torch.empty(*x.shape[:-1], inter, dtype=x.dtype, device=x.device)
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    if x2.shape[0] == 0 or inter == 0:
+        return out
+    block = min(triton.next_power_of_2(inter), 1024)
+    _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(inter, block))](x2, out, x2.stride(0), inter, BLOCK=block,
+                                                                    num_warps=4)
+    return out
+
+
+def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                     cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox-style rotary of q [T, Hq, D] and k [T, Hk, D] at ``positions`` [T], from the float32
+    ``cos_sin_cache`` [max_position, D] (cos then sin halves); one launch for both."""
+    if q.dim() != 3 or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2] or q.dtype != k.dtype:
+        raise ValueError(f"q and k must be [T, H, D] of one dtype with equal T and D, got {tuple(q.shape)} "
+                         f"{q.dtype} and {tuple(k.shape)} {k.dtype}")
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_k_heads = k.shape[1]
+    if head_dim % 2 or cos_sin_cache.shape[-1] != head_dim or positions.shape != (num_tokens,):
+        raise ValueError(f"head_dim {head_dim} must be even and match cos_sin_cache {tuple(cos_sin_cache.shape)}; "
+                         f"positions {tuple(positions.shape)} must be [{num_tokens}]")
+    positions = positions.contiguous()
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    q_out, k_out = torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype,
+                                                                                       device=k.device)
+    if num_tokens == 0:
+        return q_out, k_out
+    half = head_dim // 2
+    block_h = min(triton.next_power_of_2(max(num_q_heads, num_k_heads)), 8)
+    head_blocks = triton.cdiv(num_q_heads, block_h) + triton.cdiv(num_k_heads, block_h)
+    _rotary_kernel[(num_tokens, head_blocks)](
+        q, k, q_out, k_out, cos_sin_cache, positions, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        cos_sin_cache.stride(0), NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=num_k_heads, HALF=half, BLOCK_H=block_h,
+        BLOCK_D=triton.next_power_of_2(half), num_warps=4)
+    return q_out, k_out
