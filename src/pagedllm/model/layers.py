@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.ops import triton_ops_for
+
 
 def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
     if param.shape != loaded_weight.shape:
@@ -30,7 +32,8 @@ def _parameter(*shape: int, weight_loader=default_weight_loader) -> nn.Parameter
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm as HF Llama computes it; with ``residual`` it first adds it (fused pre-norm)."""
+    """RMSNorm as HF Llama computes it; with ``residual`` it first adds it (fused pre-norm).
+    On CUDA one Triton kernel does either (pagedllm.ops); the torch code is the reference."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
@@ -43,6 +46,11 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        ops = triton_ops_for(x)
+        if ops is not None and (residual is None or residual.dtype == x.dtype):
+            if residual is None:
+                return ops.rms_norm(x, self.weight, self.eps)
+            return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
         if residual is None:
             return self._norm(x)
         x = x + residual  # in the model dtype, like HF's `residual + hidden_states`
@@ -89,6 +97,9 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ops = triton_ops_for(q)
+        if ops is not None and q.dim() == 3 and q.dtype == k.dtype:  # [T, H, D], one kernel for q and k
+            return ops.rotary_embedding(positions, q, k, self.cos_sin_cache)
         cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2] each
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
@@ -115,6 +126,9 @@ class SiluAndMul(nn.Module):
     """``silu(gate) * up`` over the two halves of a fused gate_up projection."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ops = triton_ops_for(x)
+        if ops is not None:
+            return ops.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 
