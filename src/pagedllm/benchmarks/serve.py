@@ -375,8 +375,8 @@ def main(argv: list[str] | None = None) -> None:
             stop_server(proc)
     shape = f"{args.shape} (vocab {SERVE_VOCAB_SIZE})" if args.launch else args.model
     for summary in summaries:
-        emit({"benchmark": "serve", "engine": "pagedllm", "model": shape, "healthy_s": healthy_s and round(healthy_s, 1),
-              **summary})
+        emit({"benchmark": "serve", "engine": "pagedllm", "model": shape,
+              "healthy_s": None if healthy_s is None else round(healthy_s, 1), **summary})
     print_table(summaries, ["request_rate", "completed", "errors", "request_throughput", "output_tok_s",
                             "ttft_ms_p50", "ttft_ms_p90", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p90", "tpot_ms_p99",
                             "itl_ms_p50", "itl_ms_p90", "itl_ms_p99"])

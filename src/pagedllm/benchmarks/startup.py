@@ -144,8 +144,8 @@ def main(argv: list[str] | None = None) -> None:
                   **run_once(model, "auto" if args.model else "dummy", engine_kwargs, args.timeout_s)}
         emit(result)
         results.append(result)
-    print_table(results, ["run", "startup_s", "interpreter_s", "import_s", "config_s", "load_s", "kv_sizing_s", "cuda_graphs_s",
-                          "engine_other_s", "first_token_s"])
+    print_table(results, ["run", "startup_s", "interpreter_s", "import_s", "config_s", "load_s", "kv_sizing_s",
+                          "cuda_graphs_s", "engine_other_s", "first_token_s"])
 
 
 if __name__ == "__main__":
