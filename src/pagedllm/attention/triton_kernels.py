@@ -1,124 +1,184 @@
 """Triton kernels of the GPU attention path: the paged KV write and unified paged attention.
 
-Both launch over grids that depend only on tensor shapes, never on per-request host data,
-so they can be captured in CUDA graphs.
+Every launch has a grid that depends only on tensor shapes and Python constants, never on
+per-request host data or on values read back from the device, so the launches can be
+captured in CUDA graphs and replayed with new metadata in the same buffers.
 
 Unified attention: one launch for a flat batch of prefill chunks (with cached prefixes) and
-decodes. Each program takes ``BLOCK_Q`` query tokens of one sequence times all the query
-heads of one KV head (GQA: K/V are loaded once for the whole group), so a tile has
-``BLOCK_M = BLOCK_Q * GROUP_PAD`` rows. Programs are numbered as in vLLM's Triton backend:
-sequence ``s`` owns programs ``qsl[s] // BLOCK_Q + s ...``, so a grid of
-``num_tokens // BLOCK_Q + num_seqs`` covers any batch; a program finds its sequence by
-binary search over ``query_start_loc`` and exits when it has no rows. Keys are walked in
-tiles of ``BLOCK_N`` tokens gathered through the block table, with an online softmax in
-fp32 (exp2, log2(e) folded into the scale).
+decodes. A program takes ``BLOCK_Q`` query tokens of one sequence times all the query heads
+of one KV head (GQA: each K/V tile is loaded once for the whole group), a tile of
+``BLOCK_M >= BLOCK_Q * GROUP_PAD`` rows (at least 16, what a tensor-core dot needs, so a
+decode's head group is padded up to 16 rows). Programs are numbered as in vLLM's Triton
+backend: sequence ``s`` owns programs ``qsl[s] // BLOCK_Q + s`` onwards, so a grid of
+``num_tokens // BLOCK_Q + num_seqs`` covers any batch (with ``BLOCK_Q == 1`` program ``t``
+is simply token ``t``); a program finds its sequence by binary search over
+``query_start_loc`` and returns at once when it owns no query rows. Keys are walked in tiles
+of ``BLOCK_N`` tokens gathered through the block table (the tile may be smaller or larger
+than the cache's block), with an online softmax in fp32 (exp2, log2(e) folded into the scale).
+
+Split-KV (flash decoding): with few (sequence, KV head) pairs, each program's key range is
+cut into a fixed ``NUM_SPLITS`` parts run by separate programs, which write unnormalised
+partial outputs with their running max and sum; a second small kernel merges them.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 import triton
 import triton.language as tl
 
+LOG2_E = math.log2(math.e)
 
+
+# ---- KV write ----------------------------------------------------------------------------------
 @triton.jit
 def _reshape_and_cache_kernel(
     key_ptr, value_ptr, cache_ptr, slot_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_c_kv, stride_c_block, stride_c_slot, stride_c_head,
-    BLOCK_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS_PAD: tl.constexpr,
-    DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HEADS_PAD: tl.constexpr, DIM_PAD: tl.constexpr,
 ):
-    t = tl.program_id(0)
-    slot = tl.load(slot_ptr + t)
-    if slot < 0:  # padding
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot < 0:  # padding token: nothing to store
         return
     block = slot // BLOCK_SIZE
     off = slot % BLOCK_SIZE
     h = tl.arange(0, HEADS_PAD)[:, None]
     d = tl.arange(0, DIM_PAD)[None, :]
-    mask = (h < NUM_KV_HEADS) & (d < HEAD_DIM)
+    mask = h < NUM_KV_HEADS
+    if DIM_PAD != HEAD_DIM:
+        mask = mask & (d < HEAD_DIM)
     k = tl.load(key_ptr + t * stride_kt + h * stride_kh + d, mask=mask)
     v = tl.load(value_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
-    dst = cache_ptr + block.to(tl.int64) * stride_c_block + off * stride_c_slot + h * stride_c_head + d
-    tl.store(dst, k, mask=mask)
-    tl.store(dst + stride_c_kv, v, mask=mask)
+    dst = cache_ptr + block * stride_c_block + off * stride_c_slot + h * stride_c_head + d
+    tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + stride_c_kv, v.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                       slot_mapping: torch.Tensor) -> None:
-    """Write each token's K/V ([T, kv_heads, head_dim]) at its slot; slot -1 is skipped."""
+    """Store token ``t``'s K/V (``[num_tokens, num_kv_heads, head_dim]``, rows may be strided
+    views of a fused projection) at flat slot ``slot_mapping[t]`` of ``kv_cache``
+    (``[2, num_blocks, block_size, num_kv_heads, head_dim]``); slot -1 is skipped."""
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
-    assert key.stride(-1) == 1 and value.stride(-1) == 1 and kv_cache.stride(-1) == 1
+    if slot_mapping.shape[0] < num_tokens:
+        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for {num_tokens} tokens")
+    if value.shape != key.shape or tuple(kv_cache.shape[3:]) != (num_kv_heads, head_dim):
+        raise ValueError(f"key {tuple(key.shape)}, value {tuple(value.shape)} and kv_cache "
+                         f"{tuple(kv_cache.shape)} disagree on [num_kv_heads, head_dim]")
+    assert key.stride(-1) == 1 and value.stride(-1) == 1 and kv_cache.is_contiguous()
     _reshape_and_cache_kernel[(num_tokens,)](
         key, value, kv_cache, slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         BLOCK_SIZE=kv_cache.shape[2], NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         HEADS_PAD=triton.next_power_of_2(num_kv_heads), DIM_PAD=triton.next_power_of_2(head_dim),
+        num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,
     )
 
 
+# ---- unified attention -------------------------------------------------------------------------
 @triton.jit
-def _unified_attention_kernel(
+def _find_seq(qsl_ptr, pid, num_seqs, BLOCK_Q: tl.constexpr):
+    """The last sequence whose first program is at or before ``pid``."""
+    lo = tl.zeros([], dtype=tl.int32)
+    hi = tl.zeros([], dtype=tl.int32) + num_seqs - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        first = tl.load(qsl_ptr + mid)
+        if BLOCK_Q > 1:
+            first = first // BLOCK_Q + mid
+        if first <= pid:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+@triton.jit
+def _attention_kernel(
     q_ptr, out_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr,
-    scale_log2, num_seqs, window,
+    part_out_ptr, part_m_ptr, part_l_ptr,  # split-KV partials; unused when NUM_SPLITS == 1
+    scale_log2, num_seqs, window, num_heads,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_c_kv, stride_c_block, stride_c_slot, stride_c_head, stride_bt,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
-    USE_WINDOW: tl.constexpr, IEEE: tl.constexpr,
+    USE_WINDOW: tl.constexpr, IEEE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    Q_LEN_FILTER: tl.constexpr, Q_LEN_THRESHOLD: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
-    # The sequence of this program: the last s with qsl[s] // BLOCK_Q + s <= pid.
-    lo = 0
-    hi = num_seqs
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        start_mid = tl.load(qsl_ptr + mid) // BLOCK_Q + mid
-        if start_mid <= pid:
-            lo = mid
-        else:
-            hi = mid - 1
-    s = lo
+    s = _find_seq(qsl_ptr, pid, num_seqs, BLOCK_Q)
     q_begin = tl.load(qsl_ptr + s)
     q_len = tl.load(qsl_ptr + s + 1) - q_begin
-    q_start = (pid - (q_begin // BLOCK_Q + s)) * BLOCK_Q
+    if BLOCK_Q == 1:
+        q_start = pid - q_begin
+    else:
+        q_start = (pid - (q_begin // BLOCK_Q + s)) * BLOCK_Q
     if q_start >= q_len:
         return
+    # Two launches can share a batch: short query runs (decodes) in small tiles, long ones
+    # (prefill chunks) in large tiles; each launch skips the other's sequences.
+    if Q_LEN_FILTER == 1:
+        if q_len > Q_LEN_THRESHOLD:
+            return
+    if Q_LEN_FILTER == 2:
+        if q_len <= Q_LEN_THRESHOLD:
+            return
     seq_len = tl.load(seq_lens_ptr + s)
-    context_len = seq_len - q_len
+    context_len = seq_len - q_len  # the sequence's tokens before this step's
 
+    # Row m of the tile: query token q_start + m // GROUP_PAD, head m % GROUP_PAD of the group.
     m = tl.arange(0, BLOCK_M)
     q_tok = q_start + m // GROUP_PAD
     head = kvh * GROUP + m % GROUP_PAD
-    row_ok = (q_tok < q_len) & (m % GROUP_PAD < GROUP)
+    row_ok = (m // GROUP_PAD < BLOCK_Q) & (q_tok < q_len) & (m % GROUP_PAD < GROUP)
     d = tl.arange(0, DIM_PAD)
-    d_ok = d < HEAD_DIM
-    q_off = (q_begin + q_tok).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
-    q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    tok = (q_begin + q_tok).to(tl.int64)
+    q_mask = row_ok[:, None]
+    if DIM_PAD != HEAD_DIM:
+        q_mask = q_mask & (d[None, :] < HEAD_DIM)
+    q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0)
     q_pos = context_len + q_tok  # absolute position of each row's query token
+
+    # Keys this tile can see: up to its last query token (causal), from the window's start.
+    kv_stop = context_len + tl.minimum(q_start + BLOCK_Q, q_len)
+    kv_first = 0
+    if USE_WINDOW:
+        kv_first = tl.maximum(context_len + q_start - window + 1, 0)
+    tile_lo = kv_first // BLOCK_N
+    tile_hi = tl.cdiv(kv_stop, BLOCK_N)
+    if NUM_SPLITS > 1:
+        split = tl.program_id(2)
+        per_split = tl.cdiv(tile_hi - tile_lo, NUM_SPLITS)
+        tile_lo = tile_lo + split * per_split
+        tile_hi = tl.minimum(tile_lo + per_split, tile_hi)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, DIM_PAD], dtype=tl.float32)
-
-    kv_end = context_len + tl.minimum(q_start + BLOCK_Q, q_len)  # keys this tile can see
-    kv_start = 0
-    if USE_WINDOW:
-        kv_start = tl.maximum(context_len + q_start - window + 1, 0) // BLOCK_N * BLOCK_N
     n = tl.arange(0, BLOCK_N)
     bt_row = block_tables_ptr + s.to(tl.int64) * stride_bt
-    for j in range(kv_start, kv_end, BLOCK_N):
-        k_pos = j + n
-        k_ok = k_pos < kv_end
-        phys = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
-        kv_off = phys * stride_c_block + (k_pos % BLOCK_SIZE) * stride_c_slot + kvh * stride_c_head
-        kv_mask = k_ok[:, None] & d_ok[None, :]
+    head_off = kvh * stride_c_head
+    for t in range(tile_lo, tile_hi):
+        k_pos = t * BLOCK_N + n
+        k_ok = k_pos < kv_stop
+        if BLOCK_SIZE % BLOCK_N == 0:  # the whole tile lies in one cache block
+            phys = tl.load(bt_row + (t * BLOCK_N) // BLOCK_SIZE).to(tl.int64)
+            kv_off = phys * stride_c_block + (k_pos % BLOCK_SIZE) * stride_c_slot + head_off
+        else:
+            phys = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+            kv_off = phys * stride_c_block + (k_pos % BLOCK_SIZE) * stride_c_slot + head_off
+        kv_mask = k_ok[:, None]
+        if DIM_PAD != HEAD_DIM:
+            kv_mask = kv_mask & (d[None, :] < HEAD_DIM)
         k = tl.load(cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
         if IEEE:
             sc = tl.dot(q, tl.trans(k), input_precision="ieee")
@@ -130,56 +190,171 @@ def _unified_attention_kernel(
             visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
         sc = tl.where(visible, sc, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees nothing yet
         p = tl.math.exp2(sc - m_safe[:, None])
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(cache_ptr + stride_c_kv + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None]
         if IEEE:
-            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            acc = tl.dot(p, v, acc, input_precision="ieee")
         else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
+            acc = tl.dot(p.to(v.dtype), v, acc)
         m_i = m_new
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    o_off = (q_begin + q_tok).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
-    tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+    d_mask = d[None, :] < HEAD_DIM
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # l == 0: padding row, writes 0
+        o_ptr = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+        tl.store(o_ptr, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_mask)
+    else:
+        part = (tok * num_heads + head) * NUM_SPLITS + tl.program_id(2)
+        tl.store(part_m_ptr + part, m_i, mask=row_ok)
+        tl.store(part_l_ptr + part, l_i, mask=row_ok)
+        tl.store(part_out_ptr + part[:, None] * DIM_PAD + d[None, :], acc, mask=row_ok[:, None] & d_mask)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, qsl_ptr, num_seqs, num_heads, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
+):
+    tok = tl.program_id(0)
+    head = tl.program_id(1)
+    if tok >= tl.load(qsl_ptr + num_seqs):  # a padding row of no sequence
+        return
+    part = (tok.to(tl.int64) * num_heads + head) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
+    m = tl.load(part_m_ptr + part)
+    l = tl.load(part_l_ptr + part)
+    m_max = tl.max(m, axis=0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.math.exp2(m - m_max)  # splits that saw no key have m = -inf: weight 0
+    total = tl.sum(w * l, axis=0)
+    d = tl.arange(0, DIM_PAD)
+    acc = tl.load(part_out_ptr + part[:, None] * DIM_PAD + d[None, :])
+    out = tl.sum(acc * w[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(out_ptr + tok.to(tl.int64) * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty),
+             mask=d < HEAD_DIM)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132  # the interpreter on CPU: behave as on an H100
+
+
+def _tile_config(long_queries: bool, block_q_1: bool, group_pad: int, head_dim: int, ieee: bool) -> dict:
+    """Tile shapes and launch settings. Not yet tuned on the device; the reasoning:
+
+    - Decode-like tiles (``BLOCK_M`` 16 rows = one token's head group padded to a tensor-core
+      dot, or ``16 // group`` tokens): memory-bound, so small key tiles (32) and 3 pipeline
+      stages: 2 tiles of K and V in flight per program at ~48 KB of shared memory, about four
+      programs per SM, which keeps far more bytes in flight than the SM needs to hide DRAM
+      latency while short contexts still split into several iterations.
+    - Prefill chunks (``BLOCK_M`` 128 rows, 8 warps): each K/V tile is reused by 128 query
+      rows, so long prompts re-read the context few times; 64-key tiles, 2 stages (~96 KB of
+      shared memory with Q).
+    - head_dim 256 halves the tiles to keep the fp32 accumulator in registers; fp32 (IEEE dots,
+      CUDA cores, only used for exact checks) uses moderate tiles.
+    """
+    big = head_dim > 128
+    if long_queries:
+        block_m = 64 if (big or ieee) else 128
+        block_m = max(block_m, group_pad)
+        return dict(BLOCK_Q=block_m // group_pad, BLOCK_M=block_m, BLOCK_N=32 if (big or ieee) else 64,
+                    num_warps=8 if block_m >= 128 or big else 4, num_stages=2)
+    block_q = 1 if block_q_1 else max(1, 16 // group_pad)
+    block_m = max(16, block_q * group_pad)
+    return dict(BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=16 if big else 32,
+                num_warps=4, num_stages=3 if not big else 2)
 
 
 def unified_attention(
-    q: torch.Tensor,  # [T, num_heads, head_dim]
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
-    out: torch.Tensor,  # [T, num_heads, head_dim]
-    block_tables: torch.Tensor,  # [num_seqs, >= max blocks] int32
-    seq_lens: torch.Tensor,  # [num_seqs] int32
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
     query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32, context incl. this step's tokens
     scale: float,
-    max_query_len: int,
+    out: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     sliding_window: int | None = None,
+    *,
+    max_query_len: int | None = None,
+    num_kv_splits: int | None = None,
 ) -> torch.Tensor:
+    """Causal paged attention for a flat batch; writes ``out`` rows of every token that
+    belongs to a sequence (rows past ``query_start_loc[-1]`` are left as they are).
+
+    ``max_query_len`` is only a hint that picks the launch shape (1: decode tiles, one
+    program per token; otherwise short and long query runs in separate launches); any value
+    gives correct results. ``num_kv_splits`` forces the split-KV path (None: a heuristic that
+    splits only decode batches too small to fill the GPU).
+    """
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = seq_lens.shape[0]
     num_kv_heads = kv_cache.shape[3]
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window={sliding_window} must be >= 1 (or None)")
+    if q.dtype != kv_cache.dtype or out.dtype != q.dtype:
+        raise ValueError(f"q {q.dtype}, kv_cache {kv_cache.dtype} and out {out.dtype} must share a dtype")
+    assert q.stride(-1) == 1 and out.stride(-1) == 1 and kv_cache.is_contiguous()
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
-    # Decode batches: one query token per program, the head group padded to the 16 rows a
-    # tensor-core dot needs. Prefill: ~64 rows of (token, head) per program.
-    if max_query_len == 1:
-        block_q = 1
-        block_m = max(group_pad, 16)
-    else:
-        block_m = max(64, group_pad)
-        block_q = block_m // group_pad
-    block_n = 64 if head_dim <= 128 else 32
-    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
-    _unified_attention_kernel[grid](
-        q, out, kv_cache, block_tables, seq_lens, query_start_loc,
-        scale * math.log2(math.e), num_seqs, sliding_window or 0,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_tables.stride(0),
-        GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_SIZE=kv_cache.shape[2], HEAD_DIM=head_dim, DIM_PAD=triton.next_power_of_2(head_dim),
-        USE_WINDOW=sliding_window is not None, IEEE=q.dtype == torch.float32,
-        num_warps=4, num_stages=2,
+    dim_pad = triton.next_power_of_2(head_dim)
+    ieee = q.dtype == torch.float32
+    common = dict(
+        GROUP=group, GROUP_PAD=group_pad, BLOCK_SIZE=kv_cache.shape[2], HEAD_DIM=head_dim, DIM_PAD=dim_pad,
+        USE_WINDOW=sliding_window is not None, IEEE=ieee,
+    )
+    args = [q, out, kv_cache, block_tables, seq_lens, query_start_loc]
+    scalars = [scale * LOG2_E, num_seqs, sliding_window or 0, num_heads,
+               q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+               kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_tables.stride(0)]
+
+    decode_only = max_query_len == 1
+    short_cfg = _tile_config(False, decode_only, group_pad, head_dim, ieee)
+    threshold = short_cfg["BLOCK_Q"]  # a run that fits one short tile is short
+    # Shape-only facts: no sequence can have more query tokens than the batch has.
+    has_long = num_tokens > threshold and (max_query_len is None or max_query_len > threshold)
+
+    def launch(cfg, q_len_filter, splits, parts):
+        cfg = dict(cfg)
+        bq = cfg["BLOCK_Q"]
+        grid_q = num_tokens if bq == 1 else num_tokens // bq + num_seqs
+        grid = (grid_q, num_kv_heads) if splits == 1 else (grid_q, num_kv_heads, splits)
+        _attention_kernel[grid](
+            *args, *parts, *scalars, **common, **cfg, NUM_SPLITS=splits,
+            Q_LEN_FILTER=q_len_filter, Q_LEN_THRESHOLD=threshold,
+        )
+
+    if has_long:
+        no_parts = (out, out, out)
+        launch(short_cfg, 1, 1, no_parts)
+        launch(_tile_config(True, False, group_pad, head_dim, ieee), 2, 1, no_parts)
+        return out
+
+    splits = num_kv_splits
+    if splits is None:
+        splits = 1
+        if decode_only:  # too few programs to fill the GPU: split each one's keys
+            programs = num_tokens * num_kv_heads
+            splits = min(16, triton.next_power_of_2(max(1, -(-2 * _num_sms(q.device) // programs))))
+    if splits <= 1:
+        launch(short_cfg, 0, 1, (out, out, out))
+        return out
+    if splits & (splits - 1):
+        raise ValueError(f"num_kv_splits={splits} must be a power of two")
+    part_out = torch.empty(num_tokens, num_heads, splits, dim_pad, dtype=torch.float32, device=q.device)
+    part_m = torch.empty(num_tokens, num_heads, splits, dtype=torch.float32, device=q.device)
+    part_l = torch.empty_like(part_m)
+    launch(short_cfg, 0, splits, (part_out, part_m, part_l))
+    _merge_splits_kernel[(num_tokens, num_heads)](
+        out, part_out, part_m, part_l, query_start_loc, num_seqs, num_heads, out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, DIM_PAD=dim_pad, NUM_SPLITS=splits, num_warps=4 if head_dim >= 128 else 2,
     )
     return out

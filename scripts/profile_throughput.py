@@ -1,0 +1,64 @@
+"""Where the time of the throughput workload goes on a GPU: kernel time by kernel, and
+device busy time against wall time (host-bound or device-bound). A reduced workload.
+
+python scripts/profile_throughput.py [--num-prompts 256] [--shape qwen3-0.6b]
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+import torch
+
+from pagedllm import LLM, SamplingParams, TokensPrompt
+from pagedllm.benchmarks.common import write_shape
+
+p = argparse.ArgumentParser()
+p.add_argument("--shape", default="qwen3-0.6b")
+p.add_argument("--num-prompts", type=int, default=256)
+p.add_argument("--max-len", type=int, default=1024)
+p.add_argument("--engine-args", default="")
+args = p.parse_args()
+extra = {}
+for kv in filter(None, args.engine_args.split(",")):
+    k, v = kv.split("=")
+    extra[k] = int(v) if v.lstrip("-").isdigit() else (v == "true" if v in ("true", "false") else v)
+random.seed(0)
+prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, args.max_len))] for _ in range(args.num_prompts)]
+max_tokens = [random.randint(100, args.max_len) for _ in range(args.num_prompts)]
+llm = LLM(write_shape(args.shape), load_format="dummy", skip_tokenizer_init=True, max_model_len=4096, **extra)
+params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m, detokenize=False) for m in max_tokens]
+llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3])], SamplingParams(max_tokens=4, detokenize=False), use_tqdm=False)
+engine = llm.llm_engine
+steps = {"n": 0}
+orig_step = engine.engine_core.step
+
+
+def timed_step():
+    steps["n"] += 1
+    return orig_step()
+
+
+engine.engine_core.step = timed_step
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    t0 = time.perf_counter()
+    outs = llm.generate([TokensPrompt(prompt_token_ids=q) for q in prompts], params, use_tqdm=False)
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+events = prof.key_averages()
+kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+cuda_total = sum(e.self_device_time_total for e in kernels) / 1e6
+print(f"wall {wall:.2f} s (profiled), steps {steps['n']}, out tokens {n_out}, {n_out / wall:.0f} tok/s; "
+      f"device kernel time {cuda_total:.2f} s ({100 * cuda_total / wall:.0f}% of wall)")
+rows = sorted(kernels, key=lambda e: -e.self_device_time_total)[:18]
+for e in rows:
+    if e.self_device_time_total <= 0:
+        continue
+    print(f"{e.self_device_time_total / 1e6:8.3f} s  {e.count:7d}x  {e.key[:110]}")
+print("-- host (self CPU) top")
+for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:12]:
+    print(f"{e.self_cpu_time_total / 1e6:8.3f} s  {e.count:7d}x  {e.key[:110]}")
