@@ -1,4 +1,4 @@
-"""Triton attention backend (CUDA): the KV write and unified paged attention kernels."""
+"""Triton attention backend (CUDA): the paged KV write and unified paged attention kernels."""
 from __future__ import annotations
 
 import torch
@@ -8,16 +8,19 @@ from pagedllm.attention.triton_kernels import reshape_and_cache, unified_attenti
 
 
 class TritonAttentionBackend(AttentionBackend):
-    """Reads only the metadata's device tensors (and max_query_len, fixed per captured
-    graph), so its launches can be captured in CUDA graphs."""
+    """Two launches per layer (three for a split-KV decode), over grids that depend only on
+    tensor shapes, reading only the metadata's device tensors: they can be captured in CUDA
+    graphs. ``max_query_len`` is read as a launch-shape hint only (a captured decode graph
+    always has 1); any value gives correct results."""
 
     name = "triton"
     cuda_graph_safe = True
 
     def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata, scale, sliding_window=None):
         reshape_and_cache(key, value, kv_cache, metadata.slot_mapping)
-        out = torch.empty_like(query)
-        n = metadata.num_actual_tokens
-        unified_attention(query[:n], kv_cache, out[:n], metadata.block_tables, metadata.seq_lens,
-                          metadata.query_start_loc, scale, metadata.max_query_len, sliding_window)
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        unified_attention(
+            query, kv_cache, metadata.block_tables, metadata.query_start_loc, metadata.seq_lens, scale, out,
+            sliding_window, max_query_len=metadata.max_query_len,
+        )
         return out

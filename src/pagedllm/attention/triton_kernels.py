@@ -101,7 +101,9 @@ def _find_seq(qsl_ptr, pid, num_seqs, BLOCK_Q: tl.constexpr):
     return lo
 
 
-@triton.jit
+# num_seqs and window vary from step to step: specialising on them (== 1, % 16 == 0) would
+# compile new variants in the middle of a run.
+@triton.jit(do_not_specialize=["num_seqs", "window"])
 def _attention_kernel(
     q_ptr, out_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr,
     part_out_ptr, part_m_ptr, part_l_ptr,  # split-KV partials; unused when NUM_SPLITS == 1
@@ -214,7 +216,7 @@ def _attention_kernel(
         tl.store(part_out_ptr + part[:, None] * DIM_PAD + d[None, :], acc, mask=row_ok[:, None] & d_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs"])
 def _merge_splits_kernel(
     out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, qsl_ptr, num_seqs, num_heads, stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
@@ -245,29 +247,36 @@ def _num_sms(device: torch.device) -> int:
 
 
 def _tile_config(long_queries: bool, block_q_1: bool, group_pad: int, head_dim: int, ieee: bool) -> dict:
-    """Tile shapes and launch settings. Not yet tuned on the device; the reasoning:
+    """Tile shapes and launch settings. Not yet tuned on the device; the reasoning, checked
+    against ptxas's report for sm_90 (no spills in any of these):
 
-    - Decode-like tiles (``BLOCK_M`` 16 rows = one token's head group padded to a tensor-core
-      dot, or ``16 // group`` tokens): memory-bound, so small key tiles (32) and 3 pipeline
-      stages: 2 tiles of K and V in flight per program at ~48 KB of shared memory, about four
-      programs per SM, which keeps far more bytes in flight than the SM needs to hide DRAM
-      latency while short contexts still split into several iterations.
-    - Prefill chunks (``BLOCK_M`` 128 rows, 8 warps): each K/V tile is reused by 128 query
-      rows, so long prompts re-read the context few times; 64-key tiles, 2 stages (~96 KB of
-      shared memory with Q).
-    - head_dim 256 halves the tiles to keep the fp32 accumulator in registers; fp32 (IEEE dots,
-      CUDA cores, only used for exact checks) uses moderate tiles.
+    - Short query runs (decodes): ``BLOCK_M`` 16 rows, one token's head group padded up to a
+      tensor-core dot (``mma.sync``), or ``16 // group`` tokens when the hint allows longer
+      runs. Memory-bound, so small key tiles (32) and 3 pipeline stages: K/V arrive through
+      16-byte ``cp.async`` two tiles ahead, ~22 KB of shared memory and ~94 registers for
+      hd 128, so several programs share an SM and short contexts still take a few iterations.
+    - Long runs (prefill chunks): ``BLOCK_M`` 128 rows, 8 warps, ``wgmma``; every K/V tile is
+      used by 128 query rows, so a long prompt re-reads its context few times; 64-key tiles,
+      2 stages (~96 KB of shared memory, ~180 registers: one program per SM).
+    - head_dim 256 halves the tiles to keep the fp32 accumulator in registers.
+    - fp32 (IEEE dots on CUDA cores; exact checks only, never the fast path): 16-key tiles and
+      at most 32 rows, where larger tiles spill kilobytes.
     """
     big = head_dim > 128
     if long_queries:
-        block_m = 64 if (big or ieee) else 128
+        if ieee:
+            block_m, block_n, warps = 32, 16, 8 if big else 4
+        elif big:
+            block_m, block_n, warps = 64, 32, 8
+        else:
+            block_m, block_n, warps = 128, 64, 8
         block_m = max(block_m, group_pad)
-        return dict(BLOCK_Q=block_m // group_pad, BLOCK_M=block_m, BLOCK_N=32 if (big or ieee) else 64,
-                    num_warps=8 if block_m >= 128 or big else 4, num_stages=2)
+        return dict(BLOCK_Q=block_m // group_pad, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=2)
     block_q = 1 if block_q_1 else max(1, 16 // group_pad)
     block_m = max(16, block_q * group_pad)
-    return dict(BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=16 if big else 32,
-                num_warps=4, num_stages=3 if not big else 2)
+    block_n = 16 if (big or ieee) else 32
+    return dict(BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=8 if (big and ieee) else 4,
+                num_stages=2 if big else 3)
 
 
 def unified_attention(
