@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import inspect
+import os
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -61,8 +62,30 @@ def compute_logprobs_with_ranks(
     return ids, lps, torch.cat([chosen_rank, top_ranks], dim=1)
 
 
+def _triton_sampler():
+    """The one-pass CUDA sampler, or None (no triton, or PAGEDLLM_DISABLE_TRITON_OPS=1)."""
+    global _TRITON_SAMPLER
+    if _TRITON_SAMPLER is None:
+        _TRITON_SAMPLER = False
+        if os.environ.get("PAGEDLLM_DISABLE_TRITON_OPS", "0") != "1":
+            try:
+                from pagedllm.sample.triton_sampler import gumbel_sample
+
+                _TRITON_SAMPLER = gumbel_sample
+            except ImportError:
+                pass
+    return _TRITON_SAMPLER or None
+
+
+_TRITON_SAMPLER = None
+
+
 class Sampler:
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+        if logits.is_cuda and self._only_temperature(md):
+            fused = _triton_sampler()
+            if fused is not None:
+                return SamplerOutput(fused(logits, md.temperature))
         logits = logits.to(torch.float32)
         # Logprobs are reported for the model's raw distribution, as vLLM does by default.
         raw_logprobs = torch.log_softmax(logits, dim=-1) if md.max_num_logprobs is not None else None
@@ -123,10 +146,18 @@ class Sampler:
             logits = logits - md.presence_penalties[:, None] * (counts > 0).to(logits.dtype)
         return logits
 
+    @staticmethod
+    def _only_temperature(md: SamplingMetadata) -> bool:
+        """No row uses anything but temperature (and no seeds, no logprobs)."""
+        return (md.max_num_logprobs is None and not md.generators and md.top_p is None and md.top_k is None
+                and md.min_p is None and md.presence_penalties is None and md.frequency_penalties is None
+                and md.repetition_penalties is None and md.allowed_token_ids_mask is None and not md.logit_bias
+                and not md.banned_token_ids and not md.logits_processors)
+
     def _sample(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-        greedy = logits.argmax(dim=-1)
         if md.all_greedy:
-            return greedy
+            return logits.argmax(dim=-1)
+        greedy = None if md.all_random else logits.argmax(dim=-1)
         temperature = torch.where(md.temperature < _EPS, 1.0, md.temperature)
         logits = logits / temperature[:, None]
         if md.min_p is not None:
