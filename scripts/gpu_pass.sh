@@ -25,7 +25,7 @@ bench() {  # name, then the command; JSON lines go to $RES, the rest to $OUT/NAM
 }
 if stage tests; then
   echo "== tests"
-  python -m pytest -q -x -p no:cacheprovider tests/attention tests/ops tests/gpu tests/engine/test_correctness.py \
+  python -m pytest -q -x -p no:cacheprovider tests/attention tests/ops tests/sample tests/gpu tests/engine/test_correctness.py \
     tests/engine/test_async_scheduling.py > "$OUT/tests.log" 2>&1
   echo "   tests rc=$?"; tail -15 "$OUT/tests.log" | cut -c1-300
 fi
