@@ -126,8 +126,9 @@ def _attention_kernel(
     scale_log2, num_seqs, window, num_heads,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_c_kv, stride_c_block, stride_c_slot, stride_c_head, stride_bt,
-    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     USE_WINDOW: tl.constexpr, IEEE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     Q_LEN_FILTER: tl.constexpr, Q_LEN_THRESHOLD: tl.constexpr,
 ):
@@ -336,8 +337,8 @@ def unified_attention(
     dim_pad = triton.next_power_of_2(head_dim)
     ieee = q.dtype == torch.float32
     common = dict(
-        NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=group_pad, BLOCK_SIZE=kv_cache.shape[2], HEAD_DIM=head_dim, DIM_PAD=dim_pad,
-        USE_WINDOW=sliding_window is not None, IEEE=ieee,
+        NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=group_pad, BLOCK_SIZE=kv_cache.shape[2],
+        HEAD_DIM=head_dim, DIM_PAD=dim_pad, USE_WINDOW=sliding_window is not None, IEEE=ieee,
     )
     args = [q, out, kv_cache, block_tables, seq_lens, query_start_loc]
     scalars = [scale * LOG2_E, num_seqs, sliding_window or 0, num_heads,
@@ -369,9 +370,9 @@ def unified_attention(
     splits = num_kv_splits
     if splits is None:
         splits = 1
-        if decode_only:  # too few programs to fill the GPU: split each one's keys
-            programs = num_tokens * num_kv_heads
-            splits = min(16, triton.next_power_of_2(max(1, -(-2 * _num_sms(q.device) // programs))))
+        programs, num_sms = num_tokens * num_kv_heads, _num_sms(q.device)
+        if decode_only and programs < num_sms:  # not one program per SM: split each one's keys
+            splits = min(16, triton.next_power_of_2(-(-2 * num_sms // programs)))
     if splits <= 1:
         launch(short_cfg, 0, 1, (out, out, out))
         return out
