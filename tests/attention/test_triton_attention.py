@@ -278,3 +278,49 @@ def test_bad_arguments_are_rejected(kernels):
         kernels.unified_attention(b.q[:, :3], b.cache, b.block_tables, b.qsl, b.seq_lens, 0.1, out[:, :3])
     with pytest.raises(ValueError, match="slot_mapping"):
         kernels.reshape_and_cache(b.k_new, b.v_new, b.cache, b.slots[:1])
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("max_seqs", [4, 128])  # split-KV by the heuristic at 4 (few programs), none at 128
+def test_decode_step_replays_in_a_cuda_graph_with_new_metadata(kernels, max_seqs):
+    """Capture the KV write + attention of a padded decode batch once, then replay it over new
+    batches written into the same buffers: different sequence counts, contexts and tables."""
+    rng = random.Random(max_seqs)
+    block_size, kvh, group, hd, dtype, width, num_blocks = 16, 2, 4, 128, torch.bfloat16, 16, 1700
+    q = torch.zeros(max_seqs, kvh * group, hd, dtype=dtype, device=DEVICE)
+    k_new, v_new = torch.zeros(max_seqs, kvh, hd, dtype=dtype, device=DEVICE), torch.zeros(
+        max_seqs, kvh, hd, dtype=dtype, device=DEVICE)
+    slots = torch.full((max_seqs,), -1, dtype=torch.int64, device=DEVICE)
+    block_tables = torch.zeros(max_seqs, width, dtype=torch.int32, device=DEVICE)
+    qsl = torch.arange(max_seqs + 1, dtype=torch.int32, device=DEVICE)
+    seq_lens = torch.ones(max_seqs, dtype=torch.int32, device=DEVICE)
+    cache = torch.zeros(2, num_blocks, block_size, kvh, hd, dtype=dtype, device=DEVICE)
+    out = torch.zeros_like(q)
+
+    def step():
+        kernels.reshape_and_cache(k_new, v_new, cache, slots)
+        kernels.unified_attention(q, cache, block_tables, qsl, seq_lens, hd ** -0.5, out, max_query_len=1)
+
+    step()  # compiles outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for trial in range(3):
+        n = rng.randint(1, max_seqs)
+        b = make_batch(rng, block_size=block_size, num_kv_heads=kvh, group=group, head_dim=hd, dtype=dtype,
+                       runs=[(rng.randint(0, 200), 1) for _ in range(n)])
+        assert b.cache.shape[1] <= num_blocks and b.block_tables.shape[1] <= width
+        cache.zero_()
+        cache[:, :b.cache.shape[1]] = b.cache.nan_to_num(0.0)
+        block_tables.zero_()
+        block_tables[:n, :b.block_tables.shape[1]] = b.block_tables
+        seq_lens.fill_(1)  # padding rows: one token of context, nothing written
+        seq_lens[:n] = b.seq_lens
+        slots.fill_(-1)
+        slots[:n] = b.slots
+        q[:n], k_new[:n], v_new[:n] = b.q, b.k_new, b.v_new
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        check(out, b, hd ** -0.5, None, dtype, (max_seqs, trial, n))
