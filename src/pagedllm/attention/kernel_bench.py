@@ -1,0 +1,188 @@
+"""Times the Triton attention kernels on a GPU against the memory roofline, with tile sweeps.
+
+``python -m pagedllm.attention.kernel_bench [--quick]`` on the device machine. Decode cases
+time the per-layer KV write + attention captured in a CUDA graph (as the model runner replays
+it), rotating over several caches so repeated replays do not measure L2; the floor is the K/V
+bytes read at the measured device-to-device copy bandwidth. Prefill cases report TFLOP/s of
+the causal attention. Every variant is also checked against a float32 SDPA over the gathered
+K/V (relative error). The table is printed last.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+
+from pagedllm.attention import triton_kernels as tk
+
+SHAPES = {"qwen3-0.6b": (16, 8, 128), "llama3-8b": (32, 8, 128)}  # heads, kv heads, head_dim
+BLOCK_SIZE = 16
+
+
+def copy_bandwidth_gbs() -> float:
+    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    times = []
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        y.copy_(x)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * x.numel() / statistics.median(times[2:]) / 1e9
+
+
+def make_case(heads, kv_heads, head_dim, runs, dtype, gen, dev="cuda"):
+    """Random paged batch: runs are (cached context, query length); scattered block tables."""
+    seq_lens = [c + q for c, q in runs]
+    blocks = [-(-s // BLOCK_SIZE) for s in seq_lens]
+    num_blocks = sum(blocks) + 1
+    perm = torch.randperm(num_blocks, generator=gen, device="cpu")
+    table = torch.zeros(len(runs), max(blocks), dtype=torch.int32)
+    i = 0
+    for r, nb in enumerate(blocks):
+        table[r, :nb] = perm[i:i + nb]
+        i += nb
+    slots = []
+    for r, (c, q) in enumerate(runs):
+        pos = torch.arange(c, c + q)
+        slots.append(table[r, pos // BLOCK_SIZE].long() * BLOCK_SIZE + pos % BLOCK_SIZE)
+    num_tokens = sum(q for _, q in runs)
+    qsl = torch.tensor([0] + [q for _, q in runs]).cumsum(0).to(torch.int32)
+    return dict(
+        q=torch.randn(num_tokens, heads, head_dim, dtype=dtype, device=dev),
+        k=torch.randn(num_tokens, kv_heads, head_dim, dtype=dtype, device=dev),
+        v=torch.randn(num_tokens, kv_heads, head_dim, dtype=dtype, device=dev),
+        cache=torch.randn(2, num_blocks, BLOCK_SIZE, kv_heads, head_dim, dtype=dtype, device=dev),
+        slots=torch.cat(slots).to(dev), block_tables=table.to(dev), qsl=qsl.to(dev),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+        out=torch.empty(num_tokens, heads, head_dim, dtype=dtype, device=dev),
+        max_query_len=max(q for _, q in runs), runs=runs,
+    )
+
+
+def run(case, **kw):
+    tk.reshape_and_cache(case["k"], case["v"], case["cache"], case["slots"])
+    tk.unified_attention(case["q"], case["cache"], case["block_tables"], case["qsl"], case["seq_lens"],
+                         case["q"].shape[-1] ** -0.5, case["out"], max_query_len=case["max_query_len"], **kw)
+
+
+def rel_error(case) -> float:
+    """Float32 SDPA per sequence over K/V gathered from the cache (after the run wrote them)."""
+    q_all, cache, scale = case["q"].float(), case["cache"].float(), case["q"].shape[-1] ** -0.5
+    group = q_all.shape[1] // cache.shape[3]
+    errs, refs = 0.0, 0.0
+    start = 0
+    for r, (c, ql) in enumerate(case["runs"]):
+        nb = -(-(c + ql) // BLOCK_SIZE)
+        ids = case["block_tables"][r, :nb].long()
+        k = cache[0, ids].flatten(0, 1)[:c + ql].repeat_interleave(group, 1).transpose(0, 1)
+        v = cache[1, ids].flatten(0, 1)[:c + ql].repeat_interleave(group, 1).transpose(0, 1)
+        q = q_all[start:start + ql].transpose(0, 1)
+        pos = torch.arange(c + ql, device=q.device)
+        mask = pos[None, :] <= pos[c:, None]
+        ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale).transpose(0, 1)
+        got = case["out"][start:start + ql].float()
+        errs += (got - ref).pow(2).sum().item()
+        refs += ref.pow(2).sum().item()
+        start += ql
+    return (errs / refs) ** 0.5
+
+
+def time_graphs(cases, iters: int, **kw) -> float:
+    """Median seconds per replay, rotating over one captured graph per case."""
+    graphs = []
+    for case in cases:
+        run(case, **kw)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            run(case, **kw)
+        graphs.append(g)
+    times = []
+    for _ in range(7):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for i in range(iters):
+            graphs[i % len(graphs)].replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / iters)
+    return statistics.median(times[1:])
+
+
+def with_tiles(block_n=None, num_stages=None):
+    """Override the short (decode) tile config while timing a variant."""
+    original = tk._tile_config
+
+    def patched(long_queries, *args):
+        cfg = original(long_queries, *args)
+        if not long_queries:
+            cfg = dict(cfg, **{k: v for k, v in (("BLOCK_N", block_n), ("num_stages", num_stages)) if v})
+        return cfg
+
+    return original, patched
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer cases and no tile sweep")
+    args = ap.parse_args(argv)
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(0)
+    dtype = torch.bfloat16
+    bw = copy_bandwidth_gbs()
+    print(f"device {torch.cuda.get_device_name()}  copy bandwidth {bw:.0f} GB/s", flush=True)
+    rows = []
+    decode = [("llama3-8b", 1, 512), ("llama3-8b", 1, 4096), ("llama3-8b", 32, 384), ("qwen3-0.6b", 256, 1024),
+              ("qwen3-0.6b", 64, 2048), ("llama3-8b", 256, 1024)]
+    if args.quick:
+        decode = decode[:1] + decode[2:4]
+    variants = [("default", None, None, {})]
+    if not args.quick:
+        variants += [(f"n{n}/s{s}", n, s, {}) for n in (16, 32, 64) for s in (2, 3, 4)]
+        variants += [(f"splits={k}", None, None, {"num_kv_splits": k}) for k in (1, 4, 16)]
+    for shape, batch, ctx in decode:
+        heads, kvh, hd = SHAPES[shape]
+        kv_bytes = batch * ctx * kvh * hd * 2 * dtype.itemsize
+        n_sets = max(1, min(8, (256 << 20) // kv_bytes))  # rotate caches past L2
+        cases = [make_case(heads, kvh, hd, [(ctx - 1, 1)] * batch, dtype, gen) for _ in range(n_sets)]
+        for name, block_n, stages, kw in variants:
+            original, patched = with_tiles(block_n, stages)
+            tk._tile_config = patched
+            try:
+                t = time_graphs(cases, 200, **kw)
+                err = rel_error(cases[0])
+            except Exception as e:  # a variant that does not compile or fit: report, go on
+                rows.append(dict(case=f"decode {shape} b{batch} ctx{ctx}", variant=name, error=repr(e)[:120]))
+                continue
+            finally:
+                tk._tile_config = original
+            rows.append(dict(case=f"decode {shape} b{batch} ctx{ctx}", variant=name, us=round(t * 1e6, 1),
+                             gbs=round(kv_bytes / t / 1e9), roofline=round(kv_bytes / t / 1e9 / bw, 3),
+                             rel_err=float(f"{err:.2e}")))
+            print(json.dumps(rows[-1]), flush=True)
+    prefill = [("llama3-8b", [(0, 2048)]), ("llama3-8b", [(0, 1024)] * 8),
+               ("llama3-8b", [(3000, 1024)] + [(800, 1)] * 64)]  # a chunk with a cached prefix, beside decodes
+    for shape, runs in prefill[:1] if args.quick else prefill:
+        heads, kvh, hd = SHAPES[shape]
+        case = make_case(heads, kvh, hd, runs, dtype, gen)
+        flops = sum(4 * hd * heads * (q * c + q * (q + 1) / 2) for c, q in runs)
+        t = time_graphs([case], 20)
+        rows.append(dict(case=f"prefill {shape} {len(runs)} seqs {runs[0]}", variant="default", us=round(t * 1e6, 1),
+                         tflops=round(flops / t / 1e12, 1), rel_err=float(f"{rel_error(case):.2e}")))
+        print(json.dumps(rows[-1]), flush=True)
+    print(f"\n{'case':40s} {'variant':10s} {'us':>9s} {'GB/s':>6s} {'roof':>6s} {'TFLOP/s':>8s} {'rel err':>9s}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['case']:40s} {r['variant']:10s} {r['error']}")
+            continue
+        print(f"{r['case']:40s} {r['variant']:10s} {r['us']:9.1f} {r.get('gbs', ''):>6} {r.get('roofline', ''):>6} "
+              f"{r.get('tflops', ''):>8} {r['rel_err']:9.2e}")
+
+
+if __name__ == "__main__":
+    main()
