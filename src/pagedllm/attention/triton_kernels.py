@@ -117,9 +117,9 @@ def _find_seq(qsl_ptr, pid, num_seqs, BLOCK_Q: tl.constexpr):
     return lo
 
 
-# num_seqs and window vary from step to step: specialising on them (== 1, % 16 == 0) would
-# compile new variants in the middle of a run.
-@triton.jit(do_not_specialize=["num_seqs", "window"])
+# num_seqs, window and the block-table width (stride_bt) vary from step to step: specialising
+# on them (== 1, % 16 == 0) would compile new variants in the middle of a run.
+@triton.jit(do_not_specialize=["num_seqs", "window", "stride_bt"])
 def _attention_kernel(
     q_ptr, out_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr,
     part_out_ptr, part_m_ptr, part_l_ptr,  # split-KV partials; unused when NUM_SPLITS == 1
