@@ -9,12 +9,15 @@ decodes. A program takes ``BLOCK_Q`` query tokens of one sequence times all the 
 of one KV head (GQA: each K/V tile is loaded once for the whole group), a tile of
 ``BLOCK_M >= BLOCK_Q * GROUP_PAD`` rows (at least 16, what a tensor-core dot needs, so a
 decode's head group is padded up to 16 rows). Programs are numbered as in vLLM's Triton
-backend: sequence ``s`` owns programs ``qsl[s] // BLOCK_Q + s`` onwards, so a grid of
-``num_tokens // BLOCK_Q + num_seqs`` covers any batch (with ``BLOCK_Q == 1`` program ``t``
-is simply token ``t``); a program finds its sequence by binary search over
-``query_start_loc`` and returns at once when it owns no query rows. Keys are walked in tiles
-of ``BLOCK_N`` tokens gathered through the block table (the tile may be smaller or larger
-than the cache's block), with an online softmax in fp32 (exp2, log2(e) folded into the scale).
+backend: sequence ``s`` owns q-tiles ``qsl[s] // BLOCK_Q + s`` onwards, so
+``num_tokens // BLOCK_Q + num_seqs`` q-tiles cover any batch (with ``BLOCK_Q == 1`` q-tile
+``t`` is simply token ``t``); the grid is that times ``num_kv_heads``, KV head fastest. A
+program finds its sequence by binary search over ``query_start_loc`` and returns at once when
+it owns no query rows. Short query runs (decodes) and long ones (prefill chunks) go to two
+launches with small and large tiles, each skipping the other's sequences. Keys are walked in
+tiles of ``BLOCK_N`` tokens gathered through the block table (the tile may be smaller or
+larger than the cache's block), with an online softmax in fp32 (exp2, log2(e) folded into the
+scale). KERNEL_NOTES.md beside this has the roofline and what was checked for sm_90.
 
 Split-KV (flash decoding): with few (sequence, KV head) pairs, each program's key range is
 cut into a fixed ``NUM_SPLITS`` parts run by separate programs, which write unnormalised
