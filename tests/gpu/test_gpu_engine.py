@@ -20,7 +20,8 @@ MAX_TOKENS = 12
 def _llm(model_dir, monkeypatch, backend="triton", **kwargs):
     monkeypatch.setenv("PAGEDLLM_ATTENTION_BACKEND", backend)
     kwargs.setdefault("dtype", "float32")
-    kwargs.setdefault("gpu_memory_utilization", 0.3)
+    # A fixed cache size: engines of earlier tests may not be collected yet.
+    kwargs.setdefault("kv_cache_memory_bytes", 512 * 2**20)
     return LLM(model_dir, seed=0, device="cuda", **kwargs)
 
 
