@@ -17,9 +17,10 @@ def test_greedy_rows_are_argmax_with_first_index_on_ties(gumbel_sample, dtype):
     logits[2, 17] = logits[2, 290] = 50.0  # a tie: the first index wins, as torch.argmax
     logits = logits.to(DEVICE)
     temp = torch.zeros(6, device=DEVICE)
-    got = gumbel_sample(logits, temp, block=BLOCK)
-    assert got.tolist() == logits.float().argmax(-1).tolist()
-    assert got[2].item() == 17
+    for chunks in (None, 1, 4):  # the tie spans chunks when there are several
+        got = gumbel_sample(logits, temp, block=BLOCK, num_chunks=chunks)
+        assert got.tolist() == logits.float().argmax(-1).tolist()
+        assert got[2].item() == 17
 
 
 def test_random_rows_follow_softmax_of_logits_over_temperature(gumbel_sample):

@@ -14,17 +14,22 @@ import triton
 import triton.language as tl
 
 
-@triton.jit(do_not_specialize=["vocab", "seed"])
-def _gumbel_argmax_kernel(logits_ptr, stride, temp_ptr, out_ptr, vocab, seed, eps, BLOCK: tl.constexpr):
+@triton.jit(do_not_specialize=["vocab", "seed", "chunk"])
+def _gumbel_argmax_kernel(logits_ptr, stride, temp_ptr, val_ptr, idx_ptr, vocab, chunk, seed, eps,
+                          NUM_CHUNKS: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (row, c) scans vocab chunk c of the row: its best perturbed value and index."""
     row = tl.program_id(0)
+    c = tl.program_id(1)
     t = tl.load(temp_ptr + row)
     inv_t = tl.where(t < eps, 1.0, 1.0 / t)
     best_val = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
     best_idx = tl.zeros([BLOCK], dtype=tl.int32)
     base = logits_ptr + row.to(tl.int64) * stride
-    for start in range(0, vocab, BLOCK):
+    lo = c * chunk
+    hi = tl.minimum(lo + chunk, vocab)
+    for start in range(lo, hi, BLOCK):
         offs = start + tl.arange(0, BLOCK)
-        mask = offs < vocab
+        mask = offs < hi
         x = tl.load(base + offs, mask=mask, other=float("-inf")).to(tl.float32) * inv_t
         u = tl.rand(seed, row * vocab + offs)
         g = -tl.log(-tl.log(u))
@@ -34,18 +39,29 @@ def _gumbel_argmax_kernel(logits_ptr, stride, temp_ptr, out_ptr, vocab, seed, ep
         best_idx = tl.where(better, offs, best_idx)
     top = tl.max(best_val, axis=0)
     idx = tl.min(tl.where(best_val == top, best_idx, vocab), axis=0)
-    tl.store(out_ptr + row, idx.to(tl.int64))
+    tl.store(val_ptr + row * NUM_CHUNKS + c, top)
+    tl.store(idx_ptr + row * NUM_CHUNKS + c, idx)
 
 
-def gumbel_sample(logits: torch.Tensor, temperature: torch.Tensor, eps: float = 1e-5, block: int = 2048
-                  ) -> torch.Tensor:
-    """Sampled token per row of ``logits`` [B, V] at ``temperature`` [B] (0: greedy)."""
+def gumbel_sample(logits: torch.Tensor, temperature: torch.Tensor, eps: float = 1e-5, block: int = 1024,
+                  num_chunks: int | None = None) -> torch.Tensor:
+    """Sampled token per row of ``logits`` [B, V] at ``temperature`` [B] (0: greedy).
+
+    Each row's vocabulary is cut into chunks scanned in parallel (a few rows alone would
+    leave most of the GPU idle); the chunk winners are reduced with one argmax, which keeps
+    the first index among equal values, so greedy ties resolve like ``torch.argmax``."""
     rows, vocab = logits.shape
-    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows == 0:
-        return out
+        return torch.empty(0, dtype=torch.int64, device=logits.device)
     assert logits.stride(1) == 1
+    if num_chunks is None:
+        num_chunks = max(1, min(32, triton.next_power_of_2(max(1, 2048 // rows)), triton.cdiv(vocab, block)))
+    chunk = triton.cdiv(triton.cdiv(vocab, num_chunks), block) * block
+    vals = torch.empty(rows, num_chunks, dtype=torch.float32, device=logits.device)
+    idxs = torch.empty(rows, num_chunks, dtype=torch.int32, device=logits.device)
     seed = int(torch.randint(0, 2**31 - 1, (1,)))  # CPU generator: no device sync
-    _gumbel_argmax_kernel[(rows,)](logits, logits.stride(0), temperature.to(torch.float32), out, vocab, seed, eps,
-                                   BLOCK=block, num_warps=8)
-    return out
+    _gumbel_argmax_kernel[(rows, num_chunks)](logits, logits.stride(0), temperature.to(torch.float32), vals, idxs,
+                                              vocab, chunk, seed, eps, NUM_CHUNKS=num_chunks, BLOCK=block,
+                                              num_warps=4)
+    best = vals.argmax(dim=1, keepdim=True)
+    return idxs.gather(1, best).squeeze(1).to(torch.int64)
