@@ -39,6 +39,7 @@ class ModelConfig:
     generation_config: str
     override_generation_config: dict = field(default_factory=dict)
     enforce_eager: bool = False
+    enable_sleep_mode: bool = False  # LLM.sleep / wake_up may free and restore weights and KV cache
 
     @property
     def vocab_size(self) -> int:

@@ -57,6 +57,7 @@ class EngineArgs:
     revision: str | None = None
     tokenizer_revision: str | None = None
     enforce_eager: bool = False
+    enable_sleep_mode: bool = False
     device: str = "auto"
     skip_tokenizer_init: bool = False
     scheduling_policy: str = "fcfs"
@@ -149,7 +150,7 @@ class EngineArgs:
             skip_tokenizer_init=self.skip_tokenizer_init, max_logprobs=self.max_logprobs,
             generation_config=self.generation_config,
             override_generation_config=dict(self.override_generation_config or {}),
-            enforce_eager=self.enforce_eager,
+            enforce_eager=self.enforce_eager, enable_sleep_mode=bool(self.enable_sleep_mode),
         )
         cache_config = CacheConfig(
             block_size=self.block_size or 16, gpu_memory_utilization=self.gpu_memory_utilization,

@@ -12,6 +12,8 @@ from pagedllm.worker.executor import UniProcExecutor
 
 logger = logging.getLogger("pagedllm")
 
+_WEIGHT_UPDATE_METHODS = ("load_weights",)
+
 
 class EngineCore:
     """Consumes EngineCoreRequests and aborts, produces EngineCoreOutputs. Everything that
@@ -40,8 +42,13 @@ class EngineCore:
         self.kv_cache_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
         self.scheduler = Scheduler(sc, self.kv_cache_manager)
         self._in_flight = None  # async scheduling: (SchedulerOutput, pending result) of the last step
+        self.sleeping_tags: set[str] = set()  # sleep mode: what is freed now ("weights", "kv_cache")
 
     def add_request(self, request: EngineCoreRequest) -> None:
+        if self.sleeping_tags:
+            raise ValueError(
+                f"the engine is sleeping ({', '.join(sorted(self.sleeping_tags))} freed); call wake_up() before "
+                f"submitting request {request.request_id!r}")
         self.scheduler.add_request(Request.from_engine_core_request(request))
 
     def abort_requests(self, request_ids: list[str]) -> EngineCoreOutputs:
@@ -76,6 +83,58 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
+
+    # ---- RL rollout: sleep mode and weight updates (vLLM's contract) ------------------------
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV cache and move the weights to host memory (level 1) or drop them (level 2).
+        Like vLLM, the caller must have no request in flight."""
+        if not self.config.model_config.enable_sleep_mode:
+            raise ValueError("sleep mode is not enabled; create the engine with enable_sleep_mode=True")
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 (weights offloaded to host) or 2 (weights discarded), got {level!r}")
+        if self.has_unfinished_requests():
+            raise ValueError(
+                f"cannot sleep with {len(self.scheduler.running) + len(self.scheduler.waiting)} unfinished "
+                "request(s); finish or abort them first")
+        if self.sleeping_tags:
+            logger.warning("sleep(level=%d) ignored: the engine is already sleeping (%s)", level,
+                           ", ".join(sorted(self.sleeping_tags)))
+            return
+        self.kv_cache_manager.reset_prefix_cache()  # the cached contents are about to vanish
+        self.executor.sleep(level)
+        self.sleeping_tags = {"weights", "kv_cache"}
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restore what sleep freed: ``tags`` None means all; ["weights"] first lets a weight update
+        run before the KV cache takes its memory back."""
+        known = ("weights", "kv_cache")
+        if tags is None:
+            tags = list(known)
+        if isinstance(tags, str) or not all(t in known for t in tags):
+            raise ValueError(f"wake_up tags must be None or a list drawn from {list(known)}, got {tags!r}")
+        todo = [t for t in known if t in tags and t in self.sleeping_tags]
+        if not todo:
+            logger.warning("wake_up(tags=%s) ignored: nothing of that is asleep", tags)
+            return
+        self.executor.wake_up(todo)
+        self.sleeping_tags -= set(todo)
+        if "kv_cache" in todo:
+            self.kv_cache_manager.reset_prefix_cache()  # the new cache holds nothing
+
+    def is_sleeping(self) -> bool:
+        return bool(self.sleeping_tags)
+
+    def collective_rpc(self, method, args: tuple = (), kwargs: dict | None = None) -> list:
+        """Call a Worker method by name (or a function of the worker) on every worker. After
+        "load_weights" the prefix cache is reset: KV computed by the old weights is never reused."""
+        results = self.executor.collective_rpc(method, tuple(args), kwargs)
+        if method in _WEIGHT_UPDATE_METHODS:
+            self.kv_cache_manager.reset_prefix_cache()
+        return results
+
+    def update_weights(self, weights) -> None:
+        """Load HF-named (name, tensor) pairs into the running model, then reset the prefix cache."""
+        self.collective_rpc("load_weights", (weights,))
 
     def shutdown(self) -> None:
         self.executor.shutdown()

@@ -1,6 +1,9 @@
 """LLMEngine: the synchronous engine — processor, engine core and output processor in one loop."""
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import Any, Callable
+
 from pagedllm.config import EngineConfig
 from pagedllm.core.messages import SchedulerStats
 from pagedllm.engine.core import EngineCore
@@ -74,3 +77,22 @@ class LLMEngine(EngineFrontend):
 
     def reset_prefix_cache(self) -> bool:
         return self.engine_core.reset_prefix_cache()
+
+    # ---- RL rollout (vLLM's names) ----------------------------------------------------------
+    def sleep(self, level: int = 1) -> None:
+        if self.parents:
+            raise ValueError(f"cannot sleep with {len(self.parents)} unfinished request(s); finish or abort them first")
+        self.engine_core.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self.engine_core.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.engine_core.is_sleeping()
+
+    def collective_rpc(self, method: str | Callable, timeout: float | None = None, args: tuple = (),
+                       kwargs: dict[str, Any] | None = None) -> list[Any]:
+        return self.engine_core.collective_rpc(method, args, kwargs)
+
+    def update_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
+        self.engine_core.update_weights(weights)

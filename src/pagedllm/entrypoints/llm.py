@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import itertools
 import time
-from typing import Any, Sequence
+from collections.abc import Iterable
+from typing import Any, Callable, Sequence
 
 from tqdm.auto import tqdm
 
@@ -37,6 +38,33 @@ class LLM:
 
     def reset_prefix_cache(self) -> bool:
         return self.llm_engine.reset_prefix_cache()
+
+    # ---- RL rollout: sleep mode and weight updates (vLLM's contract) ------------------------
+    def sleep(self, level: int = 1) -> None:
+        """Free GPU memory for a trainer: level 1 frees the KV cache and moves the weights to
+        (pinned) host memory; level 2 frees both (a weight update must follow wake_up). Needs
+        enable_sleep_mode=True and no request in flight; requests are refused until wake_up."""
+        self.llm_engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restore what sleep freed: all (None), or ["weights"] then ["kv_cache"] so that a
+        weight update can run before the KV cache takes its memory back."""
+        self.llm_engine.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.llm_engine.is_sleeping()
+
+    def collective_rpc(self, method: str | Callable, timeout: float | None = None, args: tuple = (),
+                       kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """Run a Worker method (by name, e.g. "load_weights") or ``method(worker, *args, **kwargs)``
+        on every worker; returns one result per worker. "load_weights" also resets the prefix cache."""
+        return self.llm_engine.collective_rpc(method, timeout, args, kwargs)
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
+        """Load ``(name, tensor)`` pairs in the Hugging Face checkpoint's names (q/k/v and gate/up
+        fused here) into the running model, then reset the prefix cache. Tensors may be on any
+        device and in any float dtype; they are copied and cast into place."""
+        self.llm_engine.update_weights(named_tensors)
 
     def generate(
         self,

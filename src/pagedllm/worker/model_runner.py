@@ -126,6 +126,23 @@ class ModelRunner:
         for layer, cache in zip(self.attn_layers, self.kv_caches):
             layer.kv_cache = cache
 
+    def free_kv_cache(self) -> None:
+        """Drop every reference to the KV cache (sleep mode); initialize_kv_cache rebuilds it.
+        The CUDA graphs read the cache's addresses, so they go too."""
+        self.release_cuda_graphs()
+        self.kv_caches = []
+        for layer in self.attn_layers:
+            layer.kv_cache = None
+
+    def release_cuda_graphs(self) -> None:
+        """Forget the captured graphs (and their memory pool); steps run eagerly until
+        capture_cuda_graphs runs again."""
+        self.cuda_graphs = {}
+        self._graph_sizes = []
+        # The last step's sampled tokens may live in a graph's pool.
+        self._prev_sampled = None
+        self._prev_index = {}
+
     def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
         if self.device.type != "cpu":
             return torch.zeros(shape, dtype=self.dtype, device=self.device)

@@ -3,8 +3,11 @@ from __future__ import annotations
 
 import gc
 import logging
+from collections.abc import Iterable
 
+import numpy as np
 import torch
+from torch import nn
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler import ModelRunnerOutput, SchedulerOutput
@@ -30,6 +33,9 @@ class Worker:
         model = load_model(resolved, mc.load_format, _TORCH_DTYPES[mc.dtype],
                            self.device, seed=mc.seed)
         self.model_runner = ModelRunner(config, model, self.device)
+        self.num_kv_blocks = 0
+        self._weights_asleep: _SleepingWeights | None = None
+        self._kv_cache_asleep = False
 
     def determine_num_blocks(self) -> int:
         """KV blocks that fit: CPU from kv_cache_memory_bytes, GPU from gpu_memory_utilization
@@ -63,9 +69,111 @@ class Worker:
         return int(budget // per_block)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.num_kv_blocks = num_blocks  # sleep mode rebuilds the same cache on wake_up
         self.model_runner.initialize_kv_cache(num_blocks)
         if self.device.type == "cuda" and not self.config.model_config.enforce_eager:
             self.model_runner.capture_cuda_graphs()
 
     def execute_model(self, sched: SchedulerOutput, non_block: bool = False):
         return self.model_runner.execute_model(sched, non_block)
+
+    # ---- RL rollout: weight updates and sleep mode -----------------------------------------
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy HF-named tensors into the live parameters (fused q/k/v and gate/up included);
+        returns the parameter names fully loaded. Copies in place: CUDA graphs stay valid."""
+        if self._weights_asleep is not None:
+            raise ValueError("the weights are asleep; call wake_up(tags=['weights']) before loading weights")
+        with torch.no_grad():
+            loaded = self.model_runner.model.load_weights(weights)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return loaded
+
+    def sleep(self, level: int) -> None:
+        """Level 1: weights to (pinned) host memory, KV cache freed. Level 2: both freed."""
+        runner = self.model_runner
+        runner.free_kv_cache()
+        self._kv_cache_asleep = True
+        self._weights_asleep = _SleepingWeights.offload(runner.model, self.device, keep_contents=level == 1)
+        self._release_device_memory()
+
+    def wake_up(self, tags: list[str]) -> None:
+        """Restore ``tags`` ("weights", "kv_cache"); CUDA graphs are re-captured once both are back."""
+        if "weights" in tags and self._weights_asleep is not None:
+            self._weights_asleep.restore(self.device)
+            self._weights_asleep = None
+        if "kv_cache" in tags and self._kv_cache_asleep:
+            self.model_runner.initialize_kv_cache(self.num_kv_blocks)
+            self._kv_cache_asleep = False
+        if self._weights_asleep is None and not self._kv_cache_asleep and self.device.type == "cuda" \
+                and not self.config.model_config.enforce_eager and not self.model_runner.cuda_graphs:
+            self.model_runner.capture_cuda_graphs()
+
+    def _release_device_memory(self) -> None:
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+
+
+class _SleepingWeights:
+    """The model's parameters while asleep: each parameter's ``.data`` swapped for an empty
+    tensor (the nn.Parameter objects, and their weight_loader attributes, stay), with the
+    contents in one flat host buffer (level 1) or dropped (level 2). Parameters that share
+    storage (tied embeddings) are saved once and come back sharing one tensor."""
+
+    _ALIGN = 256
+
+    def __init__(self, params: list[tuple[nn.Parameter, int]], layout: dict[int, tuple], host: torch.Tensor | None):
+        self.params = params  # (parameter, key of its storage)
+        self.layout = layout  # key -> (shape, stride-free dtype, byte offset in host)
+        self.host = host
+
+    @classmethod
+    def offload(cls, model: nn.Module, device: torch.device, keep_contents: bool) -> "_SleepingWeights":
+        params: list[tuple[nn.Parameter, int]] = []
+        layout: dict[int, tuple] = {}
+        originals: dict[int, torch.Tensor] = {}
+        offset = 0
+        seen: set[int] = set()
+        for _, param in model.named_parameters(remove_duplicate=False):
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            key = param.data.data_ptr()
+            params.append((param, key))
+            if key not in layout:
+                data = param.data
+                layout[key] = (tuple(data.shape), data.dtype, offset)
+                originals[key] = data
+                offset += -(-data.numel() * data.element_size() // cls._ALIGN) * cls._ALIGN
+        host = None
+        if keep_contents:
+            host = torch.empty(offset, dtype=torch.uint8, pin_memory=device.type == "cuda")
+            for key, (shape, dtype, start) in layout.items():
+                cls._view(host, shape, dtype, start).copy_(originals[key], non_blocking=True)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        for param, _ in params:
+            param.data = torch.empty(0, dtype=param.dtype, device=device)
+        return cls(params, layout, host)
+
+    @staticmethod
+    def _view(host: torch.Tensor, shape: tuple, dtype: torch.dtype, start: int) -> torch.Tensor:
+        nbytes = int(np.prod(shape)) * dtype.itemsize
+        return host[start:start + nbytes].view(dtype).view(shape)
+
+    def restore(self, device: torch.device) -> None:
+        """Fresh device storage for every parameter: the saved contents (level 1) or, after
+        level 2, undefined values that a weight update must overwrite."""
+        restored: dict[int, torch.Tensor] = {}
+        for key, (shape, dtype, start) in self.layout.items():
+            tensor = torch.empty(shape, dtype=dtype, device=device)
+            if self.host is not None:
+                tensor.copy_(self._view(self.host, shape, dtype, start), non_blocking=True)
+            restored[key] = tensor
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        for param, key in self.params:
+            param.data = restored[key]
+        self.host = None
