@@ -62,3 +62,18 @@ for e in rows:
 print("-- host (self CPU) top")
 for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:12]:
     print(f"{e.self_cpu_time_total / 1e6:8.3f} s  {e.count:7d}x  {e.key[:110]}")
+
+# GPU idle gaps over the run, by tenths of the kernel timeline (host-bound phases show up).
+spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+               if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+if spans:
+    t_start, t_end = spans[0][0], max(end for _, end in spans)
+    width = (t_end - t_start) / 10
+    idle = [0.0] * 10
+    busy_until = spans[0][0]
+    for start, end in spans:
+        if start > busy_until:
+            idle[min(int((busy_until - t_start) / width), 9)] += start - busy_until
+        busy_until = max(busy_until, end)
+    print("GPU idle per tenth of the run (ms): " + " ".join(f"{x / 1e3:.0f}" for x in idle)
+          + f"  (total {sum(idle) / 1e6:.2f} s of {(t_end - t_start) / 1e6:.2f} s)")

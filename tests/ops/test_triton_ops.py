@@ -210,3 +210,27 @@ def test_a_model_through_the_triton_ops_gives_the_torch_layers_greedy_tokens(tri
         for lr, lf in zip(r.outputs[0].logprobs, f.outputs[0].logprobs):
             (tok, ref_lp), = lr.items()
             assert lf[tok].logprob == pytest.approx(ref_lp.logprob, abs=1e-4)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,head_dim", [((16, 8), 128), ((3, 1), 64)])
+def test_qk_norm_rotary_equals_norms_then_rotary(ops, dtype, heads, head_dim):
+    """Qwen3's q/k RMSNorm + rotary in one launch: the torch layers' values, in one kernel."""
+    num_tokens = 9
+    q, k = _qkv_views(num_tokens, *heads, head_dim, dtype)
+    rope = _rope(head_dim)
+    q_norm, k_norm = layers.RMSNorm(head_dim, 1e-6).to(DEVICE, dtype), layers.RMSNorm(head_dim, 1e-6).to(DEVICE, dtype)
+    with torch.no_grad():
+        q_norm.weight.copy_(_rand(head_dim, dtype=dtype) + 1)
+        k_norm.weight.copy_(_rand(head_dim, dtype=dtype) + 1)
+    positions = torch.randint(0, 4096, (num_tokens,), device=DEVICE)
+    q_out, k_out = ops.qk_norm_rotary(positions, q, k, q_norm.weight, k_norm.weight, 1e-6, rope.cos_sin_cache)
+    q_ref, k_ref = rope(positions, q_norm(q), k_norm(k))
+    cos_sin = rope.cos_sin_cache[positions]
+
+    def norm64(x, w):
+        x = x.double()
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()
+
+    _check(q_out, q_ref, _rotate64(norm64(q, q_norm.weight), cos_sin))
+    _check(k_out, k_ref, _rotate64(norm64(k, k_norm.weight), cos_sin))

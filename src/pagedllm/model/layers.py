@@ -96,9 +96,14 @@ class RotaryEmbedding(nn.Module):
         # Kept in float32 whatever the model dtype; cast per use, like HF does.
         self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
 
+    @staticmethod
+    def fused_ok(q: torch.Tensor, k: torch.Tensor) -> bool:
+        """The Triton kernels take q and k as [T, H, D] views of one dtype."""
+        return q.dim() == 3 and k.dim() == 3 and q.dtype == k.dtype
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         ops = triton_ops_for(q)
-        if ops is not None and q.dim() == 3 and q.dtype == k.dtype:  # [T, H, D], one kernel for q and k
+        if ops is not None and self.fused_ok(q, k):  # [T, H, D], one kernel for q and k
             return ops.rotary_embedding(positions, q, k, self.cos_sin_cache)
         cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2] each
         return _rotate(q, cos, sin), _rotate(k, cos, sin)

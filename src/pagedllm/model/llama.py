@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from pagedllm.attention.backend import AttentionBackend, AttentionMetadata
+from pagedllm.ops import triton_ops_for
 from pagedllm.model.layers import (
     Linear, LMHead, MergedLinear, QKVLinear, RMSNorm, RotaryEmbedding, SiluAndMul, VocabEmbedding,
 )
@@ -39,9 +40,14 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
+        ops = triton_ops_for(q)
+        if self.qk_norm and ops is not None and self.rotary_emb.fused_ok(q, k):  # one launch for all three
+            q, k = ops.qk_norm_rotary(positions, q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+                                      self.rotary_emb.cos_sin_cache)
+        else:
+            if self.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.rotary_emb(positions, q, k)
         if self.attn_backend is None:
             raise RuntimeError("Attention.attn_backend is not set; the model runner must set it before forward")
         o = self.attn_backend.forward(q, k, v, self.kv_cache, attn_metadata, self.scale, self.sliding_window)
