@@ -174,6 +174,27 @@ class AsyncLLM(EngineFrontend):
     async def reset_prefix_cache(self) -> bool:
         return await asyncio.wrap_future(self.engine_core.call_utility("reset_prefix_cache"))
 
+    # ---- RL rollout: the same calls as LLM, run in the core process ------------------------
+    async def _utility(self, method: str, *args: Any) -> Any:
+        return await asyncio.wrap_future(self.engine_core.call_utility(method, *args))
+
+    async def sleep(self, level: int = 1) -> None:
+        await self._utility("sleep", level)
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        await self._utility("wake_up", tags)
+
+    async def is_sleeping(self) -> bool:
+        return await self._utility("is_sleeping")
+
+    async def collective_rpc(self, method: str, timeout: float | None = None, args: tuple = (),
+                             kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """Arguments and results cross a process boundary: they must pickle (CPU tensors do)."""
+        return await self._utility("collective_rpc", method, tuple(args), kwargs)
+
+    async def update_weights(self, named_tensors) -> None:
+        await self._utility("update_weights", list(named_tensors))
+
     async def check_health(self) -> None:
         if self._closed:
             raise EngineDeadError("the engine was shut down")

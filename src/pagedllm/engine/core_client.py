@@ -25,7 +25,8 @@ logger = logging.getLogger("pagedllm")
 #   | ("error", request_id, message) | ("utility_result", call_id, result, error_text) | ("fatal", text)
 
 _PARENT_POLL_S = 1.0
-_UTILITIES = ("get_stats", "reset_prefix_cache")
+_UTILITIES = ("get_stats", "reset_prefix_cache", "sleep", "wake_up", "is_sleeping", "collective_rpc",
+              "update_weights")
 
 
 class EngineDeadError(RuntimeError):
