@@ -1,0 +1,1 @@
+"""Adapters for frameworks that drive pagedllm (RL rollout: ROLL, verl, OpenRLHF style)."""
