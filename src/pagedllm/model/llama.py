@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from pagedllm.attention.backend import AttentionBackend, AttentionMetadata
-from pagedllm.ops import triton_ops_for
+from pagedllm.model import layers
 from pagedllm.model.layers import (
     Linear, LMHead, MergedLinear, QKVLinear, RMSNorm, RotaryEmbedding, SiluAndMul, VocabEmbedding,
 )
@@ -40,7 +40,7 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        ops = triton_ops_for(q)
+        ops = layers.triton_ops_for(q)  # looked up at call time: one switch for every layer
         if self.qk_norm and ops is not None and self.rotary_emb.fused_ok(q, k):  # one launch for all three
             q, k = ops.qk_norm_rotary(positions, q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
                                       self.rotary_emb.cos_sin_cache)
