@@ -94,6 +94,9 @@ def float_list(text: str) -> list[float]:
 
 
 def git_commit() -> str:
+    """PAGEDLLM_COMMIT when set (a copied tree without its history), else git's HEAD."""
+    if os.environ.get("PAGEDLLM_COMMIT"):
+        return os.environ["PAGEDLLM_COMMIT"]
     try:
         return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
                                        cwd=os.path.dirname(os.path.abspath(__file__)),
