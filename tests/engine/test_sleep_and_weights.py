@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedllm import LLM, TokensPrompt
+from pagedllm import LLM, SamplingParams, TokensPrompt
 from tests.conftest import TEST_KV_BYTES
 from tests.engine.test_correctness import _hf_model, generate_ids, hf_greedy, mixed_prompts
 
@@ -145,3 +145,58 @@ def test_sleep_and_wake_up_errors_name_the_problem(tiny_models):
     with pytest.raises(ValueError, match="weights are asleep"):
         llm.update_weights(state_dict_items(model_dir))
     llm.wake_up()
+
+
+def test_async_llm_sleeps_wakes_and_updates_in_the_core_process(tiny_models):
+    """The server's engine: the same calls cross to the core process as utility messages."""
+    import asyncio
+
+    from pagedllm import EngineArgs
+    from pagedllm.engine.async_llm import AsyncLLM
+
+    model_dir = tiny_models["llama"]
+    prompt = PROMPTS[0]
+    expected = hf_greedy(model_dir, [prompt])[0]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+    async def run() -> None:
+        engine = AsyncLLM.from_engine_args(EngineArgs(
+            model=model_dir, kv_cache_memory_bytes=TEST_KV_BYTES, load_format="dummy", enable_sleep_mode=True,
+            dtype="float32", disable_log_stats=True))
+
+        async def greedy(request_id: str) -> list[int]:
+            outs = [o async for o in engine.generate(TokensPrompt(prompt_token_ids=prompt), params, request_id)]
+            return outs[-1].outputs[0].token_ids
+
+        try:
+            await engine.update_weights(state_dict_items(model_dir))
+            assert await greedy("a") == expected
+            await engine.sleep(2)
+            assert await engine.is_sleeping()
+            with pytest.raises(ValueError, match="sleeping"):
+                await greedy("b")
+            await engine.wake_up(["weights"])
+            results = await engine.collective_rpc("load_weights", args=(state_dict_items(model_dir),))
+            assert len(results) == 1
+            await engine.wake_up(["kv_cache"])
+            assert not await engine.is_sleeping()
+            assert await greedy("c") == expected
+        finally:
+            engine.shutdown()
+
+    asyncio.run(run())
+
+
+def test_gpu_sleep_script_runs_its_sequence_on_cpu():
+    """scripts/gpu_sleep.py (the GPU measurement) in its --cpu-smoke mode: same calls, tokens checked."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONPATH": os.path.join(root, "src")}
+    proc = subprocess.run([sys.executable, os.path.join(root, "scripts", "gpu_sleep.py"), "--cpu-smoke"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "OK: greedy tokens identical" in proc.stdout
+    assert proc.stdout.count(" True") == 2  # both checks in the table
