@@ -67,7 +67,8 @@ class ModelConfig:
 
     def default_sampling_overrides(self) -> dict[str, Any]:
         raw = self.generation_config_dict
-        return {ours: raw[theirs] for theirs, ours in _GENERATION_CONFIG_KEYS.items() if theirs in raw}
+        # A null in the file means "not set" (vLLM skips None values too).
+        return {ours: raw[theirs] for theirs, ours in _GENERATION_CONFIG_KEYS.items() if raw.get(theirs) is not None}
 
     def generation_eos_token_ids(self) -> set[int]:
         eos = self.generation_config_dict.get("eos_token_id")
