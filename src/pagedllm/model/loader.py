@@ -59,13 +59,33 @@ def resolve_model(
     if gguf_file is not None:
         config = load_gguf_config(gguf_file, trust_remote_code=trust_remote_code)
     else:
-        config = transformers.AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+        config = _load_config(path, trust_remote_code)
     if not getattr(config, "architectures", None):  # GGUF configs only know their model_type
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
         arch = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
         config.architectures = [arch] if arch else []
     return ResolvedModel(str(path), gguf_file, _apply_overrides(config, hf_overrides))
+
+
+def _load_config(path: Path, trust_remote_code: bool) -> transformers.PretrainedConfig:
+    """The model's config. Known model types load their config class directly: importing
+    transformers' auto mapping costs seconds of start-up; AutoConfig handles the rest."""
+    import importlib
+
+    try:
+        with open(path / "config.json") as f:
+            raw = json.load(f)
+        model_type = raw.get("model_type") if isinstance(raw, dict) else None
+        if model_type and not raw.get("auto_map") and model_type.isidentifier():
+            module = importlib.import_module(f"transformers.models.{model_type}.configuration_{model_type}")
+            for cls in vars(module).values():
+                if isinstance(cls, type) and issubclass(cls, transformers.PretrainedConfig) \
+                        and getattr(cls, "model_type", None) == model_type:
+                    return cls.from_pretrained(str(path))
+    except (OSError, ValueError, ImportError):
+        pass  # AutoConfig below gives the real error, or handles the unusual case
+    return transformers.AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
 
 
 def _cached_snapshot(repo_id: str, revision: str | None) -> str:
