@@ -1,92 +1,14 @@
-"""The Triton attention kernels under test: compiled on CUDA; elsewhere run by Triton's
-interpreter on CPU tensors. TRITON_INTERPRET=1 must be set when triton (whose own helpers such
-as tl.max are kernels too) and the kernel module are first imported, and while a kernel runs;
-it is set for those moments only, so tests of other folders see the environment unchanged."""
+"""The Triton attention kernels under test (tests/triton_env.py: the interpreter without a GPU)."""
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import pytest
-import torch
 
-ON_GPU = torch.cuda.is_available()
-HAS_TRITON = importlib.util.find_spec("triton") is not None
+from tests.triton_env import HAS_TRITON, ON_GPU, import_interpreted, kernel_module  # noqa: F401
 
-
-def _patch_interpreter() -> None:
-    """Loop bounds read from tensors need ``__index__`` on the interpreter's scalar tensors;
-    triton 3.6 takes ``int()`` of a 1-element array there, an error under numpy 2."""
-    import triton.runtime.interpreter as interp
-
-    if getattr(interp, "_pagedllm_index_patched", False) or not hasattr(interp, "_patch_lang_tensor"):
-        return
-    original = interp._patch_lang_tensor
-
-    def patch_lang_tensor(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    interp._patch_lang_tensor = patch_lang_tensor
-    interp._pagedllm_index_patched = True
-
-
-if not ON_GPU and HAS_TRITON:
-    _previous = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        import triton.language  # noqa: F401
-
-        _patch_interpreter()
-        import pagedllm.attention.triton_kernels  # noqa: F401
-    finally:
-        if _previous is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = _previous
+import_interpreted("pagedllm.attention.triton_kernels")
 
 
 @pytest.fixture
 def kernels(monkeypatch):
     """pagedllm.attention.triton_kernels, runnable on this machine (the interpreter on CPU)."""
-    if not HAS_TRITON:
-        pytest.skip("triton is not installed")
-    from pagedllm.attention import triton_kernels
-
-    if not ON_GPU:
-        if type(triton_kernels._attention_kernel).__name__ != "InterpretedFunction":
-            pytest.fail("triton_kernels was imported without TRITON_INTERPRET=1 before tests/attention/conftest.py")
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-        _bf16_like_the_gpu(monkeypatch)
-    return triton_kernels
-
-
-def _bf16_like_the_gpu(monkeypatch) -> None:
-    """The interpreter keeps bfloat16 as raw uint16: its dot multiplies those integers, and its
-    float32 -> bfloat16 cast truncates where the GPU (cvt.rn) rounds to nearest even. Both
-    are made to compute what the GPU computes, for the duration of a test."""
-    import numpy as np
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    def as_float32(handle):
-        if handle.dtype.scalar == tl.bfloat16:
-            return torch.from_numpy(handle.data.view(np.int16).copy()).view(torch.bfloat16).float().numpy()
-        return handle.data
-
-    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        if a.dtype.scalar != tl.bfloat16 and b.dtype.scalar != tl.bfloat16:
-            return original_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
-        out = np.matmul(as_float32(a), as_float32(b), dtype=np.float32).astype(d.data.dtype) + d.data
-        return interpreter.TensorHandle(out, d.dtype.scalar)
-
-    def cast_impl(self, src, dst_type):
-        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-            data = torch.from_numpy(np.asarray(src.data, dtype=np.float32)).to(torch.bfloat16)
-            return interpreter.TensorHandle(data.view(torch.int16).numpy().view(np.uint16), dst_type.scalar)
-        return original_cast(self, src, dst_type)
-
-    original_dot = interpreter.InterpreterBuilder.create_dot
-    original_cast = interpreter.InterpreterBuilder.cast_impl
-    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
-    monkeypatch.setattr(interpreter.InterpreterBuilder, "cast_impl", cast_impl)
+    return kernel_module("pagedllm.attention.triton_kernels", "_attention_kernel", monkeypatch)

@@ -12,7 +12,7 @@ import torch
 
 from pagedllm.attention.backend import AttentionMetadata
 from pagedllm.attention.torch_backend import TorchAttentionBackend
-from tests.attention.conftest import ON_GPU
+from tests.triton_env import ON_GPU
 
 DEVICE = "cuda" if ON_GPU else "cpu"
 # ||out - ref|| / ||ref|| limits (METHOD.md): fp32 through IEEE dots, half types with fp32 accumulation.

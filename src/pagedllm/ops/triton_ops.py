@@ -50,15 +50,22 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, x_stride0, inter_size, BLOCK: tl.conste
 
 
 @triton.jit
-def _rotate_heads(x_ptr, out_ptr, t, x_stride0, x_stride1, head0, cos, sin, offs_d, mask_d,
-                  NUM_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
-    """Rotate heads [head0, head0 + BLOCK_H) of token t: [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin]."""
+def _rotate_heads(x_ptr, w_ptr, out_ptr, t, x_stride0, x_stride1, head0, cos, sin, offs_d, mask_d, eps,
+                  NUM_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, HAS_NORM: tl.constexpr):
+    """Rotate heads [head0, head0 + BLOCK_H) of token t: [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin];
+    with HAS_NORM each head is first RMS-normed with weight w (Qwen3's q/k norm), rounded as RMSNorm."""
     dtype = x_ptr.dtype.element_ty
     heads = head0 + tl.arange(0, BLOCK_H)
     mask = (heads < NUM_HEADS)[:, None] & mask_d[None, :]
     src = x_ptr + t * x_stride0 + heads[:, None] * x_stride1 + offs_d[None, :]
     x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        rstd = tl.math.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)[:, None]
+        w1 = tl.load(w_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(w_ptr + HALF + offs_d, mask=mask_d, other=0.0).to(tl.float32)[None, :]
+        x1 = ((x1 * rstd).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
+        x2 = ((x2 * rstd).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
     # Each product and sum rounded to the model dtype, as torch computes it in that dtype.
     x1c, x2s = (x1 * cos).to(dtype).to(tl.float32), (x2 * sin).to(dtype).to(tl.float32)
     x2c, x1s = (x2 * cos).to(dtype).to(tl.float32), (x1 * sin).to(dtype).to(tl.float32)
@@ -68,9 +75,9 @@ def _rotate_heads(x_ptr, out_ptr, t, x_stride0, x_stride1, head0, cos, sin, offs
 
 
 @triton.jit
-def _rotary_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_sin_ptr, pos_ptr, q_stride0, q_stride1, k_stride0,
-                   k_stride1, cos_sin_stride0, NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr,
-                   HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+def _rotary_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, q_out_ptr, k_out_ptr, cos_sin_ptr, pos_ptr, q_stride0, q_stride1,
+                   k_stride0, k_stride1, cos_sin_stride0, eps, NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr,
+                   HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, HAS_NORM: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     head_block = tl.program_id(1)
     offs_d = tl.arange(0, BLOCK_D)
@@ -82,56 +89,11 @@ def _rotary_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_sin_ptr, pos_ptr, q_s
     sin = tl.load(table + HALF + offs_d, mask=mask_d, other=0.0).to(dtype).to(tl.float32)[None, :]
     q_blocks = tl.cdiv(NUM_Q_HEADS, BLOCK_H)
     if head_block < q_blocks:
-        _rotate_heads(q_ptr, q_out_ptr, t, q_stride0, q_stride1, head_block * BLOCK_H, cos, sin, offs_d, mask_d,
-                      NUM_Q_HEADS, HALF, BLOCK_H)
+        _rotate_heads(q_ptr, qw_ptr, q_out_ptr, t, q_stride0, q_stride1, head_block * BLOCK_H, cos, sin, offs_d,
+                      mask_d, eps, NUM_Q_HEADS, HALF, BLOCK_H, HAS_NORM)
     else:
-        _rotate_heads(k_ptr, k_out_ptr, t, k_stride0, k_stride1, (head_block - q_blocks) * BLOCK_H, cos, sin,
-                      offs_d, mask_d, NUM_K_HEADS, HALF, BLOCK_H)
-
-
-@triton.jit
-def _norm_rotate_heads(x_ptr, w_ptr, out_ptr, t, x_stride0, x_stride1, head0, cos, sin, offs_d, mask_d, eps,
-                       NUM_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
-    """Per-head RMSNorm (Qwen3's q/k norm) then rotary of heads [head0, head0 + BLOCK_H) of token t,
-    rounding where RMSNorm and _rotate_heads round."""
-    dtype = x_ptr.dtype.element_ty
-    heads = head0 + tl.arange(0, BLOCK_H)
-    mask = (heads < NUM_HEADS)[:, None] & mask_d[None, :]
-    src = x_ptr + t * x_stride0 + heads[:, None] * x_stride1 + offs_d[None, :]
-    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
-    rstd = tl.math.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)[:, None]
-    w1 = tl.load(w_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)[None, :]
-    w2 = tl.load(w_ptr + HALF + offs_d, mask=mask_d, other=0.0).to(tl.float32)[None, :]
-    x1 = ((x1 * rstd).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
-    x2 = ((x2 * rstd).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
-    x1c, x2s = (x1 * cos).to(dtype).to(tl.float32), (x2 * sin).to(dtype).to(tl.float32)
-    x2c, x1s = (x2 * cos).to(dtype).to(tl.float32), (x1 * sin).to(dtype).to(tl.float32)
-    dst = out_ptr + (t * NUM_HEADS + heads[:, None]) * (2 * HALF) + offs_d[None, :]
-    tl.store(dst, (x1c - x2s).to(dtype), mask=mask)
-    tl.store(dst + HALF, (x2c + x1s).to(dtype), mask=mask)
-
-
-@triton.jit
-def _qk_norm_rotary_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, q_out_ptr, k_out_ptr, cos_sin_ptr, pos_ptr, q_stride0,
-                           q_stride1, k_stride0, k_stride1, cos_sin_stride0, eps, NUM_Q_HEADS: tl.constexpr,
-                           NUM_K_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-                           BLOCK_D: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    head_block = tl.program_id(1)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_d = offs_d < HALF
-    table = cos_sin_ptr + tl.load(pos_ptr + t).to(tl.int64) * cos_sin_stride0
-    dtype = q_ptr.dtype.element_ty
-    cos = tl.load(table + offs_d, mask=mask_d, other=0.0).to(dtype).to(tl.float32)[None, :]
-    sin = tl.load(table + HALF + offs_d, mask=mask_d, other=0.0).to(dtype).to(tl.float32)[None, :]
-    q_blocks = tl.cdiv(NUM_Q_HEADS, BLOCK_H)
-    if head_block < q_blocks:
-        _norm_rotate_heads(q_ptr, qw_ptr, q_out_ptr, t, q_stride0, q_stride1, head_block * BLOCK_H, cos, sin, offs_d,
-                           mask_d, eps, NUM_Q_HEADS, HALF, BLOCK_H)
-    else:
-        _norm_rotate_heads(k_ptr, kw_ptr, k_out_ptr, t, k_stride0, k_stride1, (head_block - q_blocks) * BLOCK_H, cos,
-                           sin, offs_d, mask_d, eps, NUM_K_HEADS, HALF, BLOCK_H)
+        _rotate_heads(k_ptr, kw_ptr, k_out_ptr, t, k_stride0, k_stride1, (head_block - q_blocks) * BLOCK_H, cos,
+                      sin, offs_d, mask_d, eps, NUM_K_HEADS, HALF, BLOCK_H, HAS_NORM)
 
 
 def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
@@ -204,10 +166,12 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                     cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor,
+                     q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None,
+                     eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Neox-style rotary of q [T, Hq, D] and k [T, Hk, D] at ``positions`` [T], from the float32
-    ``cos_sin_cache`` [max_position, D] (cos then sin halves); one launch for both."""
+    ``cos_sin_cache`` [max_position, D] (cos then sin halves); one launch for both. With norm
+    weights, each head is RMS-normed first (Qwen3's q/k norm) in the same launch."""
     if q.dim() != 3 or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2] or q.dtype != k.dtype:
         raise ValueError(f"q and k must be [T, H, D] of one dtype with equal T and D, got {tuple(q.shape)} "
                          f"{q.dtype} and {tuple(k.shape)} {k.dtype}")
@@ -216,6 +180,10 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     if head_dim % 2 or cos_sin_cache.shape[-1] != head_dim or positions.shape != (num_tokens,):
         raise ValueError(f"head_dim {head_dim} must be even and match cos_sin_cache {tuple(cos_sin_cache.shape)}; "
                          f"positions {tuple(positions.shape)} must be [{num_tokens}]")
+    has_norm = q_norm_weight is not None
+    if has_norm and (k_norm_weight is None or any(w.shape != (head_dim,) or w.dtype != q.dtype
+                                                  for w in (q_norm_weight, k_norm_weight))):
+        raise ValueError(f"q/k norm weights must both be [{head_dim}] in the model dtype")
     positions = positions.contiguous()
     if q.stride(-1) != 1:
         q = q.contiguous()
@@ -229,9 +197,10 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     block_h = min(triton.next_power_of_2(max(num_q_heads, num_k_heads)), 8)
     head_blocks = triton.cdiv(num_q_heads, block_h) + triton.cdiv(num_k_heads, block_h)
     _rotary_kernel[(num_tokens, head_blocks)](
-        q, k, q_out, k_out, cos_sin_cache, positions, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        cos_sin_cache.stride(0), NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=num_k_heads, HALF=half, BLOCK_H=block_h,
-        BLOCK_D=triton.next_power_of_2(half), num_warps=4)
+        q, k, q_norm_weight if has_norm else q, k_norm_weight if has_norm else k, q_out, k_out, cos_sin_cache,
+        positions, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0), eps,
+        NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=num_k_heads, HALF=half, BLOCK_H=block_h,
+        BLOCK_D=triton.next_power_of_2(half), HAS_NORM=has_norm, num_warps=4)
     return q_out, k_out
 
 
@@ -239,28 +208,4 @@ def qk_norm_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_
                    k_weight: torch.Tensor, eps: float, cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Qwen3's per-head RMSNorm of q and k followed by rotary, in one launch: the same values
     as ``rotary_embedding(positions, rms_norm(q, q_weight), rms_norm(k, k_weight))``."""
-    num_tokens, num_q_heads, head_dim = q.shape
-    num_k_heads = k.shape[1]
-    if q_weight.shape != (head_dim,) or k_weight.shape != (head_dim,) or q_weight.dtype != q.dtype \
-            or k_weight.dtype != k.dtype:
-        raise ValueError(f"q/k norm weights must be [{head_dim}] in the model dtype")
-    if q.dim() != 3 or k.dim() != 3 or k.shape[0] != num_tokens or k.shape[2] != head_dim or head_dim % 2 \
-            or cos_sin_cache.shape[-1] != head_dim or positions.shape != (num_tokens,):
-        raise ValueError(f"bad shapes: q {tuple(q.shape)}, k {tuple(k.shape)}, positions {tuple(positions.shape)}")
-    positions = positions.contiguous()
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    if k.stride(-1) != 1:
-        k = k.contiguous()
-    q_out, k_out = torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype,
-                                                                                       device=k.device)
-    if num_tokens == 0:
-        return q_out, k_out
-    half = head_dim // 2
-    block_h = min(triton.next_power_of_2(max(num_q_heads, num_k_heads)), 8)
-    head_blocks = triton.cdiv(num_q_heads, block_h) + triton.cdiv(num_k_heads, block_h)
-    _qk_norm_rotary_kernel[(num_tokens, head_blocks)](
-        q, k, q_weight, k_weight, q_out, k_out, cos_sin_cache, positions, q.stride(0), q.stride(1), k.stride(0),
-        k.stride(1), cos_sin_cache.stride(0), eps, NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=num_k_heads, HALF=half,
-        BLOCK_H=block_h, BLOCK_D=triton.next_power_of_2(half), num_warps=4)
-    return q_out, k_out
+    return rotary_embedding(positions, q, k, cos_sin_cache, q_weight, k_weight, eps)
