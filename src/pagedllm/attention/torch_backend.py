@@ -10,8 +10,12 @@ from pagedllm.attention.backend import AttentionBackend, AttentionMetadata
 def write_to_paged_cache(
     key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """Store each new token's K/V at its slot (``block_id * block_size + offset``)."""
+    """Store each new token's K/V at its slot (``block_id * block_size + offset``); slot -1
+    (padding, warm-up) is skipped."""
     num_kv_heads, head_dim = key.shape[-2:]
+    if len(slot_mapping) and bool(slot_mapping.min() < 0):
+        keep = slot_mapping >= 0
+        key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
     kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
     kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
 

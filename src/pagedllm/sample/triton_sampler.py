@@ -14,9 +14,10 @@ import triton
 import triton.language as tl
 
 
-@triton.jit(do_not_specialize=["vocab", "seed", "chunk"])
-def _gumbel_argmax_kernel(logits_ptr, stride, temp_ptr, val_ptr, idx_ptr, vocab, chunk, seed, eps,
-                          NUM_CHUNKS: tl.constexpr, BLOCK: tl.constexpr):
+# Runtime sizes are not specialised on: one compiled kernel for every batch size.
+@triton.jit(do_not_specialize=["vocab", "seed", "chunk", "num_chunks"])
+def _gumbel_argmax_kernel(logits_ptr, stride, temp_ptr, val_ptr, idx_ptr, vocab, chunk, seed, eps, num_chunks,
+                          BLOCK: tl.constexpr):
     """Program (row, c) scans vocab chunk c of the row: its best perturbed value and index."""
     row = tl.program_id(0)
     c = tl.program_id(1)
@@ -39,8 +40,8 @@ def _gumbel_argmax_kernel(logits_ptr, stride, temp_ptr, val_ptr, idx_ptr, vocab,
         best_idx = tl.where(better, offs, best_idx)
     top = tl.max(best_val, axis=0)
     idx = tl.min(tl.where(best_val == top, best_idx, vocab), axis=0)
-    tl.store(val_ptr + row * NUM_CHUNKS + c, top)
-    tl.store(idx_ptr + row * NUM_CHUNKS + c, idx)
+    tl.store(val_ptr + row * num_chunks + c, top)
+    tl.store(idx_ptr + row * num_chunks + c, idx)
 
 
 def gumbel_sample(logits: torch.Tensor, temperature: torch.Tensor, eps: float = 1e-5, block: int = 1024,
@@ -61,7 +62,7 @@ def gumbel_sample(logits: torch.Tensor, temperature: torch.Tensor, eps: float = 
     idxs = torch.empty(rows, num_chunks, dtype=torch.int32, device=logits.device)
     seed = int(torch.randint(0, 2**31 - 1, (1,)))  # CPU generator: no device sync
     _gumbel_argmax_kernel[(rows, num_chunks)](logits, logits.stride(0), temperature.to(torch.float32), vals, idxs,
-                                              vocab, chunk, seed, eps, NUM_CHUNKS=num_chunks, BLOCK=block,
+                                              vocab, chunk, seed, eps, num_chunks, BLOCK=block,
                                               num_warps=4)
     best = vals.argmax(dim=1, keepdim=True)
     return idxs.gather(1, best).squeeze(1).to(torch.int64)

@@ -187,6 +187,27 @@ class ModelRunner:
         return sorted(set(sizes))
 
     @torch.inference_mode()
+    def warm_up_kernels(self) -> None:
+        """Compile, at start-up, the kernel variants that neither the profiling forward (one
+        long prefill) nor graph capture (pure decodes) reach: a mixed step of a decode and a
+        two-token chunk, and the one-pass sampler. Otherwise the first such step of a run
+        pays Triton's compile time. Nothing is written to the KV cache (slots are -1)."""
+        dev = self.device
+        md = AttentionMetadata(
+            num_actual_tokens=3, slot_mapping=torch.full((3,), -1, dtype=torch.int64, device=dev),
+            block_tables=torch.zeros(2, 1, dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor([0, 1, 3], dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor([1, 2], dtype=torch.int32, device=dev),
+            query_start_loc_cpu=[0, 1, 3], seq_lens_cpu=[1, 2], max_query_len=2, max_seq_len=2,
+        )
+        hidden = self.model(torch.zeros(3, dtype=torch.long, device=dev), torch.tensor([0, 0, 1], device=dev), md)
+        logits = self.model.compute_logits(hidden[1:])
+        self.sampler(logits, SamplingMetadata(temperature=torch.tensor([1.0, 0.0], device=dev),
+                                              all_greedy=False, all_random=False))
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    @torch.inference_mode()
     def capture_cuda_graphs(self) -> None:
         """Capture one graph of the model forward per decode batch size, largest first, in one
         shared memory pool. A decode step then replays the smallest graph that holds it."""

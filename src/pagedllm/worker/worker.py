@@ -71,8 +71,10 @@ class Worker:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.num_kv_blocks = num_blocks  # sleep mode rebuilds the same cache on wake_up
         self.model_runner.initialize_kv_cache(num_blocks)
-        if self.device.type == "cuda" and not self.config.model_config.enforce_eager:
-            self.model_runner.capture_cuda_graphs()
+        if self.device.type == "cuda":
+            self.model_runner.warm_up_kernels()
+            if not self.config.model_config.enforce_eager:
+                self.model_runner.capture_cuda_graphs()
 
     def execute_model(self, sched: SchedulerOutput, non_block: bool = False):
         return self.model_runner.execute_model(sched, non_block)
