@@ -87,9 +87,21 @@ class CacheConfig:
 
 
 @dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    distributed_executor_backend: str = "uni"  # "uni": in the engine core's process; "mp": one process per rank
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+@dataclass
 class EngineConfig:
     model_config: ModelConfig
     cache_config: CacheConfig
     scheduler_config: SchedulerConfig
     device: str  # "cpu" | "cuda" | "cuda:N"
     log_stats: bool = False
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)

@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from pagedllm.config import CacheConfig, EngineConfig, ModelConfig
+from pagedllm.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
 from pagedllm.core.scheduler import SchedulerConfig
 
 _DTYPES = {
@@ -66,6 +66,10 @@ class EngineArgs:
     async_scheduling: bool | None = None
     max_logprobs: int = 20
     disable_log_stats: bool = False
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    # None: "mp" (one process per rank) when tensor_parallel_size > 1, else "uni" (in-process).
+    distributed_executor_backend: str | None = None
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -107,6 +111,21 @@ class EngineArgs:
             raise bad("scheduling_policy", "'fcfs' or 'priority'")
         if self.generation_config not in ("auto", "vllm") and not os.path.isdir(self.generation_config):
             raise bad("generation_config", "'auto', 'vllm' or a folder holding generation_config.json")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise bad(name, "a positive integer")
+        if self.pipeline_parallel_size > 1:
+            raise ValueError(f"pipeline_parallel_size={self.pipeline_parallel_size}: pipeline parallelism is not "
+                             "implemented yet; use tensor_parallel_size to spread a model over the GPUs of one host")
+        if self.distributed_executor_backend == "ray":
+            raise ValueError("distributed_executor_backend='ray' is not implemented yet; use 'mp' (one process per "
+                             "GPU on this host) or 'uni'")
+        if self.distributed_executor_backend not in (None, "uni", "mp"):
+            raise bad("distributed_executor_backend", "None, 'uni' or 'mp'")
+        if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
+            raise ValueError(f"distributed_executor_backend='uni' runs one process, but tensor_parallel_size="
+                             f"{self.tensor_parallel_size}; use 'mp' (the default when tensor_parallel_size > 1)")
 
     def resolve_device(self) -> str:
         import torch
@@ -141,6 +160,7 @@ class EngineArgs:
                 "without chunked prefill a long prompt could never be scheduled"
             )
         max_num_seqs = self.max_num_seqs or 256
+        parallel_config = self._parallel_config(hf_config, device)
         model_config = ModelConfig(
             model=self.model or "default", path=resolved.path, gguf_file=resolved.gguf_file,
             hf_config=hf_config, dtype=_resolve_dtype(self.dtype, hf_config, device),
@@ -164,7 +184,26 @@ class EngineArgs:
             async_scheduling=device != "cpu" if self.async_scheduling is None else self.async_scheduling,
         )
         return EngineConfig(model_config, cache_config, scheduler_config, device,
-                            log_stats=not self.disable_log_stats)
+                            log_stats=not self.disable_log_stats, parallel_config=parallel_config)
+
+    def _parallel_config(self, hf_config: Any, device: str) -> ParallelConfig:
+        tp = self.tensor_parallel_size
+        heads = getattr(hf_config, "num_attention_heads", None)
+        kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+        if heads and heads % tp:
+            raise ValueError(f"tensor_parallel_size={tp} must divide the model's num_attention_heads={heads}")
+        if kv_heads and kv_heads % tp and tp % kv_heads:
+            raise ValueError(f"tensor_parallel_size={tp} must divide the model's num_key_value_heads={kv_heads} "
+                             "or be a multiple of it")
+        if tp > 1 and device.startswith("cuda"):
+            import torch
+
+            if torch.cuda.device_count() < tp:
+                raise ValueError(f"tensor_parallel_size={tp} needs {tp} GPUs, {torch.cuda.device_count()} visible "
+                                 "(CUDA_VISIBLE_DEVICES)")
+        backend = self.distributed_executor_backend or ("mp" if tp > 1 else "uni")
+        return ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=self.pipeline_parallel_size,
+                              distributed_executor_backend=backend)
 
 
 def _derive_max_model_len(hf_config: Any) -> int:

@@ -8,7 +8,7 @@ from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.messages import EngineCoreOutputs, EngineCoreRequest
 from pagedllm.core.request import Request
 from pagedllm.core.scheduler import Scheduler
-from pagedllm.worker.executor import UniProcExecutor
+from pagedllm.worker.executor import create_executor
 
 logger = logging.getLogger("pagedllm")
 
@@ -21,7 +21,7 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.executor = UniProcExecutor(config)
+        self.executor = create_executor(config)
         num_blocks = self.executor.determine_num_blocks()
         cc, sc = config.cache_config, config.scheduler_config
         if num_blocks * cc.block_size < sc.max_model_len:

@@ -1,10 +1,11 @@
 """Building blocks of decoder models: norms, rotary embedding, activations, linears.
 
 Every parameter carries a ``weight_loader(param, loaded_weight[, shard_id])`` so that
-loading a checkpoint is a loop over its tensors. There is one device (``tp_size == 1``)
-for now; the linears are named for how they will shard under tensor parallelism
-(fused q/k/v and gate/up split their output rows, ``o_proj``/``down_proj`` their input
-columns), so adding it means slicing inside the weight loaders and one all-reduce.
+loading a checkpoint is a loop over its tensors, and a ``full_shape`` (its shape with one
+rank). Under tensor parallelism (Megatron-style, ``pagedllm.distributed``) the loaders take
+the full HF checkpoint tensor and keep this rank's slice: fused q/k/v and gate/up split
+their output rows (column-parallel), ``o_proj``/``down_proj`` their input columns
+(row-parallel, one all-reduce after), the embedding and LM head their vocab rows.
 """
 from __future__ import annotations
 
@@ -14,6 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.distributed import (
+    get_tp_rank, get_tp_size, tensor_model_parallel_all_gather, tensor_model_parallel_all_reduce,
+)
 from pagedllm.ops import triton_ops_for
 
 
@@ -24,11 +28,24 @@ def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor) -> N
     param.data.copy_(loaded_weight)  # copy_ also casts to the model's dtype and device
 
 
-def _parameter(*shape: int, weight_loader=default_weight_loader) -> nn.Parameter:
+def _parameter(*shape: int, weight_loader=default_weight_loader, full_shape: tuple | None = None) -> nn.Parameter:
     # Allocated in the default dtype/device, which the loader sets, so nothing is built twice.
     param = nn.Parameter(torch.empty(*shape), requires_grad=False)
     param.weight_loader = weight_loader
+    param.full_shape = tuple(full_shape or shape)  # the checkpoint tensor's shape (all ranks together)
     return param
+
+
+def _divide(numerator: int, denominator: int, what: str) -> int:
+    if numerator % denominator:
+        raise ValueError(f"{what} ({numerator}) is not divisible by tensor_parallel_size ({denominator})")
+    return numerator // denominator
+
+
+def _check_full_rows(loaded_weight: torch.Tensor, rows: int, dim: int = 0) -> None:
+    if loaded_weight.shape[dim] != rows:
+        raise ValueError(f"checkpoint tensor has shape {tuple(loaded_weight.shape)}, expected {rows} along dim {dim} "
+                         "(the full tensor: each tensor-parallel rank keeps its slice)")
 
 
 class RMSNorm(nn.Module):
@@ -139,7 +156,7 @@ class SiluAndMul(nn.Module):
 
 
 class Linear(nn.Module):
-    """``y = x W^T + b`` with loaders; replicated now (``o_proj``/``down_proj`` go row-parallel)."""
+    """``y = x W^T + b`` with loaders, replicated on every rank."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
         super().__init__()
@@ -153,52 +170,159 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-class MergedLinear(Linear):
-    """Several projections of one input stacked on the output dim (gate/up: shard ids 0, 1)."""
+class RowParallelLinear(Linear):
+    """``o_proj`` / ``down_proj``: each rank holds a slice of the input columns and computes a
+    partial sum; one all-reduce adds them up, then the (replicated) bias is added once."""
 
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False):
-        super().__init__(input_size, sum(output_sizes), bias)
-        self.output_sizes = list(output_sizes)
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        nn.Module.__init__(self)
+        self.tp_size, self.tp_rank = get_tp_size(), get_tp_rank()
+        self.input_size_per_rank = _divide(input_size, self.tp_size, "input size of a row-parallel linear")
+        self.weight = _parameter(output_size, self.input_size_per_rank, weight_loader=self.weight_loader,
+                                 full_shape=(output_size, input_size))
+        self.bias = _parameter(output_size, weight_loader=self.weight_loader) if bias else None
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        if self.tp_size > 1 and param is self.weight:
+            _check_full_rows(loaded_weight, param.full_shape[1], dim=1)
+            loaded_weight = loaded_weight.narrow(1, self.tp_rank * self.input_size_per_rank, self.input_size_per_rank)
+        default_weight_loader(param, loaded_weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.linear(x, self.weight, self.bias)
+        y = tensor_model_parallel_all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+class MergedLinear(Linear):
+    """Several projections of one input stacked on the output dim (gate/up: shard ids 0, 1),
+    column-parallel: each rank holds its slice of every projection's rows, stacked."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
+                 sizes_per_rank: list[int] | None = None):
+        nn.Module.__init__(self)
+        self.tp_size, self.tp_rank = get_tp_size(), get_tp_rank()
+        self.output_sizes = list(output_sizes)  # full, as in the checkpoint
+        self.sizes_per_rank = sizes_per_rank or [
+            _divide(size, self.tp_size, "output size of a column-parallel linear") for size in output_sizes]
+        local, full = sum(self.sizes_per_rank), sum(self.output_sizes)
+        self.weight = _parameter(local, input_size, weight_loader=self.weight_loader, full_shape=(full, input_size))
+        self.bias = _parameter(local, weight_loader=self.weight_loader, full_shape=(full,)) if bias else None
+
+    def _shard_ids(self) -> list:
+        return list(range(len(self.output_sizes)))
+
+    def _shard_index(self, shard_id) -> int:
+        return shard_id
 
     def _shard_range(self, shard_id) -> tuple[int, int]:
-        return sum(self.output_sizes[:shard_id]), self.output_sizes[shard_id]
+        i = self._shard_index(shard_id)
+        return sum(self.sizes_per_rank[:i]), self.sizes_per_rank[i]
+
+    def _shard_start(self, index: int) -> int:
+        """First row of this rank's slice within the full projection ``index``."""
+        return self.tp_rank * self.sizes_per_rank[index]
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
         if shard_id is None:  # an already fused checkpoint tensor
-            return default_weight_loader(param, loaded_weight)
+            if self.tp_size == 1:
+                return default_weight_loader(param, loaded_weight)
+            _check_full_rows(loaded_weight, sum(self.output_sizes))
+            for sid, part in zip(self._shard_ids(), loaded_weight.split(self.output_sizes, dim=0)):
+                self.weight_loader(param, part, sid)
+            return
         offset, size = self._shard_range(shard_id)
+        if self.tp_size > 1:
+            index = self._shard_index(shard_id)
+            _check_full_rows(loaded_weight, self.output_sizes[index])
+            loaded_weight = loaded_weight.narrow(0, self._shard_start(index), size)
         default_weight_loader(param.data.narrow(0, offset, size), loaded_weight)
 
 
 class QKVLinear(MergedLinear):
-    """Fused q/k/v projection (shard ids "q", "k", "v"); column-parallel by heads later."""
+    """Fused q/k/v projection (shard ids "q", "k", "v"), column-parallel by heads. With fewer
+    KV heads than ranks, each KV head is replicated on the ranks whose query heads use it."""
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
+        tp_size = get_tp_size()
+        self.total_num_heads, self.total_num_kv_heads = num_heads, num_kv_heads
+        local_heads = _divide(num_heads, tp_size, "num_attention_heads")
+        if num_kv_heads >= tp_size:
+            local_kv_heads = _divide(num_kv_heads, tp_size, "num_key_value_heads")
+        else:
+            if tp_size % num_kv_heads:
+                raise ValueError(f"tensor_parallel_size ({tp_size}) must divide num_key_value_heads "
+                                 f"({num_kv_heads}) or be a multiple of it")
+            local_kv_heads = 1
         q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-        super().__init__(hidden_size, [q_size, kv_size, kv_size], bias)
-        self.head_dim, self.num_heads, self.num_kv_heads = head_dim, num_heads, num_kv_heads
+        super().__init__(hidden_size, [q_size, kv_size, kv_size], bias,
+                         sizes_per_rank=[local_heads * head_dim, local_kv_heads * head_dim, local_kv_heads * head_dim])
+        self.head_dim, self.num_heads, self.num_kv_heads = head_dim, local_heads, local_kv_heads
 
-    def _shard_range(self, shard_id) -> tuple[int, int]:
-        return super()._shard_range({"q": 0, "k": 1, "v": 2}[shard_id])
+    def _shard_ids(self) -> list:
+        return ["q", "k", "v"]
+
+    def _shard_index(self, shard_id) -> int:
+        return {"q": 0, "k": 1, "v": 2}[shard_id]
+
+    def _shard_start(self, index: int) -> int:
+        if index == 0:
+            return self.tp_rank * self.sizes_per_rank[0]
+        if self.total_num_kv_heads >= self.tp_size:
+            first_head = self.tp_rank * self.num_kv_heads
+        else:  # the KV head of this rank's query heads
+            first_head = self.tp_rank * self.total_num_kv_heads // self.tp_size
+        return first_head * self.head_dim
 
 
 class VocabEmbedding(nn.Module):
-    """Token embedding table; vocab-parallel (rows split by rank) later."""
+    """Token embedding table, vocab-parallel: each rank holds ``ceil(vocab / tp)`` rows (the
+    last rank's tail zero-padded); ids outside a rank's range embed to 0, an all-reduce sums."""
 
     def __init__(self, vocab_size: int, hidden_size: int):
         super().__init__()
-        self.weight = _parameter(vocab_size, hidden_size)
+        self._partition_vocab(vocab_size)
+        self.weight = _parameter(self.vocab_per_rank, hidden_size, weight_loader=self.weight_loader,
+                                 full_shape=(vocab_size, hidden_size))
+
+    def _partition_vocab(self, vocab_size: int) -> None:
+        self.tp_size, self.tp_rank = get_tp_size(), get_tp_rank()
+        self.vocab_size = vocab_size
+        self.vocab_per_rank = -(-vocab_size // self.tp_size)
+        self.vocab_start = min(self.tp_rank * self.vocab_per_rank, vocab_size)
+        self.vocab_end = min(self.vocab_start + self.vocab_per_rank, vocab_size)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        if self.tp_size == 1:
+            return default_weight_loader(param, loaded_weight)
+        _check_full_rows(loaded_weight, self.vocab_size)
+        rows = self.vocab_end - self.vocab_start
+        param.data[rows:].zero_()
+        default_weight_loader(param.data[:rows], loaded_weight[self.vocab_start:self.vocab_end])
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.weight)
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        mine = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
+        local_ids = torch.where(mine, input_ids - self.vocab_start, 0)
+        embedded = F.embedding(local_ids, self.weight).masked_fill_(~mine.unsqueeze(-1), 0)
+        return tensor_model_parallel_all_reduce(embedded)
 
 
 class LMHead(VocabEmbedding):
-    """Projects hidden states to vocab logits; ``tie_to`` shares an embedding's weight."""
+    """Projects hidden states to vocab logits; ``tie_to`` shares an embedding's weight. Under
+    tensor parallelism each rank computes its vocab slice; the slices are all-gathered, so
+    every rank holds (and samples from) the full-vocab logits."""
 
     def __init__(self, vocab_size: int, hidden_size: int, tie_to: VocabEmbedding | None = None):
         nn.Module.__init__(self)  # a tied head must not allocate a second table
-        self.weight = tie_to.weight if tie_to is not None else _parameter(vocab_size, hidden_size)
+        self._partition_vocab(vocab_size)
+        self.weight = tie_to.weight if tie_to is not None else _parameter(
+            self.vocab_per_rank, hidden_size, weight_loader=self.weight_loader, full_shape=(vocab_size, hidden_size))
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden_states, self.weight)
+        logits = F.linear(hidden_states, self.weight)
+        if self.tp_size == 1:
+            return logits
+        return tensor_model_parallel_all_gather(logits, dim=-1)[..., :self.vocab_size]

@@ -9,7 +9,7 @@ from torch import nn
 from pagedllm.attention.backend import AttentionBackend, AttentionMetadata
 from pagedllm.model import layers
 from pagedllm.model.layers import (
-    Linear, LMHead, MergedLinear, QKVLinear, RMSNorm, RotaryEmbedding, SiluAndMul, VocabEmbedding,
+    LMHead, MergedLinear, QKVLinear, RMSNorm, RotaryEmbedding, RowParallelLinear, SiluAndMul, VocabEmbedding,
 )
 
 
@@ -19,14 +19,16 @@ class Attention(nn.Module):
     def __init__(self, config, layer_idx: int, rotary_emb: RotaryEmbedding, qkv_bias: bool, o_bias: bool,
                  qk_norm: bool):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
-        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        total_heads = config.num_attention_heads
+        total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // total_heads
         self.scale = self.head_dim**-0.5
         self.sliding_window = _sliding_window(config, layer_idx)
-        self.qkv_proj = QKVLinear(config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, qkv_bias)
-        self.o_proj = Linear(self.q_size, config.hidden_size, o_bias)
+        self.qkv_proj = QKVLinear(config.hidden_size, self.head_dim, total_heads, total_kv_heads, qkv_bias)
+        # This rank's heads (all of them with one rank); its KV cache holds only its KV heads.
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.o_proj = RowParallelLinear(total_heads * self.head_dim, config.hidden_size, o_bias)
         if qk_norm:  # Qwen3: per-head RMSNorm of q and k before rotary
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -70,7 +72,7 @@ class MLP(nn.Module):
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported; supported: ['silu']")
         self.gate_up_proj = MergedLinear(config.hidden_size, [config.intermediate_size] * 2, bias)
         self.act_fn = SiluAndMul()
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))

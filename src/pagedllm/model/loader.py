@@ -269,11 +269,18 @@ def load_model(
 
 @torch.no_grad()
 def _init_dummy(model: nn.Module, seed: int, device: torch.device) -> None:
-    """Deterministic small random weights: finite, varied outputs without a checkpoint."""
+    """Deterministic small random weights: finite, varied outputs without a checkpoint. Each
+    parameter's full (all-ranks) tensor is drawn in the same order on every rank and its
+    weight loader keeps this rank's slice, so any tensor_parallel_size gives the same model."""
     generator = torch.Generator(device=device).manual_seed(seed)
     norm_params = {id(p) for m in model.modules() if isinstance(m, RMSNorm) for p in m.parameters()}
     for param in model.parameters():  # tied weights appear once
         if id(param) in norm_params:
             param.fill_(1.0)
-        else:
+            continue
+        full_shape = getattr(param, "full_shape", tuple(param.shape))
+        if full_shape == tuple(param.shape):
             param.normal_(0.0, 0.02, generator=generator)
+        else:
+            full = torch.empty(full_shape, dtype=param.dtype, device=param.device).normal_(0.0, 0.02, generator=generator)
+            param.weight_loader(param, full)

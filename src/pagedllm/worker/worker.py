@@ -18,15 +18,28 @@ logger = logging.getLogger("pagedllm")
 
 
 class Worker:
-    def __init__(self, config: EngineConfig) -> None:
+    """One rank: with tensor parallelism, ``rank`` picks its device (``cuda:rank`` among the
+    visible devices) and its slice of the model, and it joins the group at ``distributed_init_method``."""
+
+    def __init__(self, config: EngineConfig, rank: int = 0, distributed_init_method: str | None = None) -> None:
+        from pagedllm.distributed import init_distributed
         from pagedllm.model.loader import ResolvedModel, load_model
 
         self.config = config
+        self.rank = rank
+        tp_size = config.parallel_config.tensor_parallel_size
         self.device = torch.device(config.device)
         if self.device.type == "cuda":
-            if self.device.index is None:
+            if tp_size > 1:
+                self.device = torch.device("cuda", rank)
+            elif self.device.index is None:
                 self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
+        if tp_size > 1:
+            if distributed_init_method is None:
+                raise ValueError("tensor_parallel_size > 1 needs a distributed_init_method for the process group")
+            init_distributed(rank, tp_size, distributed_init_method,
+                             backend="nccl" if self.device.type == "cuda" else "gloo")
         mc = config.model_config
         torch.manual_seed(mc.seed)
         resolved = ResolvedModel(path=mc.path, gguf_file=mc.gguf_file, hf_config=mc.hf_config)
@@ -36,6 +49,9 @@ class Worker:
         self.num_kv_blocks = 0
         self._weights_asleep: _SleepingWeights | None = None
         self._kv_cache_asleep = False
+
+    def kv_cache_bytes_per_block(self) -> int:
+        return self.model_runner.kv_cache_bytes_per_block()
 
     def determine_num_blocks(self) -> int:
         """KV blocks that fit: CPU from kv_cache_memory_bytes, GPU from gpu_memory_utilization

@@ -1,0 +1,132 @@
+"""Tensor parallelism on CPU (gloo, two spawned worker processes): greedy outputs equal TP=1
+for real and dummy weights, with fewer KV heads than ranks, after update_weights; a killed
+worker fails the next generate promptly and leaves no process behind; bad sizes are refused."""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import shutil
+import time
+
+import pytest
+
+from pagedllm import LLM, SamplingParams, TokensPrompt
+from pagedllm.worker.executor import MultiprocExecutor, WorkerFailedError
+from tests.conftest import build_tiny_model
+from tests.engine.test_correctness import _hf_model, generate_ids, make_llm, mixed_prompts
+
+PROMPTS = mixed_prompts(4)
+
+
+@pytest.fixture(scope="module")
+def tp_models(tiny_models, smollm2_tokenizer_dir, tmp_path_factory) -> dict[str, str]:
+    """The tiny Llama and Qwen3 (2 KV heads) and a Llama with one KV head (replicated on both ranks)."""
+    kv1 = build_tiny_model("llama", str(tmp_path_factory.mktemp("tiny-llama-kv1")), smollm2_tokenizer_dir,
+                           num_key_value_heads=1)
+    return {"llama": tiny_models["llama"], "qwen3": tiny_models["qwen3"], "llama-kv1": kv1}
+
+
+@pytest.fixture(scope="module")
+def tp_llms():
+    """TP=2 engines, shut down (and checked for leftover processes) at the end of the module."""
+    llms: dict[str, LLM] = {}
+    yield llms
+    for llm in llms.values():
+        llm.llm_engine.engine_core.shutdown()
+    assert multiprocessing.active_children() == []
+
+
+def tp2(tp_llms: dict, name: str, model_dir: str, **kwargs) -> LLM:
+    if name not in tp_llms:
+        tp_llms[name] = make_llm(model_dir, tensor_parallel_size=2, **kwargs)
+    return tp_llms[name]
+
+
+def generate_with_logprobs(llm: LLM, prompts: list[list[int]]) -> tuple[list[list[int]], list[list[float]]]:
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
+    ids = [o.outputs[0].token_ids for o in outs]
+    lps = [[step[t].logprob for t, step in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)] for o in outs]
+    return ids, lps
+
+
+@pytest.mark.parametrize("name,async_scheduling", [("llama", False), ("qwen3", True), ("llama-kv1", False)])
+def test_tp2_greedy_outputs_equal_tp1(tp_models, tp_llms, name, async_scheduling):
+    model_dir = tp_models[name]
+    ref_ids, ref_lps = generate_with_logprobs(make_llm(model_dir), PROMPTS)
+    llm = tp2(tp_llms, name, model_dir, async_scheduling=async_scheduling)
+    ids, lps = generate_with_logprobs(llm, PROMPTS)
+    assert ids == ref_ids
+    # Row-parallel sums add in another order than one matmul: equal up to the last bits.
+    for got, want in zip(lps, ref_lps):
+        assert got == pytest.approx(want, abs=1e-4)
+
+
+def local_shapes(worker) -> tuple:
+    attn = worker.model_runner.model.model.layers[0].self_attn
+    return (attn.num_heads, attn.num_kv_heads, tuple(attn.o_proj.weight.shape),
+            tuple(worker.model_runner.model.model.embed_tokens.weight.shape),
+            worker.model_runner.kv_cache_bytes_per_block())
+
+
+def test_tp2_shards_heads_vocab_and_kv_cache(tp_models, tp_llms):
+    llm = tp2(tp_llms, "llama-kv1", tp_models["llama-kv1"])
+    ref = make_llm(tp_models["llama-kv1"]).llm_engine.engine_core.executor.kv_cache_bytes_per_block()
+    results = llm.collective_rpc(local_shapes)  # a module-level function: sent to each worker
+    assert len(results) == 2 and results[0] == results[1]
+    num_heads, num_kv_heads, o_shape, embed_shape, per_block = results[0]
+    assert (num_heads, num_kv_heads, o_shape) == (2, 1, (64, 32))  # 4 heads, 1 KV head replicated
+    assert embed_shape[0] == -(-_hf_model(tp_models["llama-kv1"]).config.vocab_size // 2)
+    assert per_block == ref  # one KV head per rank: the same as the single-device cache
+
+
+def test_tp2_dummy_weights_equal_tp1_dummy_and_update_weights_gives_reference(tp_models, tp_llms):
+    model_dir = tp_models["qwen3"]  # tied embeddings
+    ref_llm = make_llm(model_dir)
+    ref_real = generate_ids(ref_llm, PROMPTS)
+    ref_dummy = generate_ids(make_llm(model_dir, load_format="dummy"), PROMPTS)
+    llm = tp2(tp_llms, "qwen3-dummy", model_dir, load_format="dummy")
+    assert generate_ids(llm, PROMPTS) == ref_dummy != ref_real
+    llm.update_weights(_hf_model(model_dir).state_dict().items())  # full tensors; each rank slices
+    assert generate_ids(llm, PROMPTS) == ref_real
+
+
+def test_killed_worker_fails_generate_promptly_and_leaves_no_process(tp_models):
+    llm = make_llm(tp_models["llama"], tensor_parallel_size=2)
+    executor = llm.llm_engine.engine_core.executor
+    assert isinstance(executor, MultiprocExecutor) and len(executor.processes) == 2
+    assert generate_ids(llm, PROMPTS[:1])  # serving
+    executor.processes[1].kill()
+    executor.processes[1].join(5)
+    start = time.monotonic()
+    with pytest.raises(WorkerFailedError, match="worker rank 1"):
+        generate_ids(llm, PROMPTS)
+    assert time.monotonic() - start < 10
+    assert not any(p.is_alive() for p in executor.processes)  # the survivors were stopped too
+    with pytest.raises(WorkerFailedError, match="worker rank 1"):  # and the engine stays failed
+        generate_ids(llm, PROMPTS)
+    llm.llm_engine.engine_core.shutdown()
+    assert not set(executor.processes) & set(multiprocessing.active_children())
+
+
+def test_worker_start_up_failure_names_the_rank(tp_models, tmp_path):
+    model_dir = tmp_path / "no-weights"
+    model_dir.mkdir()
+    shutil.copy(os.path.join(tp_models["llama"], "config.json"), model_dir / "config.json")
+    before = set(multiprocessing.active_children())
+    with pytest.raises(WorkerFailedError, match=r"worker rank \d failed during start-up(.|\n)*no safetensors"):
+        LLM(str(model_dir), dtype="float32", load_format="safetensors", skip_tokenizer_init=True,
+            tensor_parallel_size=2, kv_cache_memory_bytes=1 << 20)
+    assert set(multiprocessing.active_children()) <= before
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(tensor_parallel_size=3), "tensor_parallel_size=3 must divide the model's num_attention_heads=4"),
+    (dict(tensor_parallel_size=0), "tensor_parallel_size must be a positive integer"),
+    (dict(pipeline_parallel_size=2), "pipeline parallelism is not implemented yet"),
+    (dict(distributed_executor_backend="ray"), "'ray' is not implemented yet"),
+    (dict(tensor_parallel_size=2, distributed_executor_backend="uni"), "tensor_parallel_size=2"),
+])
+def test_bad_parallel_settings_are_refused(tiny_models, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        make_llm(tiny_models["llama"], **kwargs)
