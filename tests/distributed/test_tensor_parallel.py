@@ -10,9 +10,11 @@ import time
 
 import pytest
 
-from pagedllm import LLM, SamplingParams, TokensPrompt
+from pagedllm import LLM, EngineArgs, SamplingParams, TokensPrompt
+from pagedllm.core.messages import EngineCoreRequest
+from pagedllm.engine.core_client import EngineCoreClient
 from pagedllm.worker.executor import MultiprocExecutor, WorkerFailedError
-from tests.conftest import build_tiny_model
+from tests.conftest import TEST_KV_BYTES, build_tiny_model
 from tests.engine.test_correctness import _hf_model, generate_ids, make_llm, mixed_prompts
 
 PROMPTS = mixed_prompts(4)
@@ -38,7 +40,7 @@ def tp_llms():
 
 def tp2(tp_llms: dict, name: str, model_dir: str, **kwargs) -> LLM:
     if name not in tp_llms:
-        tp_llms[name] = make_llm(model_dir, tensor_parallel_size=2, **kwargs)
+        tp_llms[name] = make_llm(model_dir, tensor_parallel_size=2, enable_sleep_mode=True, **kwargs)
     return tp_llms[name]
 
 
@@ -89,6 +91,42 @@ def test_tp2_dummy_weights_equal_tp1_dummy_and_update_weights_gives_reference(tp
     assert generate_ids(llm, PROMPTS) == ref_dummy != ref_real
     llm.update_weights(_hf_model(model_dir).state_dict().items())  # full tensors; each rank slices
     assert generate_ids(llm, PROMPTS) == ref_real
+
+
+def test_tp2_sleep_and_wake_up_keep_outputs(tp_models, tp_llms):
+    model_dir = tp_models["llama"]
+    ref = generate_ids(make_llm(model_dir), PROMPTS)
+    llm = tp2(tp_llms, "llama", model_dir)
+    for level in (1, 2):
+        llm.sleep(level=level)
+        assert llm.is_sleeping()
+        llm.wake_up(tags=["weights"])
+        if level == 2:  # the weights are undefined after level 2: load them again
+            llm.update_weights(_hf_model(model_dir).state_dict().items())
+        llm.wake_up(tags=["kv_cache"])
+        assert generate_ids(llm, PROMPTS) == ref
+
+
+def test_tp2_runs_inside_the_server_s_engine_core_process(tp_models):
+    """The engine core of `serve` / AsyncLLM is a daemonic process: it must still start its workers."""
+    config = EngineArgs(model=tp_models["llama"], dtype="float32", kv_cache_memory_bytes=TEST_KV_BYTES,
+                        tensor_parallel_size=2, disable_log_stats=True).create_engine_config()
+    ref = generate_ids(make_llm(tp_models["llama"]), PROMPTS[:1])[0]
+    client = EngineCoreClient(config)
+    try:
+        client.add_request(EngineCoreRequest("r", PROMPTS[0], SamplingParams(temperature=0, max_tokens=len(ref)),
+                                             eos_token_id=None, arrival_time=time.time()))
+        tokens, finished = [], False
+        while not finished:
+            kind, core_outputs = client.get_output(timeout_s=60)
+            assert kind == "outputs"
+            for out in core_outputs.outputs:
+                tokens += out.new_token_ids
+                finished = finished or out.finished
+        assert tokens == ref
+    finally:
+        client.shutdown()
+    assert client.process.exitcode == 0
 
 
 def test_killed_worker_fails_generate_promptly_and_leaves_no_process(tp_models):

@@ -2,6 +2,7 @@
 spawned process per tensor-parallel rank on this host (``mp``)."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing as mp
 import os
@@ -110,14 +111,15 @@ class MultiprocExecutor:
         ctx = mp.get_context("spawn")
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         try:
-            for rank in range(self.world_size):
-                parent_conn, child_conn = ctx.Pipe()
-                process = ctx.Process(target=_worker_main, args=(config, rank, init_method, child_conn),
-                                      name=f"pagedllm-worker-rank{rank}", daemon=True)
-                process.start()
-                child_conn.close()
-                self.processes.append(process)
-                self.conns.append(parent_conn)
+            with _children_allowed():
+                for rank in range(self.world_size):
+                    parent_conn, child_conn = ctx.Pipe()
+                    process = ctx.Process(target=_worker_main, args=(config, rank, init_method, child_conn),
+                                          name=f"pagedllm-worker-rank{rank}", daemon=True)
+                    process.start()
+                    child_conn.close()
+                    self.processes.append(process)
+                    self.conns.append(parent_conn)
             self._gather(-1, "start-up", timeout_s=WORKER_START_TIMEOUT_S)
         except BaseException:
             self.shutdown()
@@ -225,6 +227,20 @@ class _PendingStep:
         if self._result is None:
             self._result = self.executor._gather(self.seq, "execute_model()")[0]
         return self._result
+
+
+@contextlib.contextmanager
+def _children_allowed():
+    """The server's engine core is a daemonic process, which multiprocessing forbids to start
+    children. Ours are safe there: each exits when its pipe to this process closes, and
+    shutdown (or the daemon cleanup at exit) stops them, so the flag is lifted while starting."""
+    config = mp.current_process()._config
+    was_daemon = config.get("daemon", False)
+    config["daemon"] = False
+    try:
+        yield
+    finally:
+        config["daemon"] = was_daemon
 
 
 def _free_port() -> int:
