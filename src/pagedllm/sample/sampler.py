@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import inspect
-import os
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+
+from pagedllm.ops import triton_ops_for
 
 _EPS = 1e-5
 
@@ -62,30 +63,12 @@ def compute_logprobs_with_ranks(
     return ids, lps, torch.cat([chosen_rank, top_ranks], dim=1)
 
 
-def _triton_sampler():
-    """The one-pass CUDA sampler, or None (no triton, or PAGEDLLM_DISABLE_TRITON_OPS=1)."""
-    global _TRITON_SAMPLER
-    if _TRITON_SAMPLER is None:
-        _TRITON_SAMPLER = False
-        if os.environ.get("PAGEDLLM_DISABLE_TRITON_OPS", "0") != "1":
-            try:
-                from pagedllm.sample.triton_sampler import gumbel_sample
-
-                _TRITON_SAMPLER = gumbel_sample
-            except ImportError:
-                pass
-    return _TRITON_SAMPLER or None
-
-
-_TRITON_SAMPLER = None
-
-
 class Sampler:
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
-        if logits.is_cuda and self._only_temperature(md):
-            fused = _triton_sampler()
-            if fused is not None:
-                return SamplerOutput(fused(logits, md.temperature))
+        if self._only_temperature(md) and triton_ops_for(logits) is not None:  # CUDA, kernels enabled
+            from pagedllm.sample.triton_sampler import gumbel_sample
+
+            return SamplerOutput(gumbel_sample(logits, md.temperature))
         logits = logits.to(torch.float32)
         # Logprobs are reported for the model's raw distribution, as vLLM does by default.
         raw_logprobs = torch.log_softmax(logits, dim=-1) if md.max_num_logprobs is not None else None

@@ -343,7 +343,7 @@ class ModelRunner:
     class _Batch:
         input_ids: torch.Tensor
         positions: torch.Tensor
-        attn_metadata: AttentionMetadata
+        attn_metadata: AttentionMetadata | None  # None when a CUDA graph replays the step
         num_tokens: int
         query_start_loc: list[int]
         starts: list[int]  # num_computed_tokens of each request before this step
@@ -380,32 +380,29 @@ class ModelRunner:
 
         graph_size = self._graph_size_for(num_reqs) if total == num_reqs else None
         buf = self._buffers
-        qsl_list, seq_lens_list = qsl.tolist(), seq_lens.tolist()
+        qsl_list = qsl.tolist()
+        buf.begin_step()
+        md = None  # a replayed graph reads the same buffers through its captured metadata
         if graph_size is not None:
             n = graph_size
-            buf.begin_step()
             ids_d = buf.upload("input_ids", input_ids, n, pad=0)
             pos_d = buf.upload("positions", positions, n, pad=0)
-            slots_d = buf.upload("slot_mapping", slots, n, pad=-1)
-            seq_d = buf.upload("seq_lens", seq_lens, n, pad=1)
+            buf.upload("slot_mapping", slots, n, pad=-1)
+            buf.upload("seq_lens", seq_lens, n, pad=1)
             buf.upload_block_tables(block_tables)
-            buf.end_step()
-            md = self._graph_metadata(n)
-            md.slot_mapping, md.seq_lens = slots_d, seq_d
         else:
-            buf.begin_step()
             ids_d = buf.upload("input_ids", input_ids)
             pos_d = buf.upload("positions", positions)
             slots_d = buf.upload("slot_mapping", slots)
             seq_d = buf.upload("seq_lens", seq_lens)
             qsl_d = buf.upload("query_start_loc", qsl)
             bt_d = buf.upload_block_tables(block_tables)
-            buf.end_step()
             md = AttentionMetadata(
                 num_actual_tokens=total, slot_mapping=slots_d, block_tables=bt_d, query_start_loc=qsl_d,
-                seq_lens=seq_d, query_start_loc_cpu=qsl_list, seq_lens_cpu=seq_lens_list,
+                seq_lens=seq_d, query_start_loc_cpu=qsl_list, seq_lens_cpu=seq_lens.tolist(),
                 max_query_len=int(counts.max()), max_seq_len=int(seq_lens.max()),
             )
+        buf.end_step()
         if inflight:
             dst, src = (torch.tensor(x, dtype=torch.int64).to(self.device, non_blocking=True) for x in zip(*inflight))
             ids_d[dst] = self._prev_sampled[src]
@@ -421,9 +418,9 @@ class ModelRunner:
             all_greedy=all(t == 0.0 for t in temps),
             all_random=all(t != 0.0 for t in temps),
         )
+        md.generators = {i: s.generator for i, s in enumerate(states) if s.generator is not None}
         features = frozenset().union(*(s.features for s in states))
         if not features:
-            md.generators = {i: s.generator for i, s in enumerate(states) if s.generator is not None}
             return md
         # Output histories are only read by penalties and logits processors.
         if features & {"presence", "frequency", "repetition", "procs"}:
@@ -435,7 +432,6 @@ class ModelRunner:
                                     dtype=torch.long, device=dev)
         if "min_p" in features:
             md.min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev)
-        md.generators = {i: s.generator for i, s in enumerate(states) if s.generator is not None}
         if "logprobs" in features:
             wanted = [p.logprobs for p in params if p.logprobs is not None]
             md.max_num_logprobs = -1 if -1 in wanted else max(wanted)
