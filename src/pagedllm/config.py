@@ -90,11 +90,18 @@ class CacheConfig:
 class ParallelConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
-    distributed_executor_backend: str = "uni"  # "uni": in the engine core's process; "mp": one process per rank
+    # "uni": in the engine core's process; "mp": one process per rank on this host; "ray": Ray actors
+    distributed_executor_backend: str = "uni"
 
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def output_rank(self) -> int:
+        """The rank whose ModelRunnerOutput the engine reads: tensor rank 0 of the last
+        pipeline stage (ranks are numbered pipeline-stage-major: rank = pp_rank * tp + tp_rank)."""
+        return (self.pipeline_parallel_size - 1) * self.tensor_parallel_size
 
 
 @dataclass

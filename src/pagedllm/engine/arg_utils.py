@@ -118,14 +118,12 @@ class EngineArgs:
         if self.pipeline_parallel_size > 1:
             raise ValueError(f"pipeline_parallel_size={self.pipeline_parallel_size}: pipeline parallelism is not "
                              "implemented yet; use tensor_parallel_size to spread a model over the GPUs of one host")
-        if self.distributed_executor_backend == "ray":
-            raise ValueError("distributed_executor_backend='ray' is not implemented yet; use 'mp' (one process per "
-                             "GPU on this host) or 'uni'")
-        if self.distributed_executor_backend not in (None, "uni", "mp"):
-            raise bad("distributed_executor_backend", "None, 'uni' or 'mp'")
-        if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
-            raise ValueError(f"distributed_executor_backend='uni' runs one process, but tensor_parallel_size="
-                             f"{self.tensor_parallel_size}; use 'mp' (the default when tensor_parallel_size > 1)")
+        if self.distributed_executor_backend not in (None, "uni", "mp", "ray"):
+            raise bad("distributed_executor_backend", "None, 'uni', 'mp' or 'ray'")
+        world_size = self.tensor_parallel_size * self.pipeline_parallel_size
+        if self.distributed_executor_backend == "uni" and world_size > 1:
+            raise ValueError(f"distributed_executor_backend='uni' runs one process, but tensor_parallel_size x "
+                             f"pipeline_parallel_size = {world_size}; use 'mp' (the default on one host) or 'ray'")
 
     def resolve_device(self) -> str:
         import torch
@@ -201,7 +199,7 @@ class EngineArgs:
             if torch.cuda.device_count() < tp:
                 raise ValueError(f"tensor_parallel_size={tp} needs {tp} GPUs, {torch.cuda.device_count()} visible "
                                  "(CUDA_VISIBLE_DEVICES)")
-        backend = self.distributed_executor_backend or ("mp" if tp > 1 else "uni")
+        backend = self.distributed_executor_backend or ("mp" if tp * self.pipeline_parallel_size > 1 else "uni")
         return ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=self.pipeline_parallel_size,
                               distributed_executor_backend=backend)
 

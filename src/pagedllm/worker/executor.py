@@ -76,13 +76,17 @@ class UniProcExecutor:
         pass
 
 
-def create_executor(config: EngineConfig) -> UniProcExecutor | "MultiprocExecutor":
+def create_executor(config: EngineConfig):
     backend = config.parallel_config.distributed_executor_backend
     if backend == "mp":
         return MultiprocExecutor(config)
     if backend == "uni":
         return UniProcExecutor(config)
-    raise ValueError(f"distributed_executor_backend must be 'uni' or 'mp', got {backend!r}")
+    if backend == "ray":
+        from pagedllm.worker.ray_executor import RayExecutor  # ray is an optional extra
+
+        return RayExecutor(config)
+    raise ValueError(f"distributed_executor_backend must be 'uni', 'mp' or 'ray', got {backend!r}")
 
 
 class WorkerFailedError(RuntimeError):
@@ -90,7 +94,7 @@ class WorkerFailedError(RuntimeError):
 
 
 class MultiprocExecutor:
-    """One spawned worker process per tensor-parallel rank. Every call goes to all ranks
+    """One spawned worker process per rank (tensor x pipeline). Every call goes to all ranks
     (each step's SchedulerOutput included: the scheduler runs once, here); replies are read
     while watching the processes, so a worker that raises or dies makes the call raise at
     once (naming the rank) instead of hanging, and the other workers are stopped.
@@ -102,6 +106,7 @@ class MultiprocExecutor:
 
     def __init__(self, config: EngineConfig) -> None:
         self.world_size = config.parallel_config.world_size
+        self.output_rank = config.parallel_config.output_rank
         self.processes: list[mp.Process] = []
         self.conns: list = []
         self._seq = 0
@@ -124,8 +129,9 @@ class MultiprocExecutor:
         except BaseException:
             self.shutdown()
             raise
-        logger.info("Started %d worker processes (tensor_parallel_size=%d)", self.world_size,
-                    config.parallel_config.tensor_parallel_size)
+        logger.info("Started %d worker processes (tensor_parallel_size=%d, pipeline_parallel_size=%d)",
+                    self.world_size, config.parallel_config.tensor_parallel_size,
+                    config.parallel_config.pipeline_parallel_size)
 
     # ---- calls to every worker ----------------------------------------------------------
     def _send(self, method: str | Callable, args: tuple = (), kwargs: dict | None = None) -> int:
@@ -225,7 +231,7 @@ class _PendingStep:
 
     def result(self) -> ModelRunnerOutput:
         if self._result is None:
-            self._result = self.executor._gather(self.seq, "execute_model()")[0]
+            self._result = self.executor._gather(self.seq, "execute_model()")[self.executor.output_rank]
         return self._result
 
 
@@ -302,7 +308,8 @@ def _worker_main(config: EngineConfig, rank: int, init_method: str, conn) -> Non
         try:
             if method == "execute_model":
                 result = worker.execute_model(args[0])
-                result = result if rank == 0 else None  # the others' tokens are the same
+                # Only the last stage samples, and its tensor ranks all sample the same tokens.
+                result = result if rank == config.parallel_config.output_rank else None
             else:
                 result = _call_worker(worker, method, args, kwargs)
         except BaseException:

@@ -18,27 +18,30 @@ logger = logging.getLogger("pagedllm")
 
 
 class Worker:
-    """One rank: with tensor parallelism, ``rank`` picks its device (``cuda:rank`` among the
-    visible devices) and its slice of the model, and it joins the group at ``distributed_init_method``."""
+    """One rank of ``world_size = pipeline_parallel_size x tensor_parallel_size``: ``rank`` picks
+    its pipeline stage and tensor slice of the model (rank = pp_rank * tp + tp_rank), and it
+    joins the groups at ``distributed_init_method``. ``local_rank`` picks its GPU among those
+    visible to this process (``cuda:local_rank``; default: ``rank``, one host)."""
 
-    def __init__(self, config: EngineConfig, rank: int = 0, distributed_init_method: str | None = None) -> None:
+    def __init__(self, config: EngineConfig, rank: int = 0, distributed_init_method: str | None = None,
+                 local_rank: int | None = None) -> None:
         from pagedllm.distributed import init_distributed
         from pagedllm.model.loader import ResolvedModel, load_model
 
         self.config = config
         self.rank = rank
-        tp_size = config.parallel_config.tensor_parallel_size
+        pc = config.parallel_config
         self.device = torch.device(config.device)
         if self.device.type == "cuda":
-            if tp_size > 1:
-                self.device = torch.device("cuda", rank)
+            if pc.world_size > 1:
+                self.device = torch.device("cuda", rank if local_rank is None else local_rank)
             elif self.device.index is None:
                 self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
-        if tp_size > 1:
+        if pc.world_size > 1:
             if distributed_init_method is None:
-                raise ValueError("tensor_parallel_size > 1 needs a distributed_init_method for the process group")
-            init_distributed(rank, tp_size, distributed_init_method,
+                raise ValueError("a world size > 1 needs a distributed_init_method for the process groups")
+            init_distributed(rank, pc.tensor_parallel_size, pc.pipeline_parallel_size, distributed_init_method,
                              backend="nccl" if self.device.type == "cuda" else "gloo")
         mc = config.model_config
         torch.manual_seed(mc.seed)
