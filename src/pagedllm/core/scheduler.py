@@ -41,6 +41,10 @@ class CachedRequestData:
     req_id: str
     new_block_ids: list[int]
     num_computed_tokens: int
+    # Pipeline parallelism: the output tokens among this step's inputs (positions
+    # max(num_computed_tokens, num_prompt_tokens) onward). Only the last stage samples, so the
+    # other stages learn the tokens here; empty when one worker samples and keeps its own.
+    new_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -77,10 +81,21 @@ class SchedulerConfig:
     # Schedule step N+1 while step N runs: a decode's next input is its in-flight token
     # (a placeholder here, taken from the device by the worker).
     async_scheduling: bool = False
+    # Pipeline parallelism: up to this many steps in flight at once (one per stage). A request
+    # whose token is in flight sits out until it lands; the others fill the next step.
+    max_concurrent_batches: int = 1
 
     def __post_init__(self) -> None:
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.policy!r}")
+        if self.max_concurrent_batches > 1 and self.async_scheduling:
+            raise ValueError("async_scheduling cannot be combined with pipeline parallelism "
+                             "(max_concurrent_batches > 1): the stages before the last never see the device tokens")
+
+    @property
+    def tracks_in_flight(self) -> bool:
+        """Tokens of steps not yet read are counted as placeholders on their requests."""
+        return self.async_scheduling or self.max_concurrent_batches > 1
 
 
 class _WaitingQueue:
@@ -124,6 +139,8 @@ class Scheduler:
         self.waiting = _WaitingQueue(config.policy)
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()
+        # Preempted by a step that ran nothing (pipeline parallelism): told with the next one.
+        self.pending_preempted_req_ids: set[str] = set()
         self.num_preemptions = 0
 
     # ---- requests in and out -------------------------------------------------------------
@@ -171,12 +188,18 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
         preempted_ids: set[str] = set()
+        earlier_preempted, self.pending_preempted_req_ids = self.pending_preempted_req_ids, set()
         now = time.time()
 
+        # Pipeline parallelism: a step takes its share of the requests, so the next steps (the
+        # other stages' micro-batches) have work too.
+        max_reqs = -(-len(self.requests) // cfg.max_concurrent_batches) if cfg.max_concurrent_batches > 1 \
+            else cfg.max_num_seqs
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(num_scheduled) < max_reqs:
             request = self.running[i]
-            num_new = min(request.num_tokens + request.num_output_placeholders - request.num_computed_tokens, budget)
+            ahead = request.num_output_placeholders if cfg.async_scheduling else 0
+            num_new = min(request.num_tokens + ahead - request.num_computed_tokens, budget)
             if num_new <= 0 or self._reaches_limit(request):
                 i += 1  # its last token is in flight and ends it: nothing to run
                 continue
@@ -194,15 +217,20 @@ class Scheduler:
                     break
             if new_blocks is None:  # preempted itself: nothing left to run beyond this point
                 break
-            cached_reqs.append(CachedRequestData(request.request_id, [b.block_id for b in new_blocks],
-                                                 request.num_computed_tokens))
+            cached = CachedRequestData(request.request_id, [b.block_id for b in new_blocks],
+                                       request.num_computed_tokens)
+            if cfg.max_concurrent_batches > 1:
+                lo = max(request.num_computed_tokens, request.num_prompt_tokens)
+                cached.new_token_ids = request.all_token_ids[lo:request.num_computed_tokens + num_new]
+            cached_reqs.append(cached)
             num_scheduled[request.request_id] = num_new
             budget -= num_new
             i += 1
 
         # New work only when nothing was preempted this step, so a preempted request is
         # not overtaken by the ones behind it.
-        while not preempted_ids and self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+        while not preempted_ids and self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs \
+                and len(num_scheduled) < max_reqs:
             request = self.waiting.peek()
             if request.num_output_placeholders:  # preempted with a token still in flight
                 break
@@ -237,13 +265,14 @@ class Scheduler:
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_req_ids=self.finished_req_ids,
-            preempted_req_ids=preempted_ids,
+            preempted_req_ids=preempted_ids | earlier_preempted,
         )
         self.finished_req_ids = set()
         for req_id, n in num_scheduled.items():
             request = self.requests[req_id]
             request.num_computed_tokens += n
-            if cfg.async_scheduling and request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders:
+            if cfg.tracks_in_flight and \
+                    request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders:
                 request.num_output_placeholders += 1  # this step samples its next token
         return out
 
@@ -286,7 +315,7 @@ class Scheduler:
             prompt_lps = result.prompt_logprobs.get(req_id)
             if not token_ids and prompt_lps is None:
                 continue
-            if self.config.async_scheduling:
+            if self.config.tracks_in_flight:
                 request.num_output_placeholders -= len(token_ids)
             new_token_ids: list[int] = []
             for token_id in token_ids:

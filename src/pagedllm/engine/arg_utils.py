@@ -115,9 +115,9 @@ class EngineArgs:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise bad(name, "a positive integer")
-        if self.pipeline_parallel_size > 1:
-            raise ValueError(f"pipeline_parallel_size={self.pipeline_parallel_size}: pipeline parallelism is not "
-                             "implemented yet; use tensor_parallel_size to spread a model over the GPUs of one host")
+        if self.pipeline_parallel_size > 1 and self.async_scheduling:
+            raise ValueError("async_scheduling=True cannot be combined with pipeline_parallel_size > 1 (the stages "
+                             "keep several steps in flight instead)")
         if self.distributed_executor_backend not in (None, "uni", "mp", "ray"):
             raise bad("distributed_executor_backend", "None, 'uni', 'mp' or 'ray'")
         world_size = self.tensor_parallel_size * self.pipeline_parallel_size
@@ -179,7 +179,9 @@ class EngineArgs:
         scheduler_config = SchedulerConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched, max_model_len=max_model_len,
             enable_chunked_prefill=enable_chunked, policy=self.scheduling_policy,
-            async_scheduling=device != "cpu" if self.async_scheduling is None else self.async_scheduling,
+            async_scheduling=(device != "cpu" and self.pipeline_parallel_size == 1) if self.async_scheduling is None
+            else self.async_scheduling,
+            max_concurrent_batches=self.pipeline_parallel_size,
         )
         return EngineConfig(model_config, cache_config, scheduler_config, device,
                             log_stats=not self.disable_log_stats, parallel_config=parallel_config)
@@ -193,13 +195,18 @@ class EngineArgs:
         if kv_heads and kv_heads % tp and tp % kv_heads:
             raise ValueError(f"tensor_parallel_size={tp} must divide the model's num_key_value_heads={kv_heads} "
                              "or be a multiple of it")
-        if tp > 1 and device.startswith("cuda"):
+        pp = self.pipeline_parallel_size
+        if pp > 1:
+            from pagedllm.distributed.utils import pp_layer_partition
+
+            pp_layer_partition(getattr(hf_config, "num_hidden_layers", 0), pp)  # raises on a bad split
+        backend = self.distributed_executor_backend or ("mp" if tp * pp > 1 else "uni")
+        if tp * pp > 1 and device.startswith("cuda") and backend == "mp":
             import torch
 
-            if torch.cuda.device_count() < tp:
-                raise ValueError(f"tensor_parallel_size={tp} needs {tp} GPUs, {torch.cuda.device_count()} visible "
-                                 "(CUDA_VISIBLE_DEVICES)")
-        backend = self.distributed_executor_backend or ("mp" if tp * self.pipeline_parallel_size > 1 else "uni")
+            if torch.cuda.device_count() < tp * pp:
+                raise ValueError(f"tensor_parallel_size={tp} x pipeline_parallel_size={pp} needs {tp * pp} GPUs, "
+                                 f"{torch.cuda.device_count()} visible (CUDA_VISIBLE_DEVICES)")
         return ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=self.pipeline_parallel_size,
                               distributed_executor_backend=backend)
 

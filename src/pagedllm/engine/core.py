@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+from collections import deque
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
@@ -42,6 +43,8 @@ class EngineCore:
         self.kv_cache_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
         self.scheduler = Scheduler(sc, self.kv_cache_manager)
         self._in_flight = None  # async scheduling: (SchedulerOutput, pending result) of the last step
+        # Pipeline parallelism: steps in flight, oldest first, up to one per stage.
+        self._batch_queue: deque = deque()
         self.sleeping_tags: set[str] = set()  # sleep mode: what is freed now ("weights", "kv_cache")
 
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -55,6 +58,8 @@ class EngineCore:
         return EngineCoreOutputs(self.scheduler.abort_requests(request_ids))
 
     def step(self) -> EngineCoreOutputs:
+        if self.config.scheduler_config.max_concurrent_batches > 1:
+            return self._step_pipelined()
         if self.config.scheduler_config.async_scheduling:
             return self._step_async()
         if not self.scheduler.has_unfinished_requests():
@@ -78,8 +83,29 @@ class EngineCore:
         self._in_flight = launched
         return EngineCoreOutputs(outputs, self.scheduler.make_stats())
 
+    def _step_pipelined(self) -> EngineCoreOutputs:
+        """Keep up to ``max_concurrent_batches`` steps in flight, so every pipeline stage has a
+        micro-batch to work on: launch a new step while one fits and has work (requests whose
+        token is in flight sit out), otherwise read the oldest step's tokens."""
+        launched = False
+        if len(self._batch_queue) < self.config.scheduler_config.max_concurrent_batches \
+                and self.scheduler.has_unfinished_requests():
+            sched = self.scheduler.schedule()
+            if sched.total_num_scheduled_tokens:
+                self._batch_queue.append((sched, self.executor.execute_model(sched, non_block=True)))
+                launched = True
+            else:  # nothing runnable now: the workers hear of finished/preempted requests next time
+                self.scheduler.finished_req_ids |= sched.finished_req_ids
+                self.scheduler.pending_preempted_req_ids |= sched.preempted_req_ids
+        outputs = []
+        if self._batch_queue and (not launched or
+                                  len(self._batch_queue) == self.config.scheduler_config.max_concurrent_batches):
+            sched, pending = self._batch_queue.popleft()
+            outputs = self.scheduler.update_from_output(sched, pending.result())
+        return EngineCoreOutputs(outputs, self.scheduler.make_stats())
+
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None or bool(self._batch_queue)
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()

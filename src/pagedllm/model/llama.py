@@ -7,6 +7,8 @@ import torch
 from torch import nn
 
 from pagedllm.attention.backend import AttentionBackend, AttentionMetadata
+from pagedllm.distributed import get_pp_rank, get_pp_size
+from pagedllm.distributed.utils import pp_layer_range
 from pagedllm.model import layers
 from pagedllm.model.layers import (
     LMHead, MergedLinear, QKVLinear, RMSNorm, RotaryEmbedding, RowParallelLinear, SiluAndMul, VocabEmbedding,
@@ -98,23 +100,51 @@ class DecoderLayer(nn.Module):
         return self.mlp(hidden_states), residual
 
 
+class MissingLayer(nn.Identity):
+    """A layer held by another pipeline stage: keeps the indices (and checkpoint names) of
+    the layers this stage does hold."""
+
+
 class LlamaModel(nn.Module):
+    """With pipeline parallelism this stage holds layers [start_layer, end_layer): the first
+    stage also the embedding, the last the final norm. A stage other than the first takes the
+    previous stage's (hidden_states, residual); one other than the last returns them."""
+
     def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool):
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        pp_rank, pp_size = get_pp_rank(), get_pp_size()
+        self.is_first_stage, self.is_last_stage = pp_rank == 0, pp_rank == pp_size - 1
+        self.start_layer, self.end_layer = pp_layer_range(config.num_hidden_layers, pp_rank, pp_size)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size) if self.is_first_stage else None
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.rotary_emb = RotaryEmbedding(head_dim, config.max_position_embeddings, config)
         self.layers = nn.ModuleList(
             DecoderLayer(config, i, self.rotary_emb, qkv_bias, o_bias, qk_norm)
+            if self.start_layer <= i < self.end_layer else MissingLayer()
             for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if self.is_last_stage else None
 
-    def forward(self, input_ids, positions, attn_metadata) -> torch.Tensor:
-        hidden_states, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
+    def forward(self, input_ids, positions, attn_metadata, intermediate_tensors=None):
+        if self.is_first_stage:
+            hidden_states, residual = self.embed_tokens(input_ids), None
+        else:
+            hidden_states, residual = intermediate_tensors
+        for layer in self.layers[self.start_layer:self.end_layer]:
             hidden_states, residual = layer(positions, hidden_states, residual, attn_metadata)
+        if not self.is_last_stage:
+            return hidden_states, residual
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
+
+    def holds_weight(self, name: str) -> bool:
+        """Whether a checkpoint tensor belongs to this pipeline stage."""
+        if name.startswith("model.layers."):
+            return self.start_layer <= int(name.split(".")[2]) < self.end_layer
+        if name.startswith("model.embed_tokens."):
+            return self.is_first_stage
+        if name.startswith(("model.norm.", "lm_head.")):
+            return self.is_last_stage
+        return True
 
 
 class LlamaForCausalLM(nn.Module):
@@ -132,8 +162,14 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.model = LlamaModel(config, *self.attention_biases(config), qk_norm=self.qk_norm)
-        tie_to = self.model.embed_tokens if self.tie_word_embeddings else None
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tie_to=tie_to)
+        self.lm_head = None
+        if self.model.is_last_stage:
+            # Tied on one stage: the head shares the embedding. When the embedding lives on
+            # another stage, the head holds its own copy, loaded from the embedding's tensor.
+            tie_to = self.model.embed_tokens if self.tie_word_embeddings else None
+            self.lm_head = LMHead(config.vocab_size, config.hidden_size, tie_to=tie_to)
+            if self.tie_word_embeddings and tie_to is None:
+                self.lm_head.weight.checkpoint_name = "model.embed_tokens.weight"
 
     @staticmethod
     def attention_biases(config) -> tuple[bool, bool]:
@@ -142,9 +178,12 @@ class LlamaForCausalLM(nn.Module):
         return bias, bias
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata
-    ) -> torch.Tensor:  # [num_tokens, hidden_size], final-normed
-        return self.model(input_ids, positions, attn_metadata)
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata,
+        intermediate_tensors: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ):
+        """[num_tokens, hidden_size], final-normed; on a stage before the last, the
+        (hidden_states, residual) pair for the next stage."""
+        return self.model(input_ids, positions, attn_metadata, intermediate_tensors)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Logits in the model dtype; the sampler and logprobs upcast where they need to."""
@@ -154,9 +193,16 @@ class LlamaForCausalLM(nn.Module):
         """Load HF-named tensors; returns our parameter names whose every shard was loaded."""
         params = dict(self.named_parameters())
         shards_seen: dict[str, set] = {}
+        head_from_embedding = self.lm_head is not None and getattr(self.lm_head.weight, "checkpoint_name", None)
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name == "lm_head.weight"):
                 continue
+            if head_from_embedding and name == head_from_embedding:
+                self.lm_head.weight.weight_loader(self.lm_head.weight, tensor)
+                shards_seen.setdefault("lm_head.weight", set()).add(None)
+                continue
+            if not self.model.holds_weight(name):
+                continue  # another pipeline stage's
             shard_id = None
             for part, (fused_part, shard) in self.stacked_params.items():
                 if part in name:

@@ -5,6 +5,7 @@ import json
 import logging
 import sys
 import time
+import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -270,14 +271,17 @@ def load_model(
 @torch.no_grad()
 def _init_dummy(model: nn.Module, seed: int, device: torch.device) -> None:
     """Deterministic small random weights: finite, varied outputs without a checkpoint. Each
-    parameter's full (all-ranks) tensor is drawn in the same order on every rank and its
-    weight loader keeps this rank's slice, so any tensor_parallel_size gives the same model."""
-    generator = torch.Generator(device=device).manual_seed(seed)
+    parameter's full (all-ranks) tensor is drawn from a generator seeded by ``seed`` and the
+    tensor's checkpoint name, and its weight loader keeps this rank's slice, so any tensor or
+    pipeline parallel split gives the same model."""
+    generator = torch.Generator(device=device)
     norm_params = {id(p) for m in model.modules() if isinstance(m, RMSNorm) for p in m.parameters()}
-    for param in model.parameters():  # tied weights appear once
+    for name, param in model.named_parameters():  # tied weights appear once
         if id(param) in norm_params:
             param.fill_(1.0)
             continue
+        key = getattr(param, "checkpoint_name", name)
+        generator.manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()))
         full_shape = getattr(param, "full_shape", tuple(param.shape))
         if full_shape == tuple(param.shape):
             param.normal_(0.0, 0.02, generator=generator)

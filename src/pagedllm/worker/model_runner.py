@@ -12,6 +12,7 @@ from pagedllm.attention.backend import AttentionMetadata, get_attention_backend,
 from pagedllm.config import EngineConfig
 from pagedllm.core.messages import PositionLogprobs
 from pagedllm.core.scheduler import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from pagedllm.distributed import get_pp_size, is_first_pp_rank, is_last_pp_rank, pp_recv, pp_send
 from pagedllm.sample.sampler import Sampler, SamplingMetadata, compute_logprobs_with_ranks
 from pagedllm.sampling_params import SamplingParams
 
@@ -85,6 +86,10 @@ class ModelRunner:
         for layer in self.attn_layers:
             layer.attn_backend = self.attn_backend
         self.sampler = Sampler()
+        # Pipeline parallelism: this stage's place; only the last stage computes logits and samples.
+        self.pp_size, self.is_first_stage, self.is_last_stage = get_pp_size(), is_first_pp_rank(), is_last_pp_rank()
+        self.hidden_size = config.model_config.hf_config.hidden_size
+        self._pp_sends: list = []  # activations still being sent to the next stage
         self.requests: dict[str, CachedRequestState] = {}
         # Seeded requests that were preempted keep their RNG stream until they resume.
         self._preempted_generators: dict[str, torch.Generator] = {}
@@ -169,7 +174,10 @@ class ModelRunner:
                 query_start_loc_cpu=[0, num_tokens], seq_lens_cpu=[num_tokens],
                 max_query_len=num_tokens, max_seq_len=num_tokens,
             )
-            hidden = self.model(torch.zeros(num_tokens, dtype=torch.long, device=self.device), positions, md)
+            hidden = self.model(torch.zeros(num_tokens, dtype=torch.long, device=self.device), positions, md,
+                                self._dummy_intermediate(num_tokens))
+            if not self.is_last_stage:
+                return
             num_rows = min(self.config.scheduler_config.max_num_seqs, num_tokens)
             logits = self.model.compute_logits(hidden[:num_rows])
             self.sampler(logits, SamplingMetadata(
@@ -200,10 +208,12 @@ class ModelRunner:
             seq_lens=torch.tensor([1, 2], dtype=torch.int32, device=dev),
             query_start_loc_cpu=[0, 1, 3], seq_lens_cpu=[1, 2], max_query_len=2, max_seq_len=2,
         )
-        hidden = self.model(torch.zeros(3, dtype=torch.long, device=dev), torch.tensor([0, 0, 1], device=dev), md)
-        logits = self.model.compute_logits(hidden[1:])
-        self.sampler(logits, SamplingMetadata(temperature=torch.tensor([1.0, 0.0], device=dev),
-                                              all_greedy=False, all_random=False))
+        hidden = self.model(torch.zeros(3, dtype=torch.long, device=dev), torch.tensor([0, 0, 1], device=dev), md,
+                            self._dummy_intermediate(3))
+        if self.is_last_stage:
+            logits = self.model.compute_logits(hidden[1:])
+            self.sampler(logits, SamplingMetadata(temperature=torch.tensor([1.0, 0.0], device=dev),
+                                                  all_greedy=False, all_random=False))
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
 
@@ -212,6 +222,9 @@ class ModelRunner:
         """Capture one graph of the model forward per decode batch size, largest first, in one
         shared memory pool. A decode step then replays the smallest graph that holds it."""
         if self.device.type != "cuda" or not getattr(self.attn_backend, "cuda_graph_safe", False):
+            return
+        if self.pp_size > 1:
+            logger.info("Pipeline parallelism: steps run eagerly (no CUDA graphs)")
             return
         import time
 
@@ -238,6 +251,32 @@ class ModelRunner:
         self._graph_sizes = sizes
         logger.info("Captured %d CUDA graphs for decode batches of 1..%d in %.1f s",
                     len(sizes), sizes[-1], time.perf_counter() - t0)
+
+    # ---- pipeline parallelism ------------------------------------------------------------------
+    def _dummy_intermediate(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Zero activations for a forward that talks to no other stage (profiling, warm-up)."""
+        if self.is_first_stage:
+            return None
+        h = torch.zeros(num_tokens, self.hidden_size, dtype=self.dtype, device=self.device)
+        return h, h.clone()
+
+    def _run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata):
+        """This stage's forward: the previous stage's activations in, the next stage's out (a
+        stage before the last returns None)."""
+        if self.pp_size == 1:
+            return self.model(input_ids, positions, md)
+        intermediate = None
+        if not self.is_first_stage:
+            n = input_ids.shape[0]
+            intermediate = tuple(pp_recv([torch.empty(n, self.hidden_size, dtype=self.dtype, device=self.device)
+                                          for _ in range(2)]))
+        out = self.model(input_ids, positions, md, intermediate)
+        if self.is_last_stage:
+            return out
+        for handle in self._pp_sends:  # the last step's activations are out before these go
+            handle.wait()
+        self._pp_sends = pp_send(list(out))
+        return None
 
     def _graph_metadata(self, bs: int) -> AttentionMetadata:
         buf = self._buffers
@@ -272,6 +311,13 @@ class ModelRunner:
                 self.block_table_cpu[state.row, n:n + len(cached.new_block_ids)] = cached.new_block_ids
                 state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
+            if cached.new_token_ids:  # pipeline parallelism: tokens sampled by the last stage
+                pos = max(cached.num_computed_tokens, state.num_prompt_tokens)
+                for tok in cached.new_token_ids:
+                    if pos == len(state.token_ids):  # the last stage already holds its own
+                        self.token_ids_cpu[state.row, pos] = tok
+                        state.token_ids.append(tok)
+                    pos += 1
 
     def _drop(self, req_id: str) -> CachedRequestState | None:
         state = self.requests.pop(req_id, None)
@@ -312,7 +358,10 @@ class ModelRunner:
             graph.replay()
             hidden = out[:len(req_ids)]
         else:
-            hidden = self.model(batch.input_ids, batch.positions, batch.attn_metadata)
+            hidden = self._run_model(batch.input_ids, batch.positions, batch.attn_metadata)
+        if not self.is_last_stage:  # the last stage samples; the engine reads its output
+            output = ModelRunnerOutput(req_ids, [[] for _ in req_ids])
+            return _PendingOutput.done(output) if non_block else output
 
         sample_rows = [i for i in range(len(req_ids)) if batch.completes[i]]
         pending = _PendingOutput(self, req_ids, sample_rows)
