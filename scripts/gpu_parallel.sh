@@ -42,8 +42,7 @@ watched() {  # name, limit in seconds, then the command
 
 stage tests && watched tests 240 python -m pytest -q -x -p no:cacheprovider tests/attention tests/ops tests/sample \
   tests/gpu tests/engine/test_correctness.py tests/engine/test_async_scheduling.py
-stage ptests && watched tp_tests 300 python -m pytest -q -p no:cacheprovider -W ignore tests/distributed/test_tensor_parallel.py \
-  tests/distributed/test_tensor_parallel_server.py
+stage ptests && watched tp_tests 300 python -m pytest -q -p no:cacheprovider -W ignore tests/distributed/test_tensor_parallel.py
 stage ptests && watched pp_tests 300 python -m pytest -q -p no:cacheprovider -W ignore tests/distributed/test_pipeline_parallel.py
 if stage bench; then
   for par in tp1 tp2 pp2; do

@@ -162,7 +162,7 @@ def test_worker_start_up_failure_names_the_rank(tp_models, tmp_path):
     (dict(tensor_parallel_size=3), "tensor_parallel_size=3 must divide the model's num_attention_heads=4"),
     (dict(tensor_parallel_size=0), "tensor_parallel_size must be a positive integer"),
     (dict(distributed_executor_backend="dask"), "distributed_executor_backend must be None, 'uni', 'mp' or 'ray'"),
-    (dict(tensor_parallel_size=2, distributed_executor_backend="uni"), "tensor_parallel_size=2"),
+    (dict(tensor_parallel_size=2, distributed_executor_backend="uni"), "pipeline_parallel_size = 2; use 'mp'"),
 ])
 def test_bad_parallel_settings_are_refused(tiny_models, kwargs, match):
     with pytest.raises(ValueError, match=match):
