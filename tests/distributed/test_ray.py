@@ -103,8 +103,7 @@ def _wait_for_free_cpus(n: float, timeout_s: float = 10.0) -> bool:
 
 
 # (tensor_parallel_size, pipeline_parallel_size): each world of 2 spread over the two nodes.
-# Pipeline parallelism adds pytest.param(1, 2, id="pp2") here once EngineArgs accepts it.
-PARALLEL_SIZES = [pytest.param(2, 1, id="tp2")]
+PARALLEL_SIZES = [pytest.param(2, 1, id="tp2"), pytest.param(1, 2, id="pp2")]
 
 
 @pytest.mark.parametrize("tp,pp", PARALLEL_SIZES)
@@ -130,9 +129,7 @@ def test_ranks_on_two_ray_nodes_give_single_device_outputs(tiny_models, ray_clus
 
 
 def test_killed_actor_fails_generate_promptly_naming_the_rank(tiny_models, ray_cluster, ray_llms):
-    # Synchronous scheduling: after a failed step, an async engine core keeps its lost step in
-    # flight (has_unfinished_requests() stays True), which the KV-leak check after each test sees.
-    llm = ray_llm(ray_llms, ray_cluster, tiny_models["llama"], 2)
+    llm = ray_llm(ray_llms, ray_cluster, tiny_models["llama"], 2, async_scheduling=True)
     assert generate_ids(llm, PROMPTS[:1])  # serving
     ray_llms.clear()  # this test ends the engine
     engine_core = llm.llm_engine.engine_core

@@ -58,10 +58,16 @@ class EngineCore:
         return EngineCoreOutputs(self.scheduler.abort_requests(request_ids))
 
     def step(self) -> EngineCoreOutputs:
-        if self.config.scheduler_config.max_concurrent_batches > 1:
-            return self._step_pipelined()
-        if self.config.scheduler_config.async_scheduling:
-            return self._step_async()
+        try:
+            if self.config.scheduler_config.max_concurrent_batches > 1:
+                return self._step_pipelined()
+            if self.config.scheduler_config.async_scheduling:
+                return self._step_async()
+        except BaseException:
+            # A failed step (a worker died) loses every step in flight: none will ever land.
+            self._in_flight = None
+            self._batch_queue.clear()
+            raise
         if not self.scheduler.has_unfinished_requests():
             return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats())
         sched = self.scheduler.schedule()
