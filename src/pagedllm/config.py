@@ -92,6 +92,7 @@ class ParallelConfig:
     pipeline_parallel_size: int = 1
     # "uni": in the engine core's process; "mp": one process per rank on this host; "ray": Ray actors
     distributed_executor_backend: str = "uni"
+    device_ids: tuple[int, ...] | None = None  # each rank's GPU among the visible ones (None: rank r on GPU r)
 
     @property
     def world_size(self) -> int:

@@ -99,3 +99,25 @@ def test_example_rollout_loop_runs(smollm2_tokenizer_dir):
     assert len(steps) == 2 and all("2 groups x 8 samples" in s for s in steps)
     assert all("greedy matches transformers: True" in s for s in steps)
     assert lines[-1] == "done"
+
+
+def test_device_mapping_parses_roll_forms_and_is_checked_per_rank(tiny_models):
+    from pagedllm.integrations.rollout import parse_device_mapping
+
+    assert parse_device_mapping("list(range(0,8))") == list(range(8))
+    assert parse_device_mapping("list(range(2, 6, 2))") == [2, 4]
+    assert parse_device_mapping("[1, 0]") == [1, 0]
+    assert parse_device_mapping((3,)) == [3]
+    for bad in ("__import__('os')", "list(range(n))", [0.5], [True]):
+        with pytest.raises(ValueError, match="device_mapping"):
+            parse_device_mapping(bad)
+    config = {"kv_cache_memory_bytes": TEST_KV_BYTES, "dtype": "float32", "sleep_level": 0}
+    if not torch.cuda.is_available():  # the mapping reaches the engine, which checks it
+        with pytest.raises(ValueError, match=r"device_ids=\[0\] selects GPUs, but the device is 'cpu'"):
+            RolloutEngine.from_strategy_config(tiny_models["llama"], config, device_mapping="list(range(0,1))")
+    with pytest.raises(ValueError, match=r"names 2 GPU\(s\), but tensor_parallel_size x pipeline_parallel_size = 1"):
+        RolloutEngine.from_strategy_config(tiny_models["llama"], {**config, "tensor_parallel_size": 1},
+                                           device_mapping=[0, 1])
+    with pytest.raises(ValueError, match="device_ids must be a list of distinct GPU indices"):
+        RolloutEngine.from_strategy_config(tiny_models["llama"], {**config, "tensor_parallel_size": 2},
+                                           device_mapping=[1, 1])

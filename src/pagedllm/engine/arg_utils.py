@@ -70,6 +70,9 @@ class EngineArgs:
     pipeline_parallel_size: int = 1
     # None: "mp" (one process per rank) when tensor_parallel_size > 1, else "uni" (in-process).
     distributed_executor_backend: str | None = None
+    # The GPUs of ranks 0..world_size-1, as indices among the visible ones (an RL framework's
+    # device_mapping); None: GPU r for rank r (one rank: the current GPU).
+    device_ids: list[int] | None = None
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -121,6 +124,17 @@ class EngineArgs:
         if self.distributed_executor_backend not in (None, "uni", "mp", "ray"):
             raise bad("distributed_executor_backend", "None, 'uni', 'mp' or 'ray'")
         world_size = self.tensor_parallel_size * self.pipeline_parallel_size
+        if self.device_ids is not None:
+            ids = self.device_ids
+            if not isinstance(ids, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                                                            for i in ids) or len(set(ids)) != len(ids):
+                raise bad("device_ids", "a list of distinct GPU indices (non-negative integers) or None")
+            if len(ids) != world_size:
+                raise ValueError(f"device_ids={list(ids)} names {len(ids)} GPU(s), but tensor_parallel_size x "
+                                 f"pipeline_parallel_size = {world_size}: give one GPU per rank")
+            if self.distributed_executor_backend == "ray":
+                raise ValueError("device_ids cannot be used with distributed_executor_backend='ray' (Ray assigns "
+                                 "each rank's GPU)")
         if self.distributed_executor_backend == "uni" and world_size > 1:
             raise ValueError(f"distributed_executor_backend='uni' runs one process, but tensor_parallel_size x "
                              f"pipeline_parallel_size = {world_size}; use 'mp' (the default on one host) or 'ray'")
@@ -201,14 +215,23 @@ class EngineArgs:
 
             pp_layer_partition(getattr(hf_config, "num_hidden_layers", 0), pp)  # raises on a bad split
         backend = self.distributed_executor_backend or ("mp" if tp * pp > 1 else "uni")
-        if tp * pp > 1 and device.startswith("cuda") and backend == "mp":
+        device_ids = tuple(self.device_ids) if self.device_ids is not None else None
+        if device_ids is not None:
+            if not device.startswith("cuda"):
+                raise ValueError(f"device_ids={list(device_ids)} selects GPUs, but the device is {device!r}")
+            import torch
+
+            if max(device_ids) >= torch.cuda.device_count():
+                raise ValueError(f"device_ids={list(device_ids)}: only {torch.cuda.device_count()} GPU(s) are visible "
+                                 "(CUDA_VISIBLE_DEVICES)")
+        elif tp * pp > 1 and device.startswith("cuda") and backend == "mp":
             import torch
 
             if torch.cuda.device_count() < tp * pp:
                 raise ValueError(f"tensor_parallel_size={tp} x pipeline_parallel_size={pp} needs {tp * pp} GPUs, "
                                  f"{torch.cuda.device_count()} visible (CUDA_VISIBLE_DEVICES)")
         return ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=self.pipeline_parallel_size,
-                              distributed_executor_backend=backend)
+                              distributed_executor_backend=backend, device_ids=device_ids)
 
 
 def _derive_max_model_len(hf_config: Any) -> int:

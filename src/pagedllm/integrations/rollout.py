@@ -16,6 +16,8 @@ and offload() sleeps at that level; 0 means never sleep.
 """
 from __future__ import annotations
 
+import ast
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -80,6 +82,28 @@ def sampling_params_from_generating_args(generating_args: Mapping[str, Any]) -> 
     return SamplingParams(**kwargs)
 
 
+_RANGE_EXPR = re.compile(r"^\s*list\s*\(\s*range\s*\(\s*(-?\d+)\s*(?:,\s*(-?\d+)\s*(?:,\s*(-?\d+)\s*)?)?\)\s*\)\s*$")
+
+
+def parse_device_mapping(mapping: Sequence[int] | str) -> list[int]:
+    """ROLL's ``device_mapping``: a list of GPU indices, or the string ROLL's YAML configs use,
+    ``"list(range(0,8))"`` or ``"[0, 1]"`` (parsed, never evaluated)."""
+    if isinstance(mapping, str):
+        m = _RANGE_EXPR.match(mapping)
+        if m:
+            args = [int(x) for x in m.groups() if x is not None]
+            return list(range(*args))
+        try:
+            mapping = ast.literal_eval(mapping.strip())
+        except (ValueError, SyntaxError):
+            raise ValueError(f"device_mapping {mapping!r} must be a list of GPU indices or 'list(range(a, b))'") \
+                from None
+    if not isinstance(mapping, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool)
+                                                         for i in mapping):
+        raise ValueError(f"device_mapping must be a list of GPU indices, got {mapping!r}")
+    return list(mapping)
+
+
 class RolloutEngine:
     """An LLM plus the sleep level to use between rollouts."""
 
@@ -88,10 +112,19 @@ class RolloutEngine:
         self.sleep_level = sleep_level
 
     @classmethod
-    def from_strategy_config(cls, model: str | None, strategy_config: Mapping[str, Any]) -> "RolloutEngine":
+    def from_strategy_config(cls, model: str | None, strategy_config: Mapping[str, Any],
+                             device_mapping: Sequence[int] | str | None = None) -> "RolloutEngine":
         """``LLM(model, **strategy_config)`` without ROLL's own keys: ``sleep_level`` (0, 1 or 2;
-        default 1) turns on ``enable_sleep_mode`` unless the config sets it."""
+        default 1) turns on ``enable_sleep_mode`` unless the config sets it. ``device_mapping``
+        (ROLL's worker key: the GPUs this engine's ranks run on, among the visible ones) gives
+        one GPU per rank; with one GPU it alone sets ``tensor_parallel_size`` when the config
+        does not, as ROLL's vLLM strategy does with one worker."""
         config = dict(strategy_config)
+        if device_mapping is not None:
+            ids = parse_device_mapping(device_mapping)
+            config["device_ids"] = ids
+            if "tensor_parallel_size" not in config and "pipeline_parallel_size" not in config:
+                config["tensor_parallel_size"] = len(ids)
         sleep_level = config.pop("sleep_level", 1)
         for key in _STRATEGY_ONLY_KEYS:
             config.pop(key, None)

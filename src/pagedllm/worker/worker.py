@@ -33,7 +33,9 @@ class Worker:
         pc = config.parallel_config
         self.device = torch.device(config.device)
         if self.device.type == "cuda":
-            if pc.world_size > 1:
+            if pc.device_ids is not None:
+                self.device = torch.device("cuda", pc.device_ids[rank])
+            elif pc.world_size > 1:
                 self.device = torch.device("cuda", rank if local_rank is None else local_rank)
             elif self.device.index is None:
                 self.device = torch.device("cuda", torch.cuda.current_device())
