@@ -78,6 +78,9 @@ def _load_config(path: Path, trust_remote_code: bool) -> transformers.Pretrained
         with open(path / "config.json") as f:
             raw = json.load(f)
         model_type = raw.get("model_type") if isinstance(raw, dict) else None
+        config = _complete_config(raw) if model_type else None
+        if config is not None:
+            return config
         if model_type and not raw.get("auto_map") and model_type.isidentifier():
             module = importlib.import_module(f"transformers.models.{model_type}.configuration_{model_type}")
             for cls in vars(module).values():
@@ -87,6 +90,38 @@ def _load_config(path: Path, trust_remote_code: bool) -> transformers.Pretrained
     except (OSError, ValueError, ImportError):
         pass  # AutoConfig below gives the real error, or handles the unusual case
     return transformers.AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+
+
+# What the models read from a config, per model type, that transformers would otherwise default
+# (its defaults differ between these classes, so none is guessed here).
+_COMMON_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "vocab_size", "rms_norm_eps", "max_position_embeddings",
+                "tie_word_embeddings", "hidden_act")
+_TYPE_KEYS = {"llama": (), "mistral": ("sliding_window",), "qwen2": (), "qwen3": ("head_dim",)}
+
+
+def _complete_config(raw: dict) -> transformers.PretrainedConfig | None:
+    """A plain PretrainedConfig holding config.json as written, when it spells out everything
+    the models read: then the model type's config class (whose import drags in transformers'
+    validators, activations and, where installed, torchvision with torch._dynamo: seconds of
+    start-up) adds nothing. None sends the caller to that class."""
+    model_type = raw.get("model_type")
+    if model_type not in _TYPE_KEYS or raw.get("auto_map"):
+        return None
+    if any(k not in raw for k in _COMMON_KEYS + _TYPE_KEYS[model_type]):
+        return None
+    if "rope_parameters" not in raw and "rope_theta" not in raw:
+        return None
+    if model_type in ("qwen2", "qwen3") and "layer_types" not in raw and raw.get("sliding_window") \
+            and raw.get("use_sliding_window") is not False:
+        return None  # whether (and which) layers slide: the class works it out from its defaults
+    from transformers.configuration_utils import PretrainedConfig
+
+    # Set as written: the base class's __init__ would reinterpret some keys (rope_scaling).
+    config = PretrainedConfig()
+    for key, value in raw.items():
+        setattr(config, key, value)
+    return config
 
 
 def _cached_snapshot(repo_id: str, revision: str | None) -> str:
