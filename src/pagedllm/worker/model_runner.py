@@ -232,6 +232,9 @@ class ModelRunner:
         buf = self._buffers
         sizes = self.cuda_graph_sizes()
         pool = torch.cuda.graph_pool_handle()
+        # Our own capture stream: torch's default one is created once per process, on whichever
+        # device was current then, and capturing there would switch this engine to that device.
+        stream = torch.cuda.Stream(self.device)
         # Capture-time inputs: one context token per request, nothing written to the cache.
         buf.input_ids.zero_()
         buf.positions.zero_()
@@ -244,7 +247,7 @@ class ModelRunner:
             self.model(*args)  # warm-up: compiles kernels, settles allocator state
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
                 out = self.model(*args)
             self.cuda_graphs[bs] = (graph, out)
         torch.cuda.synchronize(self.device)
