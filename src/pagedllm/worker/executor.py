@@ -93,7 +93,66 @@ class WorkerFailedError(RuntimeError):
     """A worker process raised, died or never came up; the executor is unusable after it."""
 
 
-class MultiprocExecutor:
+class WorkerGroupExecutor:
+    """What the multi-worker executors (mp, ray) share: every call goes to all ranks through
+    ``_send`` (which returns a ticket) and comes back through ``_gather(ticket, what)``, one
+    reply per rank in rank order, raising WorkerFailedError when a rank fails or dies."""
+
+    output_rank: int  # whose ModelRunnerOutput the engine reads (the last stage's tensor rank 0)
+
+    def _send(self, method: str | Callable, args: tuple = (), kwargs: dict | None = None) -> Any:
+        raise NotImplementedError
+
+    def _gather(self, ticket: Any, what: str) -> list[Any]:
+        raise NotImplementedError
+
+    def _run(self, method: str | Callable, args: tuple = (), kwargs: dict | None = None) -> list[Any]:
+        name = method if isinstance(method, str) else getattr(method, "__name__", "a function")
+        return self._gather(self._send(method, args, kwargs), f"{name}()")
+
+    def determine_num_blocks(self) -> int:
+        return min(self._run("determine_num_blocks"))  # every rank must fit the same block count
+
+    def kv_cache_bytes_per_block(self) -> int:
+        return self._run("kv_cache_bytes_per_block")[0]
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self._run("initialize_kv_cache", (num_blocks,))
+
+    def execute_model(self, sched: SchedulerOutput, non_block: bool = False):
+        """The output rank's ModelRunnerOutput (the last stage's tensor ranks all sample the same
+        tokens from the same all-gathered logits), or with ``non_block`` a handle whose
+        result() waits for it: the workers run the step while the engine core goes on."""
+        pending = _PendingStep(self, self._send("execute_model", (sched,)))
+        return pending if non_block else pending.result()
+
+    def collective_rpc(self, method: str | Callable, args: tuple = (), kwargs: dict | None = None) -> list[Any]:
+        """Call ``method`` on every worker; one result per worker, in rank order. Iterators and
+        dict views among the arguments (``state_dict().items()``) are listed first to be sent."""
+        _check_worker_method(method)
+        args = tuple(list(a) if isinstance(a, (Iterator, ItemsView, KeysView, ValuesView)) else a for a in args)
+        return self._run(method, args, kwargs)
+
+    def sleep(self, level: int) -> None:
+        self.collective_rpc("sleep", (level,))
+
+    def wake_up(self, tags: list[str]) -> None:
+        self.collective_rpc("wake_up", (tags,))
+
+
+class _PendingStep:
+    def __init__(self, executor: WorkerGroupExecutor, ticket: Any) -> None:
+        self.executor, self.ticket = executor, ticket
+        self._result: ModelRunnerOutput | None = None
+
+    def result(self) -> ModelRunnerOutput:
+        if self._result is None:
+            # Every rank's reply is awaited: a failure anywhere is seen here, not in a later step.
+            self._result = self.executor._gather(self.ticket, "execute_model()")[self.executor.output_rank]
+        return self._result
+
+
+class MultiprocExecutor(WorkerGroupExecutor):
     """One spawned worker process per rank (tensor x pipeline). Every call goes to all ranks
     (each step's SchedulerOutput included: the scheduler runs once, here); replies are read
     while watching the processes, so a worker that raises or dies makes the call raise at
@@ -185,54 +244,9 @@ class MultiprocExecutor:
         _stop_workers(self.processes, self.conns, graceful=False)
         raise WorkerFailedError(message)
 
-    def _run(self, method: str | Callable, args: tuple = (), kwargs: dict | None = None) -> list[Any]:
-        name = method if isinstance(method, str) else getattr(method, "__name__", "a function")
-        return self._gather(self._send(method, args, kwargs), f"{name}()")
-
-    # ---- the executor interface -----------------------------------------------------------
-    def determine_num_blocks(self) -> int:
-        return min(self._run("determine_num_blocks"))  # every rank must fit the same block count
-
-    def kv_cache_bytes_per_block(self) -> int:
-        return self._run("kv_cache_bytes_per_block")[0]
-
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        self._run("initialize_kv_cache", (num_blocks,))
-
-    def execute_model(self, sched: SchedulerOutput, non_block: bool = False):
-        """Rank 0's ModelRunnerOutput (every rank samples the same tokens from the same
-        all-gathered logits), or with ``non_block`` a handle whose result() waits for it."""
-        seq = self._send("execute_model", (sched,))
-        pending = _PendingStep(self, seq)
-        return pending if non_block else pending.result()
-
-    def collective_rpc(self, method: str | Callable, args: tuple = (), kwargs: dict | None = None) -> list[Any]:
-        """Call ``method`` on every worker; one result per worker, in rank order. Iterators and
-        dict views among the arguments (``state_dict().items()``) are listed first to be sent."""
-        _check_worker_method(method)
-        args = tuple(list(a) if isinstance(a, (Iterator, ItemsView, KeysView, ValuesView)) else a for a in args)
-        return self._run(method, args, kwargs)
-
-    def sleep(self, level: int) -> None:
-        self.collective_rpc("sleep", (level,))
-
-    def wake_up(self, tags: list[str]) -> None:
-        self.collective_rpc("wake_up", (tags,))
-
     def shutdown(self) -> None:
         """Stop every worker process (asked first, then terminated, then killed); idempotent."""
         self._finalizer()
-
-
-class _PendingStep:
-    def __init__(self, executor: MultiprocExecutor, seq: int) -> None:
-        self.executor, self.seq = executor, seq
-        self._result: ModelRunnerOutput | None = None
-
-    def result(self) -> ModelRunnerOutput:
-        if self._result is None:
-            self._result = self.executor._gather(self.seq, "execute_model()")[self.executor.output_rank]
-        return self._result
 
 
 @contextlib.contextmanager

@@ -12,12 +12,10 @@ import sys
 import time
 import traceback
 import weakref
-from collections.abc import ItemsView, Iterator, KeysView, ValuesView
 from typing import Any, Callable
 
 from pagedllm.config import EngineConfig
-from pagedllm.core.scheduler import ModelRunnerOutput, SchedulerOutput
-from pagedllm.worker.executor import WorkerFailedError, _call_worker, _check_worker_method
+from pagedllm.worker.executor import WorkerFailedError, WorkerGroupExecutor, _call_worker
 
 try:
     import ray
@@ -45,7 +43,7 @@ def _require_ray() -> None:
                           '(or pip install ray)')
 
 
-class RayExecutor:
+class RayExecutor(WorkerGroupExecutor):
     """Every call goes to all ranks' actors (each step's SchedulerOutput included: the scheduler
     runs once, here). Actors are synchronous (max_concurrency=1) and Ray runs one caller's
     tasks to an actor in submission order, so steps in flight run in order on every rank.
@@ -137,7 +135,7 @@ class RayExecutor:
         if self._failure is not None:
             raise WorkerFailedError(self._failure)
 
-    def _submit(self, method: str | Callable, args: tuple = (), kwargs: dict | None = None) -> list:
+    def _send(self, method: str | Callable, args: tuple = (), kwargs: dict | None = None) -> list:
         self._check_alive()
         try:
             payload = ray.cloudpickle.dumps((method, args, kwargs))  # pickled once for every rank
@@ -204,54 +202,10 @@ class RayExecutor:
         _stop_actors(self._state, graceful=False)
         raise WorkerFailedError(message)
 
-    def _run(self, method: str | Callable, args: tuple = (), kwargs: dict | None = None) -> list[Any]:
-        name = method if isinstance(method, str) else getattr(method, "__name__", "a function")
-        return self._gather(self._submit(method, args, kwargs), f"{name}()")
-
-    # ---- the executor interface -----------------------------------------------------------
-    def determine_num_blocks(self) -> int:
-        return min(self._run("determine_num_blocks"))  # every rank must fit the same block count
-
-    def kv_cache_bytes_per_block(self) -> int:
-        return self._run("kv_cache_bytes_per_block")[0]
-
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        self._run("initialize_kv_cache", (num_blocks,))
-
-    def execute_model(self, sched: SchedulerOutput, non_block: bool = False):
-        """The output rank's ModelRunnerOutput, or with ``non_block`` a handle whose result() waits."""
-        pending = _PendingStep(self, self._submit("execute_model", (sched,)))
-        return pending if non_block else pending.result()
-
-    def collective_rpc(self, method: str | Callable, args: tuple = (), kwargs: dict | None = None) -> list[Any]:
-        """Call ``method`` on every worker; one result per worker, in rank order. Iterators and
-        dict views among the arguments (``state_dict().items()``) are listed first to be sent."""
-        _check_worker_method(method)
-        args = tuple(list(a) if isinstance(a, (Iterator, ItemsView, KeysView, ValuesView)) else a for a in args)
-        return self._run(method, args, kwargs)
-
-    def sleep(self, level: int) -> None:
-        self.collective_rpc("sleep", (level,))
-
-    def wake_up(self, tags: list[str]) -> None:
-        self.collective_rpc("wake_up", (tags,))
-
     def shutdown(self) -> None:
         """Stop every actor (asked first, then killed) and remove the placement group; idempotent.
         Ray itself stays up (it may be the user's cluster, or serve another engine)."""
         self._finalizer()
-
-
-class _PendingStep:
-    def __init__(self, executor: RayExecutor, refs: list) -> None:
-        self.executor, self.refs = executor, refs
-        self._result: ModelRunnerOutput | None = None
-
-    def result(self) -> ModelRunnerOutput:
-        if self._result is None:
-            # Every rank's reply is awaited: a failure anywhere is seen here, not in a later step.
-            self._result = self.executor._gather(self.refs, "execute_model()")[self.executor.output_rank]
-        return self._result
 
 
 def _first_line(error: BaseException) -> str:

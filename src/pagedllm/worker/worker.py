@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from pagedllm.config import EngineConfig
-from pagedllm.core.scheduler import ModelRunnerOutput, SchedulerOutput
+from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.engine.arg_utils import DEFAULT_CPU_KV_CACHE_BYTES
 from pagedllm.worker.model_runner import _TORCH_DTYPES, ModelRunner
 
