@@ -139,7 +139,7 @@ class Scheduler:
         self.waiting = _WaitingQueue(config.policy)
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()
-        # Preempted by a step that ran nothing (pipeline parallelism): told with the next one.
+        # Preempted by a step that ran nothing (so was not launched): told with the next one.
         self.pending_preempted_req_ids: set[str] = set()
         self.num_preemptions = 0
 

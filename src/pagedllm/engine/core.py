@@ -42,9 +42,11 @@ class EngineCore:
         )
         self.kv_cache_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
         self.scheduler = Scheduler(sc, self.kv_cache_manager)
-        self._in_flight = None  # async scheduling: (SchedulerOutput, pending result) of the last step
-        # Pipeline parallelism: steps in flight, oldest first, up to one per stage.
+        # Steps in flight, oldest first: one per pipeline stage, or with async scheduling the one
+        # the device runs while the next is scheduled and launched.
         self._batch_queue: deque = deque()
+        self._max_in_flight = sc.max_concurrent_batches if sc.max_concurrent_batches > 1 \
+            else 2 if sc.async_scheduling else 1
         self.sleeping_tags: set[str] = set()  # sleep mode: what is freed now ("weights", "kv_cache")
 
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -58,16 +60,12 @@ class EngineCore:
         return EngineCoreOutputs(self.scheduler.abort_requests(request_ids))
 
     def step(self) -> EngineCoreOutputs:
-        try:
-            if self.config.scheduler_config.max_concurrent_batches > 1:
-                return self._step_pipelined()
-            if self.config.scheduler_config.async_scheduling:
-                return self._step_async()
-        except BaseException:
-            # A failed step (a worker died) loses every step in flight: none will ever land.
-            self._in_flight = None
-            self._batch_queue.clear()
-            raise
+        if self._max_in_flight > 1:
+            try:
+                return self._step_with_batch_queue()
+            except BaseException:
+                self._batch_queue.clear()  # a failed step (a worker died): none in flight will land
+                raise
         if not self.scheduler.has_unfinished_requests():
             return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats())
         sched = self.scheduler.schedule()
@@ -75,27 +73,14 @@ class EngineCore:
         outputs = self.scheduler.update_from_output(sched, result)
         return EngineCoreOutputs(outputs, self.scheduler.make_stats())
 
-    def _step_async(self) -> EngineCoreOutputs:
-        """Launch step N+1, then read step N's tokens: the host work of one step (scheduling,
-        inputs, outputs) overlaps the device work of the other."""
-        launched = None
-        if self.scheduler.has_unfinished_requests():
-            sched = self.scheduler.schedule()
-            launched = (sched, self.executor.execute_model(sched, non_block=True))
-        outputs = []
-        if self._in_flight is not None:
-            prev_sched, pending = self._in_flight
-            outputs = self.scheduler.update_from_output(prev_sched, pending.result())
-        self._in_flight = launched
-        return EngineCoreOutputs(outputs, self.scheduler.make_stats())
-
-    def _step_pipelined(self) -> EngineCoreOutputs:
-        """Keep up to ``max_concurrent_batches`` steps in flight, so every pipeline stage has a
-        micro-batch to work on: launch a new step while one fits and has work (requests whose
-        token is in flight sit out), otherwise read the oldest step's tokens."""
+    def _step_with_batch_queue(self) -> EngineCoreOutputs:
+        """Keep up to ``_max_in_flight`` steps in flight: launch a new step while one fits and
+        has work (under pipeline parallelism, requests whose token is in flight sit out),
+        otherwise read the oldest step's tokens. With async scheduling (two in flight) the host
+        work of one step (scheduling, inputs, outputs) overlaps the device work of the other;
+        with pipeline stages every stage has a micro-batch."""
         launched = False
-        if len(self._batch_queue) < self.config.scheduler_config.max_concurrent_batches \
-                and self.scheduler.has_unfinished_requests():
+        if len(self._batch_queue) < self._max_in_flight and self.scheduler.has_unfinished_requests():
             sched = self.scheduler.schedule()
             if sched.total_num_scheduled_tokens:
                 self._batch_queue.append((sched, self.executor.execute_model(sched, non_block=True)))
@@ -104,14 +89,13 @@ class EngineCore:
                 self.scheduler.finished_req_ids |= sched.finished_req_ids
                 self.scheduler.pending_preempted_req_ids |= sched.preempted_req_ids
         outputs = []
-        if self._batch_queue and (not launched or
-                                  len(self._batch_queue) == self.config.scheduler_config.max_concurrent_batches):
+        if self._batch_queue and (not launched or len(self._batch_queue) == self._max_in_flight):
             sched, pending = self._batch_queue.popleft()
             outputs = self.scheduler.update_from_output(sched, pending.result())
         return EngineCoreOutputs(outputs, self.scheduler.make_stats())
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self._in_flight is not None or bool(self._batch_queue)
+        return self.scheduler.has_unfinished_requests() or bool(self._batch_queue)
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
