@@ -41,6 +41,15 @@ def _call_worker(worker: Worker, method: str | Callable, args: tuple, kwargs: di
     return method(worker, *args, **(kwargs or {}))
 
 
+def serve_call(worker: Worker, method: str | Callable, args: tuple, kwargs: dict | None, is_output_rank: bool) -> Any:
+    """One executor call inside a worker process or actor. A step's output goes back from the
+    output rank only: only the last stage samples, and its tensor ranks all sample the same tokens."""
+    if method == "execute_model":
+        result = worker.execute_model(args[0])
+        return result if is_output_rank else None
+    return _call_worker(worker, method, args, kwargs)
+
+
 class UniProcExecutor:
     """The worker lives in the engine core's own process."""
 
@@ -320,12 +329,7 @@ def _worker_main(config: EngineConfig, rank: int, init_method: str, conn) -> Non
         if method == "shutdown":
             break
         try:
-            if method == "execute_model":
-                result = worker.execute_model(args[0])
-                # Only the last stage samples, and its tensor ranks all sample the same tokens.
-                result = result if rank == config.parallel_config.output_rank else None
-            else:
-                result = _call_worker(worker, method, args, kwargs)
+            result = serve_call(worker, method, args, kwargs, rank == config.parallel_config.output_rank)
         except BaseException:
             conn.send((seq, False, traceback.format_exc()))
             continue

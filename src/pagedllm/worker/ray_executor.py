@@ -15,7 +15,7 @@ import weakref
 from typing import Any, Callable
 
 from pagedllm.config import EngineConfig
-from pagedllm.worker.executor import WorkerFailedError, WorkerGroupExecutor, _call_worker
+from pagedllm.worker.executor import WorkerFailedError, WorkerGroupExecutor, serve_call
 
 try:
     import ray
@@ -324,11 +324,7 @@ class _RayWorker:
         try:
             if self.worker is None:
                 raise RuntimeError("the worker was not started")
-            if method == "execute_model":
-                result = self.worker.execute_model(args[0])
-                # Only the last stage samples, and its tensor ranks all sample the same tokens.
-                return True, result if self.rank == self.output_rank else None
-            return True, _call_worker(self.worker, method, args, kwargs)
+            return True, serve_call(self.worker, method, args, kwargs, self.rank == self.output_rank)
         except BaseException:
             return False, traceback.format_exc()
 
