@@ -13,6 +13,7 @@ from pagedllm import LLM, SamplingParams, TokensPrompt
 from pagedllm.distributed.utils import pp_layer_partition
 from pagedllm.worker.executor import WorkerFailedError
 from tests.conftest import build_tiny_model
+from tests.distributed.conftest import reused_llm
 from tests.distributed.test_tensor_parallel import generate_with_logprobs
 from tests.engine.test_correctness import (
     _hf_model, generate_ids, hf_greedy, make_llm, mixed_prompts, shared_prefix_prompts,
@@ -29,19 +30,8 @@ def pp_models(tiny_models, smollm2_tokenizer_dir, tmp_path_factory) -> dict[str,
     return {"llama": tiny_models["llama"], "qwen3": tiny_models["qwen3"], "llama-3l": three}
 
 
-@pytest.fixture(scope="module")
-def pp_llms():
-    llms: dict[str, LLM] = {}
-    yield llms
-    for llm in llms.values():
-        llm.llm_engine.engine_core.shutdown()
-    assert multiprocessing.active_children() == []
-
-
-def pp2(pp_llms: dict, name: str, model_dir: str, **kwargs) -> LLM:
-    if name not in pp_llms:
-        pp_llms[name] = make_llm(model_dir, pipeline_parallel_size=2, **kwargs)
-    return pp_llms[name]
+def pp2(llms: dict, name: str, model_dir: str, **kwargs) -> LLM:
+    return reused_llm(llms, name, model_dir, pipeline_parallel_size=2, **kwargs)
 
 
 def count_steps_in_flight(llm: LLM) -> list[int]:
@@ -65,10 +55,10 @@ def assert_all_blocks_free(llm: LLM) -> None:
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen3"])
-def test_pp2_greedy_outputs_and_logprobs_equal_pp1(pp_models, pp_llms, name):
+def test_pp2_greedy_outputs_and_logprobs_equal_pp1(pp_models, module_llms, name):
     model_dir = pp_models[name]
     ref_ids, ref_lps = generate_with_logprobs(make_llm(model_dir), PROMPTS)
-    llm = pp2(pp_llms, name, model_dir)
+    llm = pp2(module_llms, name, model_dir)
     in_flight = count_steps_in_flight(llm)
     ids, lps = generate_with_logprobs(llm, PROMPTS)
     assert ids == ref_ids
@@ -93,12 +83,12 @@ def test_pp2_with_chunked_prefill_prefix_hits_and_preemption_matches_transformer
         llm.llm_engine.engine_core.shutdown()
 
 
-def test_pp2_seeded_sampling_and_aborts(pp_models, pp_llms):
+def test_pp2_seeded_sampling_and_aborts(pp_models, module_llms):
     model_dir = pp_models["llama"]
     sp = [SamplingParams(temperature=1.0, top_p=0.9, seed=i, max_tokens=10, ignore_eos=True) for i in range(4)]
     prompts = [TokensPrompt(prompt_token_ids=p) for p in PROMPTS[:4]]
     ref = [o.outputs[0].token_ids for o in make_llm(model_dir).generate(prompts, sp, use_tqdm=False)]
-    llm = pp2(pp_llms, "llama", model_dir)
+    llm = pp2(module_llms, "llama", model_dir)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)] == ref
     # Abort requests while their steps are in flight; the rest finish and every block is freed.
     engine = llm.llm_engine

@@ -15,6 +15,7 @@ from pagedllm.core.messages import EngineCoreRequest
 from pagedllm.engine.core_client import EngineCoreClient
 from pagedllm.worker.executor import MultiprocExecutor, WorkerFailedError
 from tests.conftest import TEST_KV_BYTES, build_tiny_model
+from tests.distributed.conftest import reused_llm
 from tests.engine.test_correctness import _hf_model, generate_ids, make_llm, mixed_prompts
 
 PROMPTS = mixed_prompts(4)
@@ -28,20 +29,8 @@ def tp_models(tiny_models, smollm2_tokenizer_dir, tmp_path_factory) -> dict[str,
     return {"llama": tiny_models["llama"], "qwen3": tiny_models["qwen3"], "llama-kv1": kv1}
 
 
-@pytest.fixture(scope="module")
-def tp_llms():
-    """TP=2 engines, shut down (and checked for leftover processes) at the end of the module."""
-    llms: dict[str, LLM] = {}
-    yield llms
-    for llm in llms.values():
-        llm.llm_engine.engine_core.shutdown()
-    assert multiprocessing.active_children() == []
-
-
-def tp2(tp_llms: dict, name: str, model_dir: str, **kwargs) -> LLM:
-    if name not in tp_llms:
-        tp_llms[name] = make_llm(model_dir, tensor_parallel_size=2, enable_sleep_mode=True, **kwargs)
-    return tp_llms[name]
+def tp2(llms: dict, name: str, model_dir: str, **kwargs) -> LLM:
+    return reused_llm(llms, name, model_dir, tensor_parallel_size=2, enable_sleep_mode=True, **kwargs)
 
 
 def generate_with_logprobs(llm: LLM, prompts: list[list[int]]) -> tuple[list[list[int]], list[list[float]]]:
@@ -53,10 +42,10 @@ def generate_with_logprobs(llm: LLM, prompts: list[list[int]]) -> tuple[list[lis
 
 
 @pytest.mark.parametrize("name,async_scheduling", [("llama", False), ("qwen3", True), ("llama-kv1", False)])
-def test_tp2_greedy_outputs_equal_tp1(tp_models, tp_llms, name, async_scheduling):
+def test_tp2_greedy_outputs_equal_tp1(tp_models, module_llms, name, async_scheduling):
     model_dir = tp_models[name]
     ref_ids, ref_lps = generate_with_logprobs(make_llm(model_dir), PROMPTS)
-    llm = tp2(tp_llms, name, model_dir, async_scheduling=async_scheduling)
+    llm = tp2(module_llms, name, model_dir, async_scheduling=async_scheduling)
     ids, lps = generate_with_logprobs(llm, PROMPTS)
     assert ids == ref_ids
     # Row-parallel sums add in another order than one matmul: equal up to the last bits.
@@ -71,8 +60,8 @@ def local_shapes(worker) -> tuple:
             worker.model_runner.kv_cache_bytes_per_block())
 
 
-def test_tp2_shards_heads_vocab_and_kv_cache(tp_models, tp_llms):
-    llm = tp2(tp_llms, "llama-kv1", tp_models["llama-kv1"])
+def test_tp2_shards_heads_vocab_and_kv_cache(tp_models, module_llms):
+    llm = tp2(module_llms, "llama-kv1", tp_models["llama-kv1"])
     ref = make_llm(tp_models["llama-kv1"]).llm_engine.engine_core.executor.kv_cache_bytes_per_block()
     results = llm.collective_rpc(local_shapes)  # a module-level function: sent to each worker
     assert len(results) == 2 and results[0] == results[1]
@@ -82,21 +71,21 @@ def test_tp2_shards_heads_vocab_and_kv_cache(tp_models, tp_llms):
     assert per_block == ref  # one KV head per rank: the same as the single-device cache
 
 
-def test_tp2_dummy_weights_equal_tp1_dummy_and_update_weights_gives_reference(tp_models, tp_llms):
+def test_tp2_dummy_weights_equal_tp1_dummy_and_update_weights_gives_reference(tp_models, module_llms):
     model_dir = tp_models["qwen3"]  # tied embeddings
     ref_llm = make_llm(model_dir)
     ref_real = generate_ids(ref_llm, PROMPTS)
     ref_dummy = generate_ids(make_llm(model_dir, load_format="dummy"), PROMPTS)
-    llm = tp2(tp_llms, "qwen3-dummy", model_dir, load_format="dummy")
+    llm = tp2(module_llms, "qwen3-dummy", model_dir, load_format="dummy")
     assert generate_ids(llm, PROMPTS) == ref_dummy != ref_real
     llm.update_weights(_hf_model(model_dir).state_dict().items())  # full tensors; each rank slices
     assert generate_ids(llm, PROMPTS) == ref_real
 
 
-def test_tp2_sleep_and_wake_up_keep_outputs(tp_models, tp_llms):
+def test_tp2_sleep_and_wake_up_keep_outputs(tp_models, module_llms):
     model_dir = tp_models["llama"]
     ref = generate_ids(make_llm(model_dir), PROMPTS)
-    llm = tp2(tp_llms, "llama", model_dir)
+    llm = tp2(module_llms, "llama", model_dir)
     for level in (1, 2):
         llm.sleep(level=level)
         assert llm.is_sleeping()
