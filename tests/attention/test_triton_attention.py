@@ -181,10 +181,11 @@ def test_unified_attention_matches_float64_softmax(kernels, case):
         assert out[b.qsl[-1].item():].isnan().all()
 
 
-@pytest.mark.parametrize("splits", [1, 2, 8])
+@pytest.mark.parametrize("splits", [1, 2, 3, 5, 8, 16])
 def test_decode_split_kv_matches_reference(kernels, splits):
-    """Forced split counts (the heuristic's choice depends on the GPU): contexts longer than
-    one split, shorter than the number of splits (empty splits), and zero (nothing cached)."""
+    """Forced split counts, any count up to MAX_SPLITS (the heuristic's choice depends on the
+    GPU): contexts longer than one split, shorter than the number of splits (empty splits),
+    and zero (nothing cached)."""
     rng = random.Random(splits)
     runs = [(0, 1), (3, 1), (rng.randint(70, 120), 1), (rng.randint(20, 60), 1)]
     b = make_batch(rng, block_size=16, num_kv_heads=2, group=4, head_dim=64, dtype=torch.float32, runs=runs,

@@ -20,8 +20,10 @@ larger than the cache's block), with an online softmax in fp32 (exp2, log2(e) fo
 scale). KERNEL_NOTES.md beside this has the roofline and what was checked for sm_90.
 
 Split-KV (flash decoding): with few (sequence, KV head) pairs, each program's key range is
-cut into a fixed ``NUM_SPLITS`` parts run by separate programs, which write unnormalised
-partial outputs with their running max and sum; a second small kernel merges them.
+cut into parts run by separate programs (grid axis 1), which write unnormalised partial
+outputs with their running max and sum; a second small kernel merges them. The split count
+is a runtime value (the grid's second extent), so one compiled variant serves every count up
+to ``MAX_SPLITS``: a fresh machine compiles two kernels for split decodes, not two per count.
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ import triton
 import triton.language as tl
 
 LOG2_E = math.log2(math.e)
+MAX_SPLITS = 16  # split-KV parts per (token, head) at most
 
 
 # ---- KV write ----------------------------------------------------------------------------------
@@ -125,14 +128,14 @@ def _find_seq(qsl_ptr, pid, num_seqs, BLOCK_Q: tl.constexpr):
 @triton.jit(do_not_specialize=["num_seqs", "window", "stride_bt"])
 def _attention_kernel(
     q_ptr, out_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr,
-    part_out_ptr, part_m_ptr, part_l_ptr,  # split-KV partials; unused when NUM_SPLITS == 1
+    part_out_ptr, part_m_ptr, part_l_ptr,  # split-KV partials; unused unless SPLIT
     scale_log2, num_seqs, window, num_heads,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_c_kv, stride_c_block, stride_c_slot, stride_c_head, stride_bt,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
-    USE_WINDOW: tl.constexpr, IEEE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    USE_WINDOW: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr,
     Q_LEN_FILTER: tl.constexpr, Q_LEN_THRESHOLD: tl.constexpr,
 ):
     # One flat grid axis, KV head fastest: the programs of one sequence run side by side and
@@ -179,9 +182,9 @@ def _attention_kernel(
         kv_first = tl.maximum(context_len + q_start - window + 1, 0)
     tile_lo = kv_first // BLOCK_N
     tile_hi = tl.cdiv(kv_stop, BLOCK_N)
-    if NUM_SPLITS > 1:
+    if SPLIT:
         split = tl.program_id(1)
-        per_split = tl.cdiv(tile_hi - tile_lo, NUM_SPLITS)
+        per_split = tl.cdiv(tile_hi - tile_lo, tl.num_programs(1))
         tile_lo = tile_lo + split * per_split
         tile_hi = tl.minimum(tile_lo + per_split, tile_hi)
 
@@ -228,35 +231,37 @@ def _attention_kernel(
         m_i = m_new
 
     d_mask = d[None, :] < HEAD_DIM
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # l == 0: padding row, writes 0
         o_ptr = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
         tl.store(o_ptr, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_mask)
     else:
-        part = (tok * num_heads + head) * NUM_SPLITS + tl.program_id(1)
+        part = (tok * num_heads + head) * tl.num_programs(1) + tl.program_id(1)
         tl.store(part_m_ptr + part, m_i, mask=row_ok)
         tl.store(part_l_ptr + part, l_i, mask=row_ok)
         tl.store(part_out_ptr + part[:, None] * DIM_PAD + d[None, :], acc, mask=row_ok[:, None] & d_mask)
 
 
-@triton.jit(do_not_specialize=["num_seqs"])
+@triton.jit(do_not_specialize=["num_seqs", "num_splits"])
 def _merge_splits_kernel(
-    out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, qsl_ptr, num_seqs, num_heads, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, qsl_ptr, num_seqs, num_heads, num_splits, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, MAX_SPLITS: tl.constexpr,
 ):
     tok = tl.program_id(0)
     head = tl.program_id(1)
     if tok >= tl.load(qsl_ptr + num_seqs):  # a padding row of no sequence
         return
-    part = (tok.to(tl.int64) * num_heads + head) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
-    m = tl.load(part_m_ptr + part)
-    l = tl.load(part_l_ptr + part)
+    split = tl.arange(0, MAX_SPLITS)
+    ok = split < num_splits
+    part = (tok.to(tl.int64) * num_heads + head) * num_splits + split
+    m = tl.load(part_m_ptr + part, mask=ok, other=float("-inf"))
+    l = tl.load(part_l_ptr + part, mask=ok, other=0.0)
     m_max = tl.max(m, axis=0)
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
-    w = tl.math.exp2(m - m_max)  # splits that saw no key have m = -inf: weight 0
+    w = tl.math.exp2(m - m_max)  # splits that saw no key (or do not exist) have m = -inf: weight 0
     total = tl.sum(w * l, axis=0)
     d = tl.arange(0, DIM_PAD)
-    acc = tl.load(part_out_ptr + part[:, None] * DIM_PAD + d[None, :])
+    acc = tl.load(part_out_ptr + part[:, None] * DIM_PAD + d[None, :], mask=ok[:, None], other=0.0)
     out = tl.sum(acc * w[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
     tl.store(out_ptr + tok.to(tl.int64) * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty),
              mask=d < HEAD_DIM)
@@ -360,7 +365,7 @@ def unified_attention(
         grid_q = num_tokens if bq == 1 else num_tokens // bq + num_seqs
         grid = (grid_q * num_kv_heads,) if splits == 1 else (grid_q * num_kv_heads, splits)
         _attention_kernel[grid](
-            *args, *parts, *scalars, **common, **cfg, NUM_SPLITS=splits,
+            *args, *parts, *scalars, **common, **cfg, SPLIT=splits > 1,
             Q_LEN_FILTER=q_len_filter, Q_LEN_THRESHOLD=threshold,
         )
 
@@ -375,18 +380,18 @@ def unified_attention(
         splits = 1
         programs, num_sms = num_tokens * num_kv_heads, _num_sms(q.device)
         if decode_only and programs < num_sms:  # not one program per SM: split each one's keys
-            splits = min(16, triton.next_power_of_2(-(-2 * num_sms // programs)))
+            splits = min(MAX_SPLITS, -(-2 * num_sms // programs))
     if splits <= 1:
         launch(short_cfg, 0, 1, (out, out, out))
         return out
-    if splits & (splits - 1):
-        raise ValueError(f"num_kv_splits={splits} must be a power of two")
+    if splits > MAX_SPLITS:
+        raise ValueError(f"num_kv_splits={splits} must be at most {MAX_SPLITS}")
     part_out = torch.empty(num_tokens, num_heads, splits, dim_pad, dtype=torch.float32, device=q.device)
     part_m = torch.empty(num_tokens, num_heads, splits, dtype=torch.float32, device=q.device)
     part_l = torch.empty_like(part_m)
     launch(short_cfg, 0, splits, (part_out, part_m, part_l))
     _merge_splits_kernel[(num_tokens, num_heads)](
-        out, part_out, part_m, part_l, query_start_loc, num_seqs, num_heads, out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, DIM_PAD=dim_pad, NUM_SPLITS=splits, num_warps=4 if head_dim >= 128 else 2,
+        out, part_out, part_m, part_l, query_start_loc, num_seqs, num_heads, splits, out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, DIM_PAD=dim_pad, MAX_SPLITS=MAX_SPLITS, num_warps=4 if head_dim >= 128 else 2,
     )
     return out
