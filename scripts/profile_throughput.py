@@ -32,19 +32,46 @@ params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m, detoken
 llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3])], SamplingParams(max_tokens=4, detokenize=False), use_tqdm=False)
 engine = llm.llm_engine
 steps = {"n": 0}
+step_times: list[tuple[float, float]] = []  # (start offset, host seconds) per engine step
 orig_step = engine.engine_core.step
+T0 = [0.0]
 
 
 def timed_step():
     steps["n"] += 1
-    return orig_step()
+    t = time.perf_counter()
+    try:
+        return orig_step()
+    finally:
+        step_times.append((t - T0[0], time.perf_counter() - t))
 
 
 engine.engine_core.step = timed_step
+# What can stall the host in the middle of a run: Triton compiling a new kernel variant, and
+# Python's garbage collector.
+import gc  # noqa: E402
+
+import triton  # noqa: E402
+
+compiles: list[tuple[float, str]] = []
+triton.knobs.runtime.jit_post_compile_hook = lambda **kw: compiles.append(
+    (time.perf_counter() - T0[0], kw["fn"].name)) and None
+gc_pauses: list[tuple[float, float, int]] = []
+_gc_t = [0.0]
+
+
+def _gc_cb(phase, info):
+    if phase == "start":
+        _gc_t[0] = time.perf_counter()
+    else:
+        gc_pauses.append((_gc_t[0] - T0[0], time.perf_counter() - _gc_t[0], info.get("generation", -1)))
+
+
+gc.callbacks.append(_gc_cb)
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-    t0 = time.perf_counter()
+    t0 = T0[0] = time.perf_counter()
     outs = llm.generate([TokensPrompt(prompt_token_ids=q) for q in prompts], params, use_tqdm=False)
     torch.cuda.synchronize()
     wall = time.perf_counter() - t0
@@ -77,3 +104,17 @@ if spans:
         busy_until = max(busy_until, end)
     print("GPU idle per tenth of the run (ms): " + " ".join(f"{x / 1e3:.0f}" for x in idle)
           + f"  (total {sum(idle) / 1e6:.2f} s of {(t_end - t_start) / 1e6:.2f} s)")
+    gaps = []
+    busy_until = spans[0][0]
+    for start, end in spans:
+        if start - busy_until > 3000:  # us
+            gaps.append(((busy_until - t_start) / 1e6, (start - busy_until) / 1e3))
+        busy_until = max(busy_until, end)
+    print(f"GPU idle gaps > 3 ms: {len(gaps)}, {sum(g for _, g in gaps):.0f} ms; largest (at s, ms): "
+          + " ".join(f"{a:.2f}:{g:.0f}" for a, g in sorted(gaps, key=lambda x: -x[1])[:12]))
+print(f"Triton compiles during the run: {len(compiles)} " + " ".join(f"{t:.2f}s:{n}" for t, n in compiles[:10]))
+print(f"GC pauses: {len(gc_pauses)}, {sum(d for _, d, _ in gc_pauses) * 1e3:.0f} ms; gen2 {sum(1 for *_, g in gc_pauses if g == 2)}; "
+      "largest: " + " ".join(f"{t:.2f}s:{d * 1e3:.0f}ms" for t, d, _ in sorted(gc_pauses, key=lambda x: -x[1])[:6]))
+slow = sorted(step_times, key=lambda x: -x[1])[:12]
+print(f"engine steps: {len(step_times)}, host {sum(d for _, d in step_times):.2f} s; slowest (at s, ms): "
+      + " ".join(f"{t:.2f}:{d * 1e3:.0f}" for t, d in slow))
