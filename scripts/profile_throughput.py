@@ -19,6 +19,7 @@ p.add_argument("--shape", default="qwen3-0.6b")
 p.add_argument("--num-prompts", type=int, default=256)
 p.add_argument("--max-len", type=int, default=1024)
 p.add_argument("--engine-args", default="")
+p.add_argument("--host", action="store_true", help="no torch profiler: sample the host's Python stacks instead")
 args = p.parse_args()
 extra = {}
 for kv in filter(None, args.engine_args.split(",")):
@@ -70,12 +71,43 @@ def _gc_cb(phase, info):
 gc.callbacks.append(_gc_cb)
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+if args.host:
+    import contextlib
+    import sys
+
+    sys.path.insert(0, "scripts")
+    from host_sampler import HostSampler
+
+    sampler = HostSampler()
+    prof_ctx = contextlib.nullcontext()
+else:
+    prof_ctx = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+with prof_ctx as prof:
+    if args.host:
+        sampler.start()
     t0 = T0[0] = time.perf_counter()
     outs = llm.generate([TokensPrompt(prompt_token_ids=q) for q in prompts], params, use_tqdm=False)
-    torch.cuda.synchronize()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     wall = time.perf_counter() - t0
+    if args.host:
+        sampler.stop()
 n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+gc_pauses = [g for g in gc_pauses if 0 <= g[0] <= wall]
+slow = sorted(step_times, key=lambda x: -x[1])[:12]
+print(f"engine steps: {len(step_times)}, host {sum(d for _, d in step_times):.2f} s; slowest (at s, ms): "
+      + " ".join(f"{t:.2f}:{d * 1e3:.0f}" for t, d in slow))
+print(f"Triton compiles during the run: {len(compiles)} " + " ".join(f"{t:.2f}s:{n}" for t, n in compiles[:10]))
+print(f"GC pauses in the run: {len(gc_pauses)}, {sum(d for _, d, _ in gc_pauses) * 1e3:.0f} ms; gen2 "
+      f"{sum(1 for *_, g in gc_pauses if g == 2)}; largest: "
+      + " ".join(f"{t:.2f}s:{d * 1e3:.0f}ms/g{g}" for t, d, g in sorted(gc_pauses, key=lambda x: -x[1])[:6]))
+if args.host:
+    off = T0[0] - sampler.t0  # sampler times are from its start, just before T0
+    sampler.report(0, 1.0, "first second (prefill burst)")
+    for t, d in slow[:2]:
+        sampler.report(t - off, t - off + d, f"slow step at {t:.2f} s ({d * 1e3:.0f} ms)")
+    sampler.report(2.5, 6.0, "steady decode 2.5-6 s")
+    raise SystemExit(0)
 events = prof.key_averages()
 kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
 cuda_total = sum(e.self_device_time_total for e in kernels) / 1e6
@@ -112,9 +144,3 @@ if spans:
         busy_until = max(busy_until, end)
     print(f"GPU idle gaps > 3 ms: {len(gaps)}, {sum(g for _, g in gaps):.0f} ms; largest (at s, ms): "
           + " ".join(f"{a:.2f}:{g:.0f}" for a, g in sorted(gaps, key=lambda x: -x[1])[:12]))
-print(f"Triton compiles during the run: {len(compiles)} " + " ".join(f"{t:.2f}s:{n}" for t, n in compiles[:10]))
-print(f"GC pauses: {len(gc_pauses)}, {sum(d for _, d, _ in gc_pauses) * 1e3:.0f} ms; gen2 {sum(1 for *_, g in gc_pauses if g == 2)}; "
-      "largest: " + " ".join(f"{t:.2f}s:{d * 1e3:.0f}ms" for t, d, _ in sorted(gc_pauses, key=lambda x: -x[1])[:6]))
-slow = sorted(step_times, key=lambda x: -x[1])[:12]
-print(f"engine steps: {len(step_times)}, host {sum(d for _, d in step_times):.2f} s; slowest (at s, ms): "
-      + " ".join(f"{t:.2f}:{d * 1e3:.0f}" for t, d in slow))
