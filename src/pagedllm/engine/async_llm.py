@@ -14,6 +14,7 @@ from pagedllm.engine.stat_logger import LoggingStatLogger
 from pagedllm.inputs import PromptType
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.utils import freeze_gc_heap
 
 logger = logging.getLogger("pagedllm")
 
@@ -34,6 +35,7 @@ class AsyncLLM(EngineFrontend):
         self.metrics: Any = None
         # The periodic stats line; the server's timer calls do_log_stats().
         self.stat_logger = LoggingStatLogger() if config.log_stats else None
+        freeze_gc_heap()  # the API process's start-up objects: full collections stay short
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(

@@ -9,6 +9,7 @@ from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.messages import EngineCoreOutputs, EngineCoreRequest
 from pagedllm.core.request import Request
 from pagedllm.core.scheduler import Scheduler
+from pagedllm.utils import freeze_gc_heap
 from pagedllm.worker.executor import create_executor
 
 logger = logging.getLogger("pagedllm")
@@ -48,6 +49,7 @@ class EngineCore:
         self._max_in_flight = sc.max_concurrent_batches if sc.max_concurrent_batches > 1 \
             else 2 if sc.async_scheduling else 1
         self.sleeping_tags: set[str] = set()  # sleep mode: what is freed now ("weights", "kv_cache")
+        freeze_gc_heap()
 
     def add_request(self, request: EngineCoreRequest) -> None:
         if self.sleeping_tags:

@@ -13,6 +13,7 @@ from pagedllm.engine.stat_logger import LoggingStatLogger
 from pagedllm.inputs import PromptType
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.utils import freeze_gc_heap
 
 
 class LLMEngine(EngineFrontend):
@@ -22,6 +23,7 @@ class LLMEngine(EngineFrontend):
         self.log_stats = config.log_stats
         self.last_stats: SchedulerStats | None = None
         self.stat_logger = LoggingStatLogger() if config.log_stats else None
+        freeze_gc_heap()  # the frontend's objects too (tokenizer, processors)
 
     def add_request(
         self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,

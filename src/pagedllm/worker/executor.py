@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler import ModelRunnerOutput, SchedulerOutput
+from pagedllm.utils import freeze_gc_heap
 from pagedllm.worker.worker import Worker
 
 logger = logging.getLogger("pagedllm")
@@ -320,6 +321,7 @@ def _worker_main(config: EngineConfig, rank: int, init_method: str, conn) -> Non
     except BaseException:
         conn.send((-1, False, traceback.format_exc()))
         return
+    freeze_gc_heap()
     conn.send((-1, True, None))
     while True:
         try:

@@ -15,6 +15,7 @@ import weakref
 from typing import Any, Callable
 
 from pagedllm.config import EngineConfig
+from pagedllm.utils import freeze_gc_heap
 from pagedllm.worker.executor import WorkerFailedError, WorkerGroupExecutor, serve_call
 
 try:
@@ -315,6 +316,7 @@ class _RayWorker:
                 if ifname:
                     os.environ["GLOO_SOCKET_IFNAME"] = ifname
             self.worker = Worker(config, rank, init_method, local_rank)
+            freeze_gc_heap()
         except BaseException:
             return False, traceback.format_exc()
         return True, None

@@ -1,0 +1,15 @@
+"""Small process-wide helpers."""
+from __future__ import annotations
+
+import gc
+
+
+def freeze_gc_heap() -> None:
+    """Collect once, then move every object alive now into the collector's permanent
+    generation. Start-up leaves millions of long-lived objects (torch, transformers, the
+    model's modules, the tokenizer); a full collection walks all of them, which stalled an
+    engine step for 120-140 ms twice per offline throughput run on an H100. Frozen, they are
+    no longer scanned, so collections only walk what serving allocates. vLLM does the same
+    after start-up. Call it at the end of a process's initialisation."""
+    gc.collect()
+    gc.freeze()
