@@ -7,9 +7,14 @@ from tests.triton_env import ON_GPU, import_interpreted, kernel_module
 
 DEVICE = "cuda" if ON_GPU else "cpu"
 
-import_interpreted("pagedllm.ops.triton_ops")
+import_interpreted("pagedllm.ops.triton_ops", "pagedllm.ops.triton_gemv")
 
 
 @pytest.fixture
 def triton_ops(monkeypatch):
     return kernel_module("pagedllm.ops.triton_ops", "_rms_norm_kernel", monkeypatch)
+
+
+@pytest.fixture
+def triton_gemv(monkeypatch):
+    return kernel_module("pagedllm.ops.triton_gemv", "_small_m_gemm_kernel", monkeypatch)

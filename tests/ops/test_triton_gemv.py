@@ -1,0 +1,48 @@
+"""The small-row Triton GEMM equals F.linear: every row count 1..16, bias or none, half
+precision, K tiles of 64..512, N not a multiple of the tile, a strided x (rows of a wider
+buffer). ‖out − ref‖/‖ref‖ against float64, and against F.linear in the same dtype (one
+rounding of an fp32 accumulation each, in a different summation order)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.ops.conftest import DEVICE
+
+TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m, n, k, block_n, kernel, bias", [
+    (1, 200, 256, 32, "dot", False),
+    (1, 200, 256, 16, "gemv", True),
+    (3, 96, 192, 16, "dot", True),
+    (8, 130, 512, 64, "dot", False),
+    (16, 64, 128, 32, "dot", True),
+])
+def test_small_m_linear_matches_linear(triton_gemv, dtype, m, n, k, block_n, kernel, bias):
+    g = torch.Generator().manual_seed(m * 1000 + n)
+    wide = torch.randn(m, k + 64, generator=g).to(DEVICE, dtype)
+    x = wide[:, 32:32 + k]  # row stride k + 64
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(DEVICE, dtype)
+    b = torch.randn(n, generator=g).to(DEVICE, dtype) if bias else None
+    y = triton_gemv.small_m_linear(x, w, b, block_n=block_n, kernel=kernel)
+    exact = x.double() @ w.double().T + (b.double() if bias else 0)
+    same = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float()).to(dtype)
+    assert y.shape == (m, n) and y.dtype == dtype
+    assert _rel(y, exact) < TOL[dtype]
+    assert _rel(y, same) < TOL[dtype] / 2
+
+
+def test_block_k_choice_and_refusals(triton_gemv):
+    assert triton_gemv.block_k_for(14336) == 512 and triton_gemv.block_k_for(896) == 128
+    assert triton_gemv.block_k_for(100) is None
+    x = torch.zeros(17, 128, dtype=torch.bfloat16, device=DEVICE)
+    with pytest.raises(ValueError, match="small_m_linear"):
+        triton_gemv.small_m_linear(x, torch.zeros(8, 128, dtype=torch.bfloat16, device=DEVICE))
+    with pytest.raises(ValueError, match="multiple of 64"):
+        triton_gemv.small_m_linear(x[:2, :100], torch.zeros(8, 100, dtype=torch.bfloat16, device=DEVICE))
