@@ -21,6 +21,13 @@ from pagedllm.distributed import (
 from pagedllm.ops import triton_ops_for
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear``, or on CUDA the Triton ops' version (small decode batches on the small-row
+    kernels)."""
+    ops = triton_ops_for(x)
+    return F.linear(x, weight, bias) if ops is None else ops.linear(x, weight, bias)
+
+
 def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
     if param.shape != loaded_weight.shape:
         raise ValueError(
@@ -167,7 +174,7 @@ class Linear(nn.Module):
         default_weight_loader(param, loaded_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(Linear):
@@ -190,8 +197,8 @@ class RowParallelLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = tensor_model_parallel_all_reduce(F.linear(x, self.weight))
+            return linear(x, self.weight, self.bias)
+        y = tensor_model_parallel_all_reduce(linear(x, self.weight))
         return y if self.bias is None else y + self.bias
 
 
@@ -322,7 +329,7 @@ class LMHead(VocabEmbedding):
             self.vocab_per_rank, hidden_size, weight_loader=self.weight_loader, full_shape=(vocab_size, hidden_size))
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden_states, self.weight)
+        logits = linear(hidden_states, self.weight)
         if self.tp_size == 1:
             return logits
         return tensor_model_parallel_all_gather(logits, dim=-1)[..., :self.vocab_size]
