@@ -1,4 +1,4 @@
-"""Triton GEMM for a handful of rows (decode batches of 1 to 16 tokens): ``y = x @ W.T (+ b)``.
+"""Triton GEMM for a handful of rows (decode batches of 1 to 32 tokens): ``y = x @ W.T (+ b)``.
 
 At batch 1 a projection reads its whole weight to make one row, so it can only be as fast as
 memory; cuBLAS's heuristics tile such shapes by 64 output features, which for a 4096 x 4096
@@ -6,7 +6,7 @@ projection leaves 64 programs for 132 SMs (llama3-8b's o_proj ran at 54% of copy
 on an H100), and split the long-K ones with a separate reduction kernel. Here every program
 owns ``BLOCK_N`` output features for all rows and walks K once, so a projection becomes
 ``N / BLOCK_N`` programs (hundreds) and one launch. The rows ride along in a tensor-core dot
-padded to 16, so 1 to 16 rows cost the same weight read.
+padded to 16 (or 32), so 1 to 16 rows cost the same weight read.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_ROWS = 16  # the dot's padded row count
+MAX_ROWS = 32  # the dot's padded row count at most
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -76,13 +76,13 @@ def block_k_for(k: int, largest: int = 512) -> int | None:
 def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                    block_n: int = 32, block_k: int | None = None, num_warps: int = 4, num_stages: int = 4,
                    kernel: str = "dot") -> torch.Tensor:
-    """``F.linear`` for 2-D ``x`` of at most 16 rows, half precision, K divisible by 64."""
+    """``F.linear`` for 2-D ``x`` of at most 32 rows, half precision, K divisible by 64."""
     m, k = x.shape
     n = weight.shape[0]
     if m > MAX_ROWS or weight.shape[1] != k or x.dtype != weight.dtype or x.stride(-1) != 1 \
             or weight.stride(-1) != 1:
         raise ValueError(f"small_m_linear: x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}")
-    block_k = block_k or block_k_for(k)
+    block_k = block_k or block_k_for(k, 512 if kernel == "gemv" else 256)
     if block_k is None or k % block_k:
         raise ValueError(f"small_m_linear: K={k} is not a multiple of 64")
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -95,6 +95,7 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
                            BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
     else:
         _small_m_gemm_kernel[grid](x, weight, b, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
-                                   HAS_BIAS=bias is not None, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k,
+                                   HAS_BIAS=bias is not None, BLOCK_M=16 if m <= 16 else 32, BLOCK_N=block_n,
+                                   BLOCK_K=block_k,
                                    num_warps=num_warps, num_stages=num_stages)
     return y
