@@ -187,6 +187,34 @@ class ModelRunner:
             for layer, cache in zip(self.attn_layers, saved):
                 layer.kv_cache = cache
 
+    @torch.inference_mode()
+    def compile_dry_run(self) -> None:
+        """Start-up's forwards in miniature, for ``pagedllm.ops.precompile`` to see which Triton
+        kernels they compile (its hook skips those launches): the profiling forward (at a
+        token count that Triton specializes alike: a multiple of 16 or not), the warm-up step,
+        and one decode forward per graph size. Reads and writes only a 4-block scratch KV cache."""
+        n = self.config.scheduler_config.max_num_batched_tokens
+        self.profile_run(n if n <= 80 else 64 if n % 16 == 0 else 65)
+        saved = [layer.kv_cache for layer in self.attn_layers]
+        for layer in self.attn_layers:
+            layer.kv_cache = torch.zeros(self._kv_shape(4), dtype=self.dtype, device=self.device)
+        try:
+            self.warm_up_kernels()
+            if self.config.model_config.enforce_eager or self.pp_size > 1 \
+                    or not getattr(self.attn_backend, "cuda_graph_safe", False):
+                return
+            buf = self._buffers
+            buf.input_ids.zero_()
+            buf.positions.zero_()
+            buf.slot_mapping.fill_(-1)
+            buf.seq_lens.fill_(1)
+            buf.block_tables.zero_()
+            for bs in self.cuda_graph_sizes():
+                self.model(buf.input_ids[:bs], buf.positions[:bs], self._graph_metadata(bs))
+        finally:
+            for layer, cache in zip(self.attn_layers, saved):
+                layer.kv_cache = cache
+
     # ---- CUDA graphs -------------------------------------------------------------------------
     def cuda_graph_sizes(self) -> list[int]:
         """The padded batch sizes captured: 1, 2, 4, 8, then every 16 up to max_num_seqs."""

@@ -12,6 +12,7 @@ from torch import nn
 from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.engine.arg_utils import DEFAULT_CPU_KV_CACHE_BYTES
+from pagedllm.ops.precompile import precompile, start_compile_pool
 from pagedllm.worker.model_runner import _TORCH_DTYPES, ModelRunner
 
 logger = logging.getLogger("pagedllm")
@@ -25,13 +26,35 @@ class Worker:
 
     def __init__(self, config: EngineConfig, rank: int = 0, distributed_init_method: str | None = None,
                  local_rank: int | None = None) -> None:
-        from pagedllm.distributed import init_distributed
-        from pagedllm.model.loader import ResolvedModel, load_model
-
         self.config = config
         self.rank = rank
         pc = config.parallel_config
         self.device = torch.device(config.device)
+        compile_pool = None
+        if self.device.type == "cuda":
+            # Its processes import torch and Triton while this one loads the model.
+            compile_pool = start_compile_pool(pc.world_size)
+        try:
+            self._init_model(config, rank, distributed_init_method, local_rank)
+        except BaseException:
+            if compile_pool is not None:
+                compile_pool.close()
+            raise
+        if compile_pool is not None:
+            try:
+                precompile(compile_pool, self.model_runner.compile_dry_run, self.device)
+            finally:
+                compile_pool.close()
+        self.num_kv_blocks = 0
+        self._weights_asleep: _SleepingWeights | None = None
+        self._kv_cache_asleep = False
+
+    def _init_model(self, config: EngineConfig, rank: int, distributed_init_method: str | None,
+                    local_rank: int | None) -> None:
+        from pagedllm.distributed import init_distributed
+        from pagedllm.model.loader import ResolvedModel, load_model
+
+        pc = config.parallel_config
         if self.device.type == "cuda":
             if pc.device_ids is not None:
                 self.device = torch.device("cuda", pc.device_ids[rank])
@@ -51,9 +74,6 @@ class Worker:
         model = load_model(resolved, mc.load_format, _TORCH_DTYPES[mc.dtype],
                            self.device, seed=mc.seed)
         self.model_runner = ModelRunner(config, model, self.device)
-        self.num_kv_blocks = 0
-        self._weights_asleep: _SleepingWeights | None = None
-        self._kv_cache_asleep = False
 
     def kv_cache_bytes_per_block(self) -> int:
         return self.model_runner.kv_cache_bytes_per_block()
