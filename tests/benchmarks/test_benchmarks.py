@@ -76,6 +76,7 @@ def test_startup_is_timed_by_the_parent_and_broken_down_by_the_child(capsys):
     assert row["startup_s"] >= parts - 0.01  # the parent's clock runs until the token is reported
     assert row["import_s"] > 0 and row["config_s"] > 0 and row["load_s"] > 0 and row["first_token_s"] > 0
     assert row["kv_sizing_s"] is not None and row["cuda_graphs_s"] is None  # no graphs on the CPU
+    assert row["precompile_s"] is None  # no Triton compiles on the CPU
     assert row["engine_other_s"] >= -0.01
 
 

@@ -28,6 +28,7 @@ _CHILD_CODE = ("import time; _t0 = time.time()\n"
 _PHASES = {
     "config_s": ("pagedllm.engine.arg_utils", "EngineArgs.create_engine_config"),
     "load_s": ("pagedllm.model.loader", "load_model"),
+    "precompile_s": ("pagedllm.worker.worker", "precompile"),
     "kv_sizing_s": ("pagedllm.worker.worker", "Worker.determine_num_blocks"),
     "cuda_graphs_s": ("pagedllm.worker.model_runner", "ModelRunner.capture_cuda_graphs"),
 }
@@ -144,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
                   **run_once(model, "auto" if args.model else "dummy", engine_kwargs, args.timeout_s)}
         emit(result)
         results.append(result)
-    print_table(results, ["run", "startup_s", "interpreter_s", "import_s", "config_s", "load_s", "kv_sizing_s",
+    print_table(results, ["run", "startup_s", "interpreter_s", "import_s", "config_s", "load_s", "precompile_s", "kv_sizing_s",
                           "cuda_graphs_s", "engine_other_s", "first_token_s"])
 
 
