@@ -49,19 +49,19 @@ def test_block_k_choice_and_refusals(triton_gemv):
         triton_gemv.small_m_linear(x[:2, :100], torch.zeros(8, 100, dtype=torch.bfloat16, device=DEVICE))
 
 
-@pytest.mark.parametrize("m, numel_big", [(1, False), (4, True), (4, False), (9, True)])
+@pytest.mark.parametrize("m, numel_big", [(1, False), (4, True), (4, False), (24, True), (33, True)])
 def test_linear_dispatch(triton_ops, triton_gemv, monkeypatch, m, numel_big):
-    """triton_ops.linear: 1 row on the one-row kernel, 2-8 rows on the dot kernel for weights of
-    4M elements and up, anything else (and float32) on F.linear itself."""
+    """triton_ops.linear: 1 row on the one-row kernel, 2-16 rows on the dot kernel for weights of
+    4M elements and up (17-32 rows: 20M), anything else (and float32) on F.linear itself."""
     calls = []
     real = triton_ops.small_m_linear
     monkeypatch.setattr(triton_ops, "small_m_linear", lambda *a, **kw: calls.append(kw["kernel"]) or real(*a, **kw))
-    n, k = (4096, 1024) if numel_big else (64, 128)
+    n, k = ((4096, 1024) if m <= 16 else (20480, 1024)) if numel_big else (64, 128)
     x = torch.randn(m, k).to(DEVICE, torch.bfloat16)
     w = (torch.randn(n, k) / k ** 0.5).to(DEVICE, torch.bfloat16)
     y = triton_ops.linear(x, w)
     assert _rel(y, x.double() @ w.double().T) < TOL[torch.bfloat16]
-    expected = {1: ["gemv"], 4: ["dot"] if numel_big else [], 9: []}[m]
+    expected = {1: ["gemv"], 4: ["dot"] if numel_big else [], 24: ["dot"], 33: []}[m]
     assert calls == expected
     calls.clear()
     triton_ops.linear(x.float(), w.float())

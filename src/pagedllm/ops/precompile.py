@@ -26,6 +26,7 @@ import importlib
 import json
 import logging
 import os
+import pickle
 import time
 from collections.abc import Iterator
 
@@ -38,7 +39,7 @@ KERNEL_MODULES = ("pagedllm.ops.triton_ops", "pagedllm.ops.triton_gemv", "pagedl
 
 
 def precompile_available() -> bool:
-    if os.environ.get(ENV, "1") == "0" or os.environ.get("TRITON_INTERPRET") == "1":
+    if os.environ.get(ENV, "1") == "0" or os.environ.get("TRITON_INTERPRET") == "1" or not hasattr(os, "fork"):
         return False
     try:
         import triton
@@ -51,38 +52,23 @@ def precompile_available() -> bool:
         return False
 
 
-def _parse(spec_json: str):
-    """What ``JITFunction.preload`` reads from a specialization record."""
-    import triton.language as tl
-    from triton.runtime.jit import convert_to_tuple_if_list
-
-    d = json.loads(spec_json)
-    constexprs = {
-        tuple(k): tl.dtype(v) if tl.dtype.is_dtype(v) else
-        tl.constexpr(v["constexpr"]) if isinstance(v, dict) and "constexpr" in v else v
-        for k, v in zip(d["constant_keys"], d["constant_vals"])
-    }
-    attrs = dict(zip(map(tuple, d["attrs_keys"]), d["attrs_vals"]))
-    signature = {k: convert_to_tuple_if_list(v) for k, v in d["signature"].items()}
-    options = {k: tuple(v) if isinstance(v, list) else v for k, v in d["options"].items()}
-    return signature, constexprs, attrs, options
-
-
-def _source(module: str, name: str, spec_json: str):
+def _source(job):
+    """The ``ASTSource`` and options the JIT itself compiles for this job (the hook's own
+    objects, so the cache key is the one the engine's later lookup computes)."""
     from triton.compiler.compiler import ASTSource
 
+    module, name, signature, constants, attrs, options = job
     fn = getattr(importlib.import_module(module), name)
-    signature, constexprs, attrs, options = _parse(spec_json)
-    return ASTSource(fn, signature, constexprs, attrs), options
+    return ASTSource(fn, signature, constants, attrs), options
 
 
-def _in_disk_cache(module: str, name: str, spec_json: str, target) -> bool:
+def _in_disk_cache(job, target) -> bool:
     """Whether ``triton.compile`` would find this kernel in the on-disk cache (its own lookup)."""
     from triton._C.libtriton import get_cache_invalidating_env_vars
     from triton.compiler.compiler import get_cache_key, make_backend
     from triton.runtime.cache import get_cache_manager
 
-    src, options = _source(module, name, spec_json)
+    src, options = _source(job)
     backend = make_backend(target)
     parsed = backend.parse_options(dict(options, **src.parse_options()))
     key = get_cache_key(src, backend, parsed, env_vars=get_cache_invalidating_env_vars())
@@ -91,107 +77,127 @@ def _in_disk_cache(module: str, name: str, spec_json: str, target) -> bool:
     return group.get(file_name) is not None
 
 
-def _compile(module: str, name: str, spec_json: str, target) -> float:
-    """In a pool process: compile one kernel into Triton's on-disk cache; returns seconds."""
+def _compile(job, target) -> float:
+    """Compile one kernel into Triton's on-disk cache, as the JIT would; returns seconds."""
     import triton
-    from triton.compiler.compiler import make_backend
 
     t0 = time.perf_counter()
-    src, options = _source(module, name, spec_json)
-    parsed = make_backend(target).parse_options(options)
-    triton.compile(src, target=target, options=parsed.__dict__)
+    src, options = _source(job)
+    triton.compile(src, target=target, options=options)
     return time.perf_counter() - t0
 
 
-def serve() -> None:
-    """A pool process (``python -c "...; serve()"``): import the kernel modules at once, then
-    compile the jobs read from stdin, one JSON line each, answering one line per job."""
-    import sys
-
-    from triton.backends.compiler import GPUTarget
-
-    for name in KERNEL_MODULES:
-        importlib.import_module(name)
-    for line in sys.stdin:
-        module, name, spec, target = json.loads(line)
-        try:
-            seconds = _compile(module, name, spec, GPUTarget(*target))
-            print(json.dumps([name, seconds, None]), flush=True)
-        except Exception as e:  # noqa: BLE001 - reported to the engine, which compiles it in place
-            print(json.dumps([name, 0.0, f"{type(e).__name__}: {e}"]), flush=True)
+def _serve(jobs_fd: int, results_fd: int) -> None:
+    """A forked pool process: compile the pickled jobs read from ``jobs_fd`` until it closes,
+    answering one pickled (kernel name, seconds, error) each."""
+    with os.fdopen(jobs_fd, "rb") as jobs, os.fdopen(results_fd, "wb") as results:
+        while True:
+            try:
+                job, target = pickle.load(jobs)
+            except EOFError:
+                return
+            try:
+                reply = (job[1], _compile(job, target), None)
+            except Exception as e:  # noqa: BLE001 - reported to the engine, which compiles it in place
+                reply = (job[1], 0.0, f"{type(e).__name__}: {e}")
+            pickle.dump(reply, results)
+            results.flush()
 
 
 class CompilePool:
-    """Processes that import the kernel modules as soon as they start, then compile what they
-    are given. Plain subprocesses running ``serve`` (not multiprocessing, whose spawned
-    children would re-run an unguarded user script). Start it early; ``close`` it after."""
+    """Forked processes that compile the jobs they are dealt. Forked, not spawned: they start
+    at once with torch, Triton and the kernel modules already imported, and they never touch
+    CUDA (Triton compiles for an explicit target), so the parent's CUDA state does not matter;
+    nor do they re-run the user's script, as multiprocessing's spawned children would."""
 
     def __init__(self, num_workers: int) -> None:
-        import subprocess
-        import sys
+        for name in KERNEL_MODULES:  # the children inherit them
+            importlib.import_module(name)
+        import triton.compiler.compiler  # noqa: F401
 
         self.num_workers = num_workers
-        self._procs = [
-            subprocess.Popen([sys.executable, "-c", "from pagedllm.ops.precompile import serve; serve()"],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-            for _ in range(num_workers)
-        ]
+        self._procs: list[tuple[int, object, object]] = []
+        for _ in range(num_workers):
+            jobs_r, jobs_w = os.pipe()
+            results_r, results_w = os.pipe()
+            pid = os.fork()
+            if pid == 0:  # the child: serve, then leave without running the parent's exit hooks
+                code = 0
+                try:
+                    os.close(jobs_w)
+                    os.close(results_r)
+                    _serve(jobs_r, results_w)
+                except BaseException:  # noqa: BLE001
+                    code = 1
+                finally:
+                    os._exit(code)
+            os.close(jobs_r)
+            os.close(results_w)
+            self._procs.append((pid, os.fdopen(jobs_w, "wb"), os.fdopen(results_r, "rb")))
 
-    def compile(self, jobs: list[tuple[str, str, str]], target) -> list[str]:
+    def compile(self, jobs: list, target) -> list[str]:
         """Compile ``jobs`` (dealt round-robin), wait for all; returns the errors, if any."""
-        target_args = [target.backend, target.arch, target.warp_size]
         shares = [jobs[i::self.num_workers] for i in range(self.num_workers)]
-        errors = []
-        for proc, share in zip(self._procs, shares):
+        for (_, jobs_w, _), share in zip(self._procs, shares):
             for job in share:
-                proc.stdin.write(json.dumps([*job, target_args]) + "\n")
-            proc.stdin.close()  # the process exits after its share
-        for proc, share in zip(self._procs, shares):
-            replies = [json.loads(line) for line in proc.stdout]
-            proc.wait()
+                pickle.dump((job, target), jobs_w)
+            jobs_w.close()  # the process exits after its share
+        errors = []
+        for (pid, _, results_r), share in zip(self._procs, shares):
+            replies = []
+            while True:
+                try:
+                    replies.append(pickle.load(results_r))
+                except EOFError:
+                    break
+            results_r.close()
+            _, status = os.waitpid(pid, 0)
             if len(replies) < len(share):
-                errors.append(f"a compile process exited with {proc.returncode} after {len(replies)} of "
-                              f"{len(share)} kernels")
+                errors.append(f"a compile process exited ({status}) after {len(replies)} of {len(share)} kernels")
             errors += [f"{name}: {err}" for name, _, err in replies if err]
+        self._procs = []
         return errors
 
     def close(self) -> None:
-        for proc in self._procs:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
-            for f in (proc.stdin, proc.stdout):
-                if f is not None and not f.closed:
+        import signal
+
+        for pid, jobs_w, results_r in self._procs:
+            for f in (jobs_w, results_r):
+                if not f.closed:
                     f.close()
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
+        self._procs = []
 
 
-def start_compile_pool(world_size: int = 1) -> CompilePool | None:
-    """A pool sized to the host's cores (shared by ``world_size`` engine processes), or None
-    where precompiling is off or unavailable."""
-    if not precompile_available():
-        return None
-    workers = max(2, min(12, (os.cpu_count() or 2) // max(world_size, 1) - 1))
-    try:
-        return CompilePool(workers)
-    except OSError as e:  # no processes here: compile in place
-        logger.debug("No compile pool (%s)", e)
-        return None
+def pool_size(world_size: int = 1) -> int:
+    """Compile processes per engine process: the host's cores shared by ``world_size`` ranks."""
+    return max(2, min(16, (os.cpu_count() or 2) // max(world_size, 1) - 1))
+
+
+LAST_SPECS: set[str] = set()  # the specialization records of the last dry run (for diagnosis)
 
 
 @contextlib.contextmanager
-def collect_compiles() -> Iterator[list[tuple[str, str, str]]]:
+def collect_compiles() -> Iterator[list[tuple]]:
     """Within: every Triton launch that would compile is recorded (module, kernel name,
     specialization) and skipped instead; launches of kernels already compiled run."""
     import triton
 
-    jobs: list[tuple[str, str, str]] = []
-    seen: set[str] = set()
+    jobs: list[tuple] = []
+    seen = LAST_SPECS
+    seen.clear()
 
     def hook(*, fn, compile, **_):
         spec = compile["specialization_data"]
         if spec not in seen:
             seen.add(spec)
-            jobs.append((fn.module, fn.name, spec))
+            options = json.loads(spec)["options"]  # the parsed options the JIT compiles with
+            options = {k: tuple(v) if isinstance(v, list) else v for k, v in options.items()}
+            jobs.append((fn.module, fn.name, compile["signature"], compile["constants"], compile["configs"][0],
+                         options))
         return True  # skip the compile, and with it the launch
 
     previous = triton.knobs.runtime.jit_cache_hook
@@ -202,28 +208,33 @@ def collect_compiles() -> Iterator[list[tuple[str, str, str]]]:
         triton.knobs.runtime.jit_cache_hook = previous
 
 
-def precompile(pool: CompilePool, dry_run, device) -> None:
-    """Run ``dry_run()`` under ``collect_compiles``, then compile what it would have compiled
-    and is not in Triton's cache yet, in ``pool``. Any failure leaves start-up to compile in
-    place (logged), never stops it."""
+def precompile(dry_run, device, world_size: int = 1) -> None:
+    """Run ``dry_run()`` under ``collect_compiles``; compile what it would have compiled and is
+    not in Triton's cache yet in a forked ``CompilePool``. Any failure leaves start-up to
+    compile in place (logged), never stops it."""
+    import torch
     from triton.runtime.driver import driver
 
     t0 = time.perf_counter()
     try:
         with collect_compiles() as jobs:
             dry_run()
+        torch.cuda.synchronize(device)
+        t1 = time.perf_counter()
         target = driver.active.get_current_target()
-        missing = [job for job in jobs if not _in_disk_cache(*job, target)]
+        missing = [job for job in jobs if not _in_disk_cache(job, target)]
+        t2 = time.perf_counter()
         if missing:
-            errors = pool.compile(missing, target)
+            pool = CompilePool(min(pool_size(world_size), len(missing)))
+            try:
+                errors = pool.compile(missing, target)
+            finally:
+                pool.close()
             if errors:
                 logger.warning("Parallel Triton compile: %s; those compile in place", "; ".join(errors)[:500])
-            logger.info("Compiled %d Triton kernels in %d processes in %.1f s", len(missing), pool.num_workers,
-                        time.perf_counter() - t0)
+            logger.info("Compiled %d Triton kernels in %d processes in %.1f s (dry run %.2f s, cache lookup %.2f s)",
+                        len(missing), pool.num_workers, time.perf_counter() - t2, t1 - t0, t2 - t1)
+        else:
+            logger.debug("Triton kernels all cached (dry run %.2f s, lookup %.2f s)", t1 - t0, t2 - t1)
     except Exception as e:  # noqa: BLE001 - an optimisation: start-up compiles in place instead
         logger.warning("Parallel Triton compile failed (%s: %s); compiling in place", type(e).__name__, e)
-    finally:
-        import torch
-
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)

@@ -12,7 +12,7 @@ from torch import nn
 from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.engine.arg_utils import DEFAULT_CPU_KV_CACHE_BYTES
-from pagedllm.ops.precompile import precompile, start_compile_pool
+from pagedllm.ops.precompile import precompile, precompile_available
 from pagedllm.worker.model_runner import _TORCH_DTYPES, ModelRunner
 
 logger = logging.getLogger("pagedllm")
@@ -30,21 +30,9 @@ class Worker:
         self.rank = rank
         pc = config.parallel_config
         self.device = torch.device(config.device)
-        compile_pool = None
-        if self.device.type == "cuda":
-            # Its processes import torch and Triton while this one loads the model.
-            compile_pool = start_compile_pool(pc.world_size)
-        try:
-            self._init_model(config, rank, distributed_init_method, local_rank)
-        except BaseException:
-            if compile_pool is not None:
-                compile_pool.close()
-            raise
-        if compile_pool is not None:
-            try:
-                precompile(compile_pool, self.model_runner.compile_dry_run, self.device)
-            finally:
-                compile_pool.close()
+        self._init_model(config, rank, distributed_init_method, local_rank)
+        if self.device.type == "cuda" and precompile_available():
+            precompile(self.model_runner.compile_dry_run, self.device, pc.world_size)
         self.num_kv_blocks = 0
         self._weights_asleep: _SleepingWeights | None = None
         self._kv_cache_asleep = False
