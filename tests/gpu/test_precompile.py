@@ -53,7 +53,7 @@ def _start(model: str, cache_dir, parallel: bool) -> dict:
 def test_start_up_compiles_in_the_pool(tiny_models, tmp_path):
     pooled = _start(tiny_models["qwen3"], tmp_path / "pooled", parallel=True)
     assert "Compiled" in pooled["log"] and "in place" not in pooled["log"], pooled["log"][-2000:]
-    assert pooled["in_place"] == [], (pooled["in_place"], pooled["diffs"][:6])
+    assert pooled["in_place"] == [], "compiled in place: " + json.dumps([pooled["in_place"], pooled["diffs"][:6]])
     serial = _start(tiny_models["qwen3"], tmp_path / "serial", parallel=False)
     assert len(serial["in_place"]) >= 8  # norms, rotary, KV write, attention shapes, GEMMs, sampler
     assert pooled["ids"] == serial["ids"]

@@ -62,14 +62,14 @@ def _source(job):
     return ASTSource(fn, signature, constants, attrs), options
 
 
-def _in_disk_cache(job, target) -> bool:
+def _in_disk_cache(job, target, backend=None) -> bool:
     """Whether ``triton.compile`` would find this kernel in the on-disk cache (its own lookup)."""
     from triton._C.libtriton import get_cache_invalidating_env_vars
     from triton.compiler.compiler import get_cache_key, make_backend
     from triton.runtime.cache import get_cache_manager
 
     src, options = _source(job)
-    backend = make_backend(target)
+    backend = backend or make_backend(target)
     parsed = backend.parse_options(dict(options, **src.parse_options()))
     key = get_cache_key(src, backend, parsed, env_vars=get_cache_invalidating_env_vars())
     file_name = f"{src.name[:150]}.json"
@@ -221,8 +221,11 @@ def precompile(dry_run, device, world_size: int = 1) -> None:
             dry_run()
         torch.cuda.synchronize(device)
         t1 = time.perf_counter()
+        from triton.compiler.compiler import make_backend
+
         target = driver.active.get_current_target()
-        missing = [job for job in jobs if not _in_disk_cache(job, target)]
+        backend = make_backend(target)  # its hash runs ptxas once, not once per kernel
+        missing = [job for job in jobs if not _in_disk_cache(job, target, backend)]
         t2 = time.perf_counter()
         if missing:
             pool = CompilePool(min(pool_size(world_size), len(missing)))

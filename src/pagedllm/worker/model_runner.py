@@ -192,7 +192,9 @@ class ModelRunner:
         """Start-up's forwards in miniature, for ``pagedllm.ops.precompile`` to see which Triton
         kernels they compile (its hook skips those launches): the profiling forward (at a
         token count that Triton specializes alike: a multiple of 16 or not), the warm-up step,
-        and one decode forward per graph size. Reads and writes only a 4-block scratch KV cache."""
+        and decode forwards at the graph sizes up to 32 and the largest (the sizes where the
+        launch choices change: one row, the small-row GEMM's 16- and 32-row tiles, split-KV
+        attention or not). Reads and writes only a 4-block scratch KV cache."""
         n = self.config.scheduler_config.max_num_batched_tokens
         self.profile_run(n if n <= 80 else 64 if n % 16 == 0 else 65)
         saved = [layer.kv_cache for layer in self.attn_layers]
@@ -209,7 +211,8 @@ class ModelRunner:
             buf.slot_mapping.fill_(-1)
             buf.seq_lens.fill_(1)
             buf.block_tables.zero_()
-            for bs in self.cuda_graph_sizes():
+            sizes = self.cuda_graph_sizes()
+            for bs in [s for s in sizes if s <= 32] + [sizes[-1]]:
                 self.model(buf.input_ids[:bs], buf.positions[:bs], self._graph_metadata(bs))
         finally:
             for layer, cache in zip(self.attn_layers, saved):
