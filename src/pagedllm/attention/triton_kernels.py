@@ -41,9 +41,9 @@ MAX_SPLITS = 16  # split-KV parts per (token, head) at most
 # ---- KV write ----------------------------------------------------------------------------------
 @triton.jit
 def _reshape_and_cache_kernel(
-    key_ptr, value_ptr, cache_ptr, slot_ptr,
+    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_c_kv, stride_c_block, stride_c_slot, stride_c_head,
+    stride_c_block, stride_c_slot, stride_c_head,
     BLOCK_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     HEADS_PAD: tl.constexpr, DIM_PAD: tl.constexpr,
 ):
@@ -60,9 +60,9 @@ def _reshape_and_cache_kernel(
         mask = mask & (d < HEAD_DIM)
     k = tl.load(key_ptr + t * stride_kt + h * stride_kh + d, mask=mask)
     v = tl.load(value_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
-    dst = cache_ptr + block * stride_c_block + off * stride_c_slot + h * stride_c_head + d
-    tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(dst + stride_c_kv, v.to(cache_ptr.dtype.element_ty), mask=mask)
+    dst = block * stride_c_block + off * stride_c_slot + h * stride_c_head + d
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
@@ -80,9 +80,9 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Te
                          f"{tuple(kv_cache.shape)} disagree on [num_kv_heads, head_dim]")
     assert key.stride(-1) == 1 and value.stride(-1) == 1 and kv_cache.is_contiguous()
     _reshape_and_cache_kernel[(num_tokens,)](
-        key, value, kv_cache, slot_mapping,
+        key, value, kv_cache[0], kv_cache[1], slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         BLOCK_SIZE=kv_cache.shape[2], NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         HEADS_PAD=triton.next_power_of_2(num_kv_heads), DIM_PAD=triton.next_power_of_2(head_dim),
         num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,
@@ -127,11 +127,11 @@ def _find_seq(qsl_ptr, pid, num_seqs, BLOCK_Q: tl.constexpr):
 # on them (== 1, % 16 == 0) would compile new variants in the middle of a run.
 @triton.jit(do_not_specialize=["num_seqs", "window", "stride_bt"])
 def _attention_kernel(
-    q_ptr, out_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr,
+    q_ptr, out_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr,
     part_out_ptr, part_m_ptr, part_l_ptr,  # split-KV partials; unused unless SPLIT
     scale_log2, num_seqs, window, num_heads,
     stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_c_kv, stride_c_block, stride_c_slot, stride_c_head, stride_bt,
+    stride_c_block, stride_c_slot, stride_c_head, stride_bt,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
@@ -207,7 +207,7 @@ def _attention_kernel(
         kv_mask = k_ok[:, None]
         if DIM_PAD != HEAD_DIM:
             kv_mask = kv_mask & (d[None, :] < HEAD_DIM)
-        k = tl.load(cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
         if IEEE:
             sc = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -222,7 +222,7 @@ def _attention_kernel(
         p = tl.math.exp2(sc - m_safe[:, None])
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(cache_ptr + stride_c_kv + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None]
         if IEEE:
             acc = tl.dot(p, v, acc, input_precision="ieee")
@@ -348,10 +348,13 @@ def unified_attention(
         NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=group_pad, BLOCK_SIZE=kv_cache.shape[2],
         HEAD_DIM=head_dim, DIM_PAD=dim_pad, USE_WINDOW=sliding_window is not None, IEEE=ieee,
     )
-    args = [q, out, kv_cache, block_tables, seq_lens, query_start_loc]
+    # K and V halves as two pointers: the distance between them (num_blocks x block bytes, past
+    # 2**31 elements for large caches) would otherwise be an argument Triton types i32 or i64
+    # by its value, one compiled variant per kind of cache size.
+    args = [q, out, kv_cache[0], kv_cache[1], block_tables, seq_lens, query_start_loc]
     scalars = [scale * LOG2_E, num_seqs, sliding_window or 0, num_heads,
                q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-               kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_tables.stride(0)]
+               kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_tables.stride(0)]
 
     decode_only = max_query_len == 1
     short_cfg = _tile_config(False, decode_only, group_pad, head_dim, ieee)
