@@ -24,8 +24,8 @@ class EngineFrontend:
         self.parents: dict[str, ParentRequest] = {}
 
     @classmethod
-    def from_engine_args(cls, engine_args: EngineArgs):
-        return cls(engine_args.create_engine_config())
+    def from_engine_args(cls, engine_args: EngineArgs, usage_context: str | None = None):
+        return cls(engine_args.create_engine_config(usage_context))
 
     def get_tokenizer(self) -> Any:
         if self.tokenizer is None:

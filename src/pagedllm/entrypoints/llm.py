@@ -26,7 +26,7 @@ class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         kwargs.setdefault("disable_log_stats", True)  # the progress bar reports throughput
         engine_args = EngineArgs.from_kwargs(model=model, **kwargs)
-        self.llm_engine = LLMEngine.from_engine_args(engine_args)
+        self.llm_engine = LLMEngine.from_engine_args(engine_args, usage_context="llm_class")
         self._counter = itertools.count()
 
     def get_tokenizer(self) -> Any:

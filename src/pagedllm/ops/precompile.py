@@ -28,6 +28,7 @@ import logging
 import os
 import pickle
 import time
+import warnings
 from collections.abc import Iterator
 
 logger = logging.getLogger("pagedllm")
@@ -120,7 +121,13 @@ class CompilePool:
         for _ in range(num_workers):
             jobs_r, jobs_w = os.pipe()
             results_r, results_w = os.pipe()
-            pid = os.fork()
+            with warnings.catch_warnings():
+                # Python warns on forking a threaded process: a lock held by another thread
+                # stays held in the child. The child takes none of the engine's: it runs Triton's
+                # compiler and ptxas only (Python's own import and logging locks are reset on
+                # fork), and a stuck one is killed after compile()'s timeout.
+                warnings.simplefilter("ignore", DeprecationWarning)
+                pid = os.fork()
             if pid == 0:  # the child: serve, then leave without running the parent's exit hooks
                 code = 0
                 try:
@@ -135,27 +142,34 @@ class CompilePool:
             os.close(results_w)
             self._procs.append((pid, os.fdopen(jobs_w, "wb"), os.fdopen(results_r, "rb")))
 
-    def compile(self, jobs: list, target) -> list[str]:
-        """Compile ``jobs`` (dealt round-robin), wait for all; returns the errors, if any."""
+    def compile(self, jobs: list, target, timeout_s: float = 180.0) -> list[str]:
+        """Compile ``jobs`` (dealt round-robin), wait for all (at most ``timeout_s``: a stuck
+        process is killed, and its kernels compile in place later); returns the errors."""
+        import select
+
         shares = [jobs[i::self.num_workers] for i in range(self.num_workers)]
         for (_, jobs_w, _), share in zip(self._procs, shares):
             for job in share:
                 pickle.dump((job, target), jobs_w)
             jobs_w.close()  # the process exits after its share
-        errors = []
-        for (pid, _, results_r), share in zip(self._procs, shares):
-            replies = []
-            while True:
+        replies: dict[int, list] = {pid: [] for pid, _, _ in self._procs}
+        open_pipes = {results_r.fileno(): (pid, results_r) for pid, _, results_r in self._procs}
+        deadline = time.monotonic() + timeout_s
+        while open_pipes and time.monotonic() < deadline:
+            ready, _, _ = select.select(list(open_pipes), [], [], max(deadline - time.monotonic(), 0))
+            for fd in ready:
+                pid, results_r = open_pipes[fd]
                 try:
-                    replies.append(pickle.load(results_r))
+                    replies[pid].append(pickle.load(results_r))  # one reply is written whole, flushed
                 except EOFError:
-                    break
-            results_r.close()
-            _, status = os.waitpid(pid, 0)
-            if len(replies) < len(share):
-                errors.append(f"a compile process exited ({status}) after {len(replies)} of {len(share)} kernels")
-            errors += [f"{name}: {err}" for name, _, err in replies if err]
-        self._procs = []
+                    del open_pipes[fd]
+        errors = []
+        for (pid, _, _), share in zip(self._procs, shares):
+            if len(replies[pid]) < len(share):
+                errors.append(f"a compile process finished {len(replies[pid])} of {len(share)} kernels "
+                              f"({'timed out' if open_pipes else 'exited'})")
+            errors += [f"{name}: {err}" for name, _, err in replies[pid] if err]
+        self.close()
         return errors
 
     def close(self) -> None:

@@ -397,17 +397,13 @@ class ModelRunner:
             output = ModelRunnerOutput(req_ids, [[] for _ in req_ids])
             return _PendingOutput.done(output) if non_block else output
 
-        sample_rows = [i for i in range(len(req_ids)) if batch.completes[i]]
+        sample_rows = batch.sample_rows
         pending = _PendingOutput(self, req_ids, sample_rows)
         if sample_rows:
             states = [self.requests[req_ids[i]] for i in sample_rows]
-            if len(sample_rows) == batch.num_tokens:  # every token is a request's last: decode
-                last_hidden = hidden[:batch.num_tokens]
-            else:
-                last = np.asarray(batch.query_start_loc)[np.asarray(sample_rows) + 1] - 1
-                last_hidden = hidden[torch.from_numpy(last).to(self.device, non_blocking=True)]
+            last_hidden = hidden[:batch.num_tokens] if batch.sample_index is None else hidden[batch.sample_index]
             logits = self.model.compute_logits(last_hidden)
-            out = self.sampler(logits, self._sampling_metadata(states))
+            out = self.sampler(logits, self._sampling_metadata(states, batch.temperature))
             pending.launch_copy(states, out)
             for state in states:
                 state.num_inflight += 1
@@ -432,6 +428,9 @@ class ModelRunner:
         starts: list[int]  # num_computed_tokens of each request before this step
         completes: list[bool]  # this step reaches the request's last token: sample
         graph_size: int | None  # replay the CUDA graph of this padded batch size
+        sample_rows: list[int]  # the rows that sample (completes)
+        sample_index: torch.Tensor | None  # their last tokens' rows of the flat batch (None: all, a decode)
+        temperature: torch.Tensor | None  # their temperatures, on the device
 
     def _prepare_inputs(self, req_ids: list[str], num_scheduled: dict[str, int]) -> "_Batch":
         """The flat batch, built with vectorized gathers from the persistent arrays."""
@@ -485,19 +484,32 @@ class ModelRunner:
                 seq_lens=seq_d, query_start_loc_cpu=qsl_list, seq_lens_cpu=seq_lens.tolist(),
                 max_query_len=int(counts.max()), max_seq_len=int(seq_lens.max()),
             )
-        buf.end_step()
         if inflight:
-            dst, src = (torch.tensor(x, dtype=torch.int64).to(self.device, non_blocking=True) for x in zip(*inflight))
+            dst, src = (buf.upload(name, np.fromiter(x, dtype=np.int64, count=len(inflight)))
+                        for name, x in zip(("inflight_dst", "inflight_src"), zip(*inflight)))
             ids_d[dst] = self._prev_sampled[src]
-        return self._Batch(ids_d, pos_d, md, total, qsl_list, starts, completes, graph_size)
+        # What sampling needs on the device goes up with the rest, through the pinned buffers:
+        # a copy from pageable memory may wait for the stream, stalling the host while the
+        # device drains.
+        sample_rows = [i for i, c in enumerate(completes) if c]
+        temperature = sample_index = None
+        if sample_rows:
+            temperature = buf.upload("temperature", np.fromiter(
+                (states[i].sampling_params.temperature for i in sample_rows), dtype=np.float32, count=len(sample_rows)))
+            if len(sample_rows) != total:
+                sample_index = buf.upload("sample_index", qsl[np.asarray(sample_rows) + 1] - 1)
+        buf.end_step()
+        return self._Batch(ids_d, pos_d, md, total, qsl_list, starts, completes, graph_size, sample_rows,
+                           sample_index, temperature)
 
-    def _sampling_metadata(self, states: list[CachedRequestState]) -> SamplingMetadata:
-        """Per-row sampling settings; only what some row of this batch uses is built."""
+    def _sampling_metadata(self, states: list[CachedRequestState], temperature: torch.Tensor) -> SamplingMetadata:
+        """Per-row sampling settings (``temperature`` already on the device); only what some
+        row of this batch uses is built."""
         dev = self.device
         params = [s.sampling_params for s in states]
         temps = [p.temperature for p in params]
         md = SamplingMetadata(
-            temperature=torch.tensor(temps, dtype=torch.float32).to(dev, non_blocking=True),
+            temperature=temperature,
             all_greedy=all(t == 0.0 for t in temps),
             all_random=all(t != 0.0 for t in temps),
         )
@@ -595,13 +607,15 @@ class _DeviceBuffers:
     """
 
     _DTYPES = {"input_ids": torch.int64, "positions": torch.int64, "slot_mapping": torch.int64,
-               "seq_lens": torch.int32, "query_start_loc": torch.int32}
+               "seq_lens": torch.int32, "query_start_loc": torch.int32, "temperature": torch.float32,
+               "sample_index": torch.int64, "inflight_dst": torch.int64, "inflight_src": torch.int64}
 
     def __init__(self, max_tokens: int, max_reqs: int, max_blocks: int, device: torch.device) -> None:
         self.device = device
         self.on_cpu = device.type == "cpu"
         sizes = {"input_ids": max_tokens, "positions": max_tokens, "slot_mapping": max_tokens,
-                 "seq_lens": max_reqs, "query_start_loc": max_reqs + 1}
+                 "seq_lens": max_reqs, "query_start_loc": max_reqs + 1, "temperature": max_reqs,
+                 "sample_index": max_reqs, "inflight_dst": max_reqs, "inflight_src": max_reqs}
         self.host: dict[str, torch.Tensor] = {}
         self.dev: dict[str, torch.Tensor] = {}
         if self.on_cpu:

@@ -1,0 +1,39 @@
+"""vLLM's default token budget per step: the offline LLM on a GPU of 70 GiB or more (not an
+A100) takes 16384 tokens a step, the server and everything else 8192."""
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from pagedllm.engine import arg_utils
+
+
+@pytest.mark.parametrize("usage, device, name, gib, expected", [
+    ("llm_class", "cuda", "NVIDIA H100 80GB HBM3", 80, 16384),
+    ("llm_class", "cuda:1", "NVIDIA H200", 141, 16384),
+    ("llm_class", "cuda", "NVIDIA A100-SXM4-80GB", 80, 8192),
+    ("llm_class", "cuda", "NVIDIA L4", 24, 8192),
+    (None, "cuda", "NVIDIA H100 80GB HBM3", 80, 8192),  # the server, EngineArgs directly
+    ("llm_class", "cpu", None, 0, 8192),
+])
+def test_default_max_num_batched_tokens(monkeypatch, usage, device, name, gib, expected):
+    asked = []
+
+    def props(index):
+        asked.append(index)
+        return types.SimpleNamespace(name=name, total_memory=gib * 2**30)
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", props)
+    assert arg_utils._default_max_num_batched_tokens(usage, device) == expected
+    if usage == "llm_class" and device.startswith("cuda"):
+        assert asked == [int(device.partition(":")[2] or 0)]
+
+
+def test_offline_llm_on_cpu_keeps_8192(tiny_models):
+    from pagedllm import LLM
+    from tests.conftest import TEST_KV_BYTES
+
+    llm = LLM(tiny_models["llama"], dtype="float32", kv_cache_memory_bytes=TEST_KV_BYTES, max_model_len=64)
+    assert llm.llm_engine.config.scheduler_config.max_num_batched_tokens == 8192
