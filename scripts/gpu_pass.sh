@@ -30,10 +30,11 @@ stage startup && bench startup python -m pagedllm.benchmarks.startup --shape lla
 if stage tests; then
   echo "== tests"
   python -m pytest -q -rfE -p no:cacheprovider tests/attention tests/ops tests/sample tests/gpu tests/engine/test_correctness.py \
-    tests/engine/test_async_scheduling.py tests/engine/test_gc_freeze.py > "$OUT/tests.log" 2>&1
+    tests/engine/test_async_scheduling.py tests/engine/test_gc_freeze.py tests/engine/test_engine_defaults.py > "$OUT/tests.log" 2>&1
   echo "   tests rc=$?"; tail -15 "$OUT/tests.log" | cut -c1-300
 fi
 stage throughput && bench throughput python -m pagedllm.benchmarks.throughput --shape qwen3-0.6b
+stage throughput && bench throughput_run2 python -m pagedllm.benchmarks.throughput --shape qwen3-0.6b
 stage throughput8b && bench throughput8b python -m pagedllm.benchmarks.throughput --shape llama3-8b
 stage latency && bench latency python -m pagedllm.benchmarks.latency --shape llama3-8b --batch-sizes 1,32
 echo "== results"
