@@ -35,5 +35,6 @@ def test_offline_llm_on_cpu_keeps_8192(tiny_models):
     from pagedllm import LLM
     from tests.conftest import TEST_KV_BYTES
 
-    llm = LLM(tiny_models["llama"], dtype="float32", kv_cache_memory_bytes=TEST_KV_BYTES, max_model_len=64)
+    llm = LLM(tiny_models["llama"], device="cpu", dtype="float32", kv_cache_memory_bytes=TEST_KV_BYTES,
+              max_model_len=64)
     assert llm.llm_engine.config.scheduler_config.max_num_batched_tokens == 8192
