@@ -229,8 +229,8 @@ class ModelRunner:
     def warm_up_kernels(self) -> None:
         """Compile, at start-up, the kernel variants that neither the profiling forward (one
         long prefill) nor graph capture (pure decodes) reach: a mixed step of a decode and a
-        two-token chunk, and the one-pass sampler. Otherwise the first such step of a run
-        pays Triton's compile time. Nothing is written to the KV cache (slots are -1)."""
+        two-token chunk, the one-pass sampler, and the LM head's small-row GEMMs. Otherwise
+        the first such step of a run pays Triton's compile time. Nothing is written to the KV cache (slots are -1)."""
         dev = self.device
         md = AttentionMetadata(
             num_actual_tokens=3, slot_mapping=torch.full((3,), -1, dtype=torch.int64, device=dev),
@@ -245,6 +245,10 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[1:])
             self.sampler(logits, SamplingMetadata(temperature=torch.tensor([1.0, 0.0], device=dev),
                                                   all_greedy=False, all_random=False))
+            # The LM head runs outside the decode graphs, on as many rows as sample: its
+            # small-row kernels have one variant for 1 row, one up to 16 and one up to 32.
+            for rows in sorted({1, min(17, self.max_num_reqs)}):
+                self.model.compute_logits(torch.zeros(rows, hidden.shape[-1], dtype=hidden.dtype, device=dev))
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
 
