@@ -9,14 +9,15 @@ holds the GIL, so threads do not help; processes do.
 So those steps first run *dry* (``collect_compiles``): a Triton hook records the
 specialization of each kernel that would compile and skips its launch (outputs of skipped
 kernels are left as garbage, which only flows into other skipped kernels and plain GEMMs).
-The kernels missing from Triton's on-disk cache are then compiled at once by a pool of
-processes (``CompilePool``, started when the worker starts, so that its processes import
-torch and Triton while the engine loads the model). Then the steps run for real and load
-each kernel from the cache. A kernel the dry run missed just compiles in place, as before.
+The kernels missing from Triton's on-disk cache are then compiled at once by processes
+forked for the purpose (``CompilePool``: they inherit the imported modules, so they start
+compiling at once; none is made when everything is cached). Then the steps run for real
+and load each kernel from the cache. A kernel the dry run missed just compiles in place,
+as before. On an H100: 14 kernels in 1.0-1.2 s instead of ~7 s.
 
-Triton's internals used here (the hook, the specialization record, the cache key) are
-those of ``JITFunction.preload``; if they change, ``precompile_available`` turns the whole
-thing off and start-up compiles in place.
+Triton's internals used here (the hook and what it is handed, ``ASTSource``, the cache key)
+are those the JIT itself compiles with; if they are missing, ``precompile_available`` turns
+the whole thing off, and if they fail, ``precompile`` logs it and start-up compiles in place.
 """
 from __future__ import annotations
 
