@@ -144,8 +144,8 @@ class CompilePool:
             self._procs.append((pid, os.fdopen(jobs_w, "wb"), os.fdopen(results_r, "rb")))
 
     def compile(self, jobs: list, target, timeout_s: float = 180.0) -> list[str]:
-        """Compile ``jobs`` (dealt round-robin), wait for all (at most ``timeout_s``: a stuck
-        process is killed, and its kernels compile in place later); returns the errors."""
+        """Compile ``jobs`` (dealt round-robin), wait for all (at most ``timeout_s``; ``close``
+        then kills a stuck process, and its kernels compile in place later); returns the errors."""
         import select
 
         shares = [jobs[i::self.num_workers] for i in range(self.num_workers)]
@@ -170,7 +170,6 @@ class CompilePool:
                 errors.append(f"a compile process finished {len(replies[pid])} of {len(share)} kernels "
                               f"({'timed out' if open_pipes else 'exited'})")
             errors += [f"{name}: {err}" for name, _, err in replies[pid] if err]
-        self.close()
         return errors
 
     def close(self) -> None:

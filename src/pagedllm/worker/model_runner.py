@@ -1,6 +1,7 @@
 """ModelRunner: turns a SchedulerOutput into one flat batch, runs the model, samples."""
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 
@@ -156,15 +157,24 @@ class ModelRunner:
         nbytes = int(np.prod(shape)) * self.dtype.itemsize
         return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(self.dtype).view(shape)
 
-    @torch.inference_mode()
-    def profile_run(self, num_tokens: int) -> None:
-        """One forward + sample at the largest step size, to measure peak activation memory."""
-        bs = self.block_size
-        num_blocks = -(-num_tokens // bs)
+    @contextlib.contextmanager
+    def _scratch_kv_cache(self, num_blocks: int):
+        """Within: every attention layer reads and writes a zeroed cache of ``num_blocks``
+        blocks instead of its own (start-up forwards that must leave the real one alone)."""
         saved = [layer.kv_cache for layer in self.attn_layers]
         for layer in self.attn_layers:
             layer.kv_cache = torch.zeros(self._kv_shape(num_blocks), dtype=self.dtype, device=self.device)
         try:
+            yield
+        finally:
+            for layer, cache in zip(self.attn_layers, saved):
+                layer.kv_cache = cache
+
+    @torch.inference_mode()
+    def profile_run(self, num_tokens: int) -> None:
+        """One forward + sample at the largest step size, to measure peak activation memory."""
+        num_blocks = -(-num_tokens // self.block_size)
+        with self._scratch_kv_cache(num_blocks):
             positions = torch.arange(num_tokens, device=self.device)
             md = AttentionMetadata(
                 num_actual_tokens=num_tokens, slot_mapping=positions.clone(),
@@ -183,9 +193,6 @@ class ModelRunner:
             self.sampler(logits, SamplingMetadata(
                 temperature=torch.ones(num_rows, device=self.device), all_greedy=False, all_random=True,
                 top_p=torch.full((num_rows,), 0.9, device=self.device)))
-        finally:
-            for layer, cache in zip(self.attn_layers, saved):
-                layer.kv_cache = cache
 
     @torch.inference_mode()
     def compile_dry_run(self) -> None:
@@ -197,26 +204,15 @@ class ModelRunner:
         attention or not). Reads and writes only a 4-block scratch KV cache."""
         n = self.config.scheduler_config.max_num_batched_tokens
         self.profile_run(n if n <= 80 else 64 if n % 16 == 0 else 65)
-        saved = [layer.kv_cache for layer in self.attn_layers]
-        for layer in self.attn_layers:
-            layer.kv_cache = torch.zeros(self._kv_shape(4), dtype=self.dtype, device=self.device)
-        try:
+        with self._scratch_kv_cache(4):
             self.warm_up_kernels()
             if self.config.model_config.enforce_eager or self.pp_size > 1 \
                     or not getattr(self.attn_backend, "cuda_graph_safe", False):
                 return
-            buf = self._buffers
-            buf.input_ids.zero_()
-            buf.positions.zero_()
-            buf.slot_mapping.fill_(-1)
-            buf.seq_lens.fill_(1)
-            buf.block_tables.zero_()
+            buf = self._reset_graph_inputs()
             sizes = self.cuda_graph_sizes()
             for bs in [s for s in sizes if s <= 32] + [sizes[-1]]:
                 self.model(buf.input_ids[:bs], buf.positions[:bs], self._graph_metadata(bs))
-        finally:
-            for layer, cache in zip(self.attn_layers, saved):
-                layer.kv_cache = cache
 
     # ---- CUDA graphs -------------------------------------------------------------------------
     def cuda_graph_sizes(self) -> list[int]:
@@ -230,7 +226,8 @@ class ModelRunner:
         """Compile, at start-up, the kernel variants that neither the profiling forward (one
         long prefill) nor graph capture (pure decodes) reach: a mixed step of a decode and a
         two-token chunk, the one-pass sampler, and the LM head's small-row GEMMs. Otherwise
-        the first such step of a run pays Triton's compile time. Nothing is written to the KV cache (slots are -1)."""
+        the first such step of a run pays Triton's compile time. Nothing is written to the KV
+        cache (slots are -1)."""
         dev = self.device
         md = AttentionMetadata(
             num_actual_tokens=3, slot_mapping=torch.full((3,), -1, dtype=torch.int64, device=dev),
@@ -264,18 +261,12 @@ class ModelRunner:
         import time
 
         t0 = time.perf_counter()
-        buf = self._buffers
         sizes = self.cuda_graph_sizes()
         pool = torch.cuda.graph_pool_handle()
         # Our own capture stream: torch's default one is created once per process, on whichever
         # device was current then, and capturing there would switch this engine to that device.
         stream = torch.cuda.Stream(self.device)
-        # Capture-time inputs: one context token per request, nothing written to the cache.
-        buf.input_ids.zero_()
-        buf.positions.zero_()
-        buf.slot_mapping.fill_(-1)
-        buf.seq_lens.fill_(1)
-        buf.block_tables.zero_()
+        buf = self._reset_graph_inputs()
         for bs in reversed(sizes):
             md = self._graph_metadata(bs)
             args = (buf.input_ids[:bs], buf.positions[:bs], md)
@@ -289,6 +280,17 @@ class ModelRunner:
         self._graph_sizes = sizes
         logger.info("Captured %d CUDA graphs for decode batches of 1..%d in %.1f s",
                     len(sizes), sizes[-1], time.perf_counter() - t0)
+
+    def _reset_graph_inputs(self) -> "_DeviceBuffers":
+        """The input buffers as graph capture (and its dry run) reads them: one context token
+        per request, nothing written to the cache."""
+        buf = self._buffers
+        buf.input_ids.zero_()
+        buf.positions.zero_()
+        buf.slot_mapping.fill_(-1)
+        buf.seq_lens.fill_(1)
+        buf.block_tables.zero_()
+        return buf
 
     # ---- pipeline parallelism ------------------------------------------------------------------
     def _dummy_intermediate(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -430,9 +432,8 @@ class ModelRunner:
         num_tokens: int
         query_start_loc: list[int]
         starts: list[int]  # num_computed_tokens of each request before this step
-        completes: list[bool]  # this step reaches the request's last token: sample
         graph_size: int | None  # replay the CUDA graph of this padded batch size
-        sample_rows: list[int]  # the rows that sample (completes)
+        sample_rows: list[int]  # the rows whose request reaches its last known token this step: they sample
         sample_index: torch.Tensor | None  # their last tokens' rows of the flat batch (None: all, a decode)
         temperature: torch.Tensor | None  # their temperatures, on the device
 
@@ -503,8 +504,8 @@ class ModelRunner:
             if len(sample_rows) != total:
                 sample_index = buf.upload("sample_index", qsl[np.asarray(sample_rows) + 1] - 1)
         buf.end_step()
-        return self._Batch(ids_d, pos_d, md, total, qsl_list, starts, completes, graph_size, sample_rows,
-                           sample_index, temperature)
+        return self._Batch(ids_d, pos_d, md, total, qsl_list, starts, graph_size, sample_rows, sample_index,
+                           temperature)
 
     def _sampling_metadata(self, states: list[CachedRequestState], temperature: torch.Tensor) -> SamplingMetadata:
         """Per-row sampling settings (``temperature`` already on the device); only what some

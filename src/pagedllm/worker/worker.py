@@ -26,23 +26,13 @@ class Worker:
 
     def __init__(self, config: EngineConfig, rank: int = 0, distributed_init_method: str | None = None,
                  local_rank: int | None = None) -> None:
+        from pagedllm.distributed import init_distributed
+        from pagedllm.model.loader import ResolvedModel, load_model
+
         self.config = config
         self.rank = rank
         pc = config.parallel_config
         self.device = torch.device(config.device)
-        self._init_model(config, rank, distributed_init_method, local_rank)
-        if self.device.type == "cuda" and precompile_available():
-            precompile(self.model_runner.compile_dry_run, self.device, pc.world_size)
-        self.num_kv_blocks = 0
-        self._weights_asleep: _SleepingWeights | None = None
-        self._kv_cache_asleep = False
-
-    def _init_model(self, config: EngineConfig, rank: int, distributed_init_method: str | None,
-                    local_rank: int | None) -> None:
-        from pagedllm.distributed import init_distributed
-        from pagedllm.model.loader import ResolvedModel, load_model
-
-        pc = config.parallel_config
         if self.device.type == "cuda":
             if pc.device_ids is not None:
                 self.device = torch.device("cuda", pc.device_ids[rank])
@@ -62,6 +52,11 @@ class Worker:
         model = load_model(resolved, mc.load_format, _TORCH_DTYPES[mc.dtype],
                            self.device, seed=mc.seed)
         self.model_runner = ModelRunner(config, model, self.device)
+        if self.device.type == "cuda" and precompile_available():
+            precompile(self.model_runner.compile_dry_run, self.device, pc.world_size)
+        self.num_kv_blocks = 0
+        self._weights_asleep: _SleepingWeights | None = None
+        self._kv_cache_asleep = False
 
     def kv_cache_bytes_per_block(self) -> int:
         return self.model_runner.kv_cache_bytes_per_block()
