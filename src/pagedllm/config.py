@@ -7,7 +7,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedllm.core.scheduler import SchedulerConfig
+
+# KV cache of a CPU engine when kv_cache_memory_bytes is not given (a GPU one sizes it by profiling).
+DEFAULT_CPU_KV_CACHE_BYTES = 4 << 30
 
 # generation_config.json keys that become default SamplingParams (vLLM's list).
 _GENERATION_CONFIG_KEYS = {
@@ -84,6 +86,35 @@ class CacheConfig:
     num_gpu_blocks_override: int | None
     kv_cache_memory_bytes: int | None
     enable_prefix_caching: bool
+
+
+@dataclass
+class SchedulerConfig:
+    """How the scheduler fills each step."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    enable_chunked_prefill: bool = True
+    policy: str = "fcfs"  # or "priority"
+    # Schedule step N+1 while step N runs: a decode's next input is its in-flight token
+    # (a placeholder here, taken from the device by the worker).
+    async_scheduling: bool = False
+    # Pipeline parallelism: up to this many steps in flight at once (one per stage). A request
+    # whose token is in flight sits out until it lands; the others fill the next step.
+    max_concurrent_batches: int = 1
+
+    def __post_init__(self) -> None:
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.policy!r}")
+        if self.max_concurrent_batches > 1 and self.async_scheduling:
+            raise ValueError("async_scheduling cannot be combined with pipeline parallelism "
+                             "(max_concurrent_batches > 1): the stages before the last never see the device tokens")
+
+    @property
+    def tracks_in_flight(self) -> bool:
+        """Tokens of steps not yet read are counted as placeholders on their requests."""
+        return self.async_scheduling or self.max_concurrent_batches > 1
 
 
 @dataclass

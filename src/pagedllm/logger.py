@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import logging
-import os
 import sys
+
+from pagedllm import envs
 
 _FORMAT = "%(levelname)s %(asctime)s %(filename)s:%(lineno)d] %(message)s"
 
@@ -12,10 +13,10 @@ def configure_logging() -> None:
     """INFO and up to stderr, unless PAGEDLLM_CONFIGURE_LOGGING=0 (then the application's
     own logging config rules). PAGEDLLM_LOGGING_LEVEL picks the level."""
     logger = logging.getLogger("pagedllm")
-    if os.environ.get("PAGEDLLM_CONFIGURE_LOGGING", "1") == "0" or logger.handlers:
+    if not envs.PAGEDLLM_CONFIGURE_LOGGING or logger.handlers:
         return
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter(_FORMAT, datefmt="%m-%d %H:%M:%S"))
     logger.addHandler(handler)
-    logger.setLevel(os.environ.get("PAGEDLLM_LOGGING_LEVEL", "INFO").upper())
+    logger.setLevel(envs.PAGEDLLM_LOGGING_LEVEL)
     logger.propagate = False

@@ -47,7 +47,8 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     allowed_token_ids: list[int] | None = None
     logit_bias: dict[int, float] | None = None
-    # Filled in by the engine, not the user.
+    # Filled in by the engine (update_from_generation_config / update_from_tokenizer), read through
+    # the properties below; not the user's to set.
     _all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
     _bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
 
@@ -78,6 +79,37 @@ class SamplingParams:
     @property
     def sampling_type_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def all_stop_token_ids(self) -> set[int]:
+        """stop_token_ids plus the model's generation_config eos ids (unless ignore_eos)."""
+        return self._all_stop_token_ids
+
+    @property
+    def bad_words_token_ids(self) -> list[list[int]]:
+        """Each bad word's token ids, with and without a leading space."""
+        return self._bad_words_token_ids
+
+    def update_from_generation_config(self, eos_token_ids: set[int]) -> None:
+        """The model's generation_config eos ids stop the request too, unless ignore_eos."""
+        if not self.ignore_eos:
+            self._all_stop_token_ids |= eos_token_ids
+
+    def update_from_tokenizer(self, tokenizer: Any | None) -> None:
+        """Tokenize bad_words: each word without and with a leading space (at the start of the text
+        and mid-sentence)."""
+        if not self.bad_words:
+            self._bad_words_token_ids = []
+            return
+        if tokenizer is None:
+            raise ValueError("bad_words needs a tokenizer")
+        out: list[list[int]] = []
+        for word in self.bad_words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in out:
+                    out.append(ids)
+        self._bad_words_token_ids = out
 
     def clone(self) -> "SamplingParams":
         # logits processors may hold state or tensors: share them, copy the rest.

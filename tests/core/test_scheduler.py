@@ -3,9 +3,11 @@ import itertools
 
 import pytest
 
+from pagedllm.config import SchedulerConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request
-from pagedllm.core.scheduler import ModelRunnerOutput, Scheduler, SchedulerConfig
+from pagedllm.core.sched_output import ModelRunnerOutput
+from pagedllm.core.scheduler import Scheduler
 from pagedllm.sampling_params import SamplingParams
 
 

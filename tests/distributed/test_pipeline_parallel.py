@@ -11,7 +11,7 @@ import pytest
 
 from pagedllm import LLM, SamplingParams, TokensPrompt
 from pagedllm.distributed.utils import pp_layer_partition
-from pagedllm.worker.executor import WorkerFailedError
+from pagedllm.worker.executor_base import WorkerFailedError
 from tests.conftest import build_tiny_model
 from tests.distributed.conftest import reused_llm
 from tests.distributed.test_tensor_parallel import generate_with_logprobs

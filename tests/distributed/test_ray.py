@@ -14,7 +14,7 @@ ray = pytest.importorskip("ray")
 psutil = pytest.importorskip("psutil")
 
 from pagedllm import LLM  # noqa: E402
-from pagedllm.worker.executor import WorkerFailedError  # noqa: E402
+from pagedllm.worker.executor_base import WorkerFailedError  # noqa: E402
 from pagedllm.worker.ray_executor import STRATEGY_ENV, RayExecutor  # noqa: E402
 from tests.distributed.test_tensor_parallel import generate_with_logprobs  # noqa: E402
 from tests.engine.test_correctness import _hf_model, generate_ids, make_llm, mixed_prompts  # noqa: E402

@@ -13,7 +13,8 @@ import pytest
 from pagedllm import LLM, EngineArgs, SamplingParams, TokensPrompt
 from pagedllm.core.messages import EngineCoreRequest
 from pagedllm.engine.core_client import EngineCoreClient
-from pagedllm.worker.executor import MultiprocExecutor, WorkerFailedError
+from pagedllm.worker.executor import MultiprocExecutor
+from pagedllm.worker.executor_base import WorkerFailedError
 from tests.conftest import TEST_KV_BYTES, build_tiny_model
 from tests.distributed.conftest import reused_llm
 from tests.engine.test_correctness import _hf_model, generate_ids, make_llm, mixed_prompts

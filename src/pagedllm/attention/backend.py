@@ -1,7 +1,6 @@
 """The attention backend interface: flat-batch metadata and the backend contract."""
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -57,29 +56,3 @@ class AttentionBackend:
 
 def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
     return (2, num_blocks, block_size, num_kv_heads, head_dim)
-
-
-_SUPPORTED = ("torch", "triton")
-
-
-def get_attention_backend(device: torch.device) -> AttentionBackend:
-    """Pick the backend for ``device``; ``PAGEDLLM_ATTENTION_BACKEND`` forces one."""
-    name = os.environ.get("PAGEDLLM_ATTENTION_BACKEND", "").strip().lower() or None
-    if name is not None and name not in _SUPPORTED:
-        raise ValueError(f"PAGEDLLM_ATTENTION_BACKEND={name!r} is not one of {list(_SUPPORTED)}")
-    if name is None:
-        name = "torch"
-        if device.type == "cuda":
-            try:
-                import pagedllm.attention.triton_backend  # noqa: F401  (added by the GPU issue)
-
-                name = "triton"
-            except ImportError:
-                name = "torch"
-    if name == "triton":
-        from pagedllm.attention.triton_backend import TritonAttentionBackend
-
-        return TritonAttentionBackend()
-    from pagedllm.attention.torch_backend import TorchAttentionBackend
-
-    return TorchAttentionBackend()

@@ -307,6 +307,26 @@ def _tile_config(long_queries: bool, block_q_1: bool, group_pad: int, head_dim: 
                 num_stages=2 if big else 3)
 
 
+def _check_attention_inputs(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
+                            sliding_window: int | None) -> None:
+    num_heads, num_kv_heads = q.shape[1], kv_cache.shape[3]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window={sliding_window} must be >= 1 (or None)")
+    if q.dtype != kv_cache.dtype or out.dtype != q.dtype:
+        raise ValueError(f"q {q.dtype}, kv_cache {kv_cache.dtype} and out {out.dtype} must share a dtype")
+    assert q.stride(-1) == 1 and out.stride(-1) == 1 and kv_cache.is_contiguous()
+
+
+def _default_num_splits(decode_only: bool, programs: int, device: torch.device) -> int:
+    """Split each program's keys only for decode batches with fewer programs than SMs."""
+    num_sms = _num_sms(device)
+    if decode_only and programs < num_sms:
+        return min(MAX_SPLITS, -(-2 * num_sms // programs))
+    return 1
+
+
 def unified_attention(
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
@@ -333,13 +353,7 @@ def unified_attention(
     num_kv_heads = kv_cache.shape[3]
     if num_tokens == 0 or num_seqs == 0:
         return out
-    if num_heads % num_kv_heads:
-        raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
-    if sliding_window is not None and sliding_window < 1:
-        raise ValueError(f"sliding_window={sliding_window} must be >= 1 (or None)")
-    if q.dtype != kv_cache.dtype or out.dtype != q.dtype:
-        raise ValueError(f"q {q.dtype}, kv_cache {kv_cache.dtype} and out {out.dtype} must share a dtype")
-    assert q.stride(-1) == 1 and out.stride(-1) == 1 and kv_cache.is_contiguous()
+    _check_attention_inputs(q, kv_cache, out, sliding_window)
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
     dim_pad = triton.next_power_of_2(head_dim)
@@ -378,12 +392,8 @@ def unified_attention(
         launch(_tile_config(True, False, group_pad, head_dim, ieee), 2, 1, no_parts)
         return out
 
-    splits = num_kv_splits
-    if splits is None:
-        splits = 1
-        programs, num_sms = num_tokens * num_kv_heads, _num_sms(q.device)
-        if decode_only and programs < num_sms:  # not one program per SM: split each one's keys
-            splits = min(MAX_SPLITS, -(-2 * num_sms // programs))
+    splits = num_kv_splits if num_kv_splits is not None else \
+        _default_num_splits(decode_only, num_tokens * num_kv_heads, q.device)
     if splits <= 1:
         # Every query run here fits a short tile, so the short-run filter skips nothing; a
         # mixed batch without long runs reuses the variant compiled for mixed batches with them.
@@ -391,12 +401,26 @@ def unified_attention(
         return out
     if splits > MAX_SPLITS:
         raise ValueError(f"num_kv_splits={splits} must be at most {MAX_SPLITS}")
-    part_out = torch.empty(num_tokens, num_heads, splits, dim_pad, dtype=torch.float32, device=q.device)
-    part_m = torch.empty(num_tokens, num_heads, splits, dtype=torch.float32, device=q.device)
-    part_l = torch.empty_like(part_m)
-    launch(short_cfg, 0, splits, (part_out, part_m, part_l))
+    parts = _split_buffers(num_tokens, num_heads, splits, dim_pad, q.device)
+    launch(short_cfg, 0, splits, parts)
+    _merge_splits(out, parts, query_start_loc, num_seqs, dim_pad)
+    return out
+
+
+def _split_buffers(num_tokens: int, num_heads: int, splits: int, dim_pad: int,
+                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each split's partial output, running max and sum (float32), merged by _merge_splits."""
+    part_out = torch.empty(num_tokens, num_heads, splits, dim_pad, dtype=torch.float32, device=device)
+    part_m = torch.empty(num_tokens, num_heads, splits, dtype=torch.float32, device=device)
+    return part_out, part_m, torch.empty_like(part_m)
+
+
+def _merge_splits(out: torch.Tensor, parts: tuple, query_start_loc: torch.Tensor, num_seqs: int,
+                  dim_pad: int) -> None:
+    part_out, part_m, part_l = parts
+    num_tokens, num_heads, splits = part_m.shape
+    head_dim = out.shape[-1]
     _merge_splits_kernel[(num_tokens, num_heads)](
         out, part_out, part_m, part_l, query_start_loc, num_seqs, num_heads, splits, out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, DIM_PAD=dim_pad, MAX_SPLITS=MAX_SPLITS, num_warps=4 if head_dim >= 128 else 2,
     )
-    return out

@@ -10,6 +10,8 @@ import tempfile
 import time
 from collections.abc import Sequence
 
+from pagedllm import envs
+
 # ../shared/BENCHMARKS.md model shapes, as config.json files written on the fly (dummy weights).
 SHAPES = {
     "qwen3-0.6b": dict(
@@ -95,8 +97,8 @@ def float_list(text: str) -> list[float]:
 
 def git_commit() -> str:
     """PAGEDLLM_COMMIT when set (a copied tree without its history), else git's HEAD."""
-    if os.environ.get("PAGEDLLM_COMMIT"):
-        return os.environ["PAGEDLLM_COMMIT"]
+    if envs.PAGEDLLM_COMMIT:
+        return envs.PAGEDLLM_COMMIT
     try:
         return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
                                        cwd=os.path.dirname(os.path.abspath(__file__)),

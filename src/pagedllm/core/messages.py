@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Union
 
 from pagedllm.sampling_params import SamplingParams
 
@@ -50,3 +51,87 @@ class SchedulerStats:
 class EngineCoreOutputs:
     outputs: list[EngineCoreOutput] = field(default_factory=list)
     scheduler_stats: SchedulerStats | None = None
+
+
+# ---- the engine-core process boundary (EngineCoreClient <-> run_engine_core) -----------------
+# Into the core process:
+
+
+@dataclass
+class AddRequest:
+    request: EngineCoreRequest
+
+
+@dataclass
+class AbortRequests:
+    request_ids: list[str]
+
+
+@dataclass
+class UtilityCall:
+    """Call an EngineCore utility method by name; answered by a UtilityResult with this call_id."""
+
+    call_id: int
+    method: str
+    args: tuple = ()
+
+
+@dataclass
+class Shutdown:
+    pass
+
+
+CoreInput = Union[AddRequest, AbortRequests, UtilityCall, Shutdown]
+
+# Out of it (EngineCoreOutputs travels as itself):
+
+
+@dataclass
+class CoreReady:
+    num_blocks: int
+
+
+@dataclass
+class CoreStartupError:
+    message: str
+    traceback: str
+
+
+@dataclass
+class RequestError:
+    """One request was refused (bad input); the core goes on serving the others."""
+
+    request_id: str
+    message: str
+
+
+@dataclass
+class UtilityResult:
+    call_id: int
+    result: Any = None
+    error: str | None = None  # "ExceptionType: text" when the call raised
+
+
+@dataclass
+class CoreFailed:
+    """The core loop raised: the core process is going down."""
+
+    message: str
+
+
+# What the client hands its reader (AsyncLLM) besides EngineCoreOutputs and RequestError:
+
+
+@dataclass
+class CoreDead:
+    """The core process died or failed; nothing more will come."""
+
+    reason: str
+
+
+@dataclass
+class CoreClosed:
+    """The client was shut down."""
+
+
+CoreOutput = Union[EngineCoreOutputs, RequestError, CoreDead, CoreClosed]

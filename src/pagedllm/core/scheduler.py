@@ -12,90 +12,14 @@ import itertools
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
+from pagedllm.config import SchedulerConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
-from pagedllm.core.messages import EngineCoreOutput, PositionLogprobs, SchedulerStats
+from pagedllm.core.messages import EngineCoreOutput, SchedulerStats
 from pagedllm.core.request import Request, RequestStatus
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.core.sched_output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 
 logger = logging.getLogger("pagedllm")
-
-
-@dataclass
-class NewRequestData:
-    """Everything the worker needs to start (or restart after preemption) a request."""
-
-    req_id: str
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    sampling_params: SamplingParams
-    block_ids: list[int]
-    num_computed_tokens: int
-
-
-@dataclass
-class CachedRequestData:
-    """A request the worker already holds: only what changed."""
-
-    req_id: str
-    new_block_ids: list[int]
-    num_computed_tokens: int
-    # Pipeline parallelism: the output tokens among this step's inputs (positions
-    # max(num_computed_tokens, num_prompt_tokens) onward). Only the last stage samples, so the
-    # other stages learn the tokens here; empty when one worker samples and keeps its own.
-    new_token_ids: list[int] = field(default_factory=list)
-
-
-@dataclass
-class SchedulerOutput:
-    """Exactly what the worker must run this step; order = order in the flat batch."""
-
-    scheduled_new_reqs: list[NewRequestData]
-    scheduled_cached_reqs: list[CachedRequestData]
-    num_scheduled_tokens: dict[str, int]
-    total_num_scheduled_tokens: int
-    # Requests the worker should forget (finished or aborted since the last step).
-    finished_req_ids: set[str] = field(default_factory=set)
-    # Preempted this step: the worker drops their state (they come back as new requests).
-    preempted_req_ids: set[str] = field(default_factory=set)
-
-
-@dataclass
-class ModelRunnerOutput:
-    """What came back from one step, per request in the batch order."""
-
-    req_ids: list[str]
-    sampled_token_ids: list[list[int]]  # [] for a request still in the middle of its prefill
-    logprobs: dict[str, PositionLogprobs] = field(default_factory=dict)
-    prompt_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
-
-
-@dataclass
-class SchedulerConfig:
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    max_model_len: int
-    enable_chunked_prefill: bool = True
-    policy: str = "fcfs"  # or "priority"
-    # Schedule step N+1 while step N runs: a decode's next input is its in-flight token
-    # (a placeholder here, taken from the device by the worker).
-    async_scheduling: bool = False
-    # Pipeline parallelism: up to this many steps in flight at once (one per stage). A request
-    # whose token is in flight sits out until it lands; the others fill the next step.
-    max_concurrent_batches: int = 1
-
-    def __post_init__(self) -> None:
-        if self.policy not in ("fcfs", "priority"):
-            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.policy!r}")
-        if self.max_concurrent_batches > 1 and self.async_scheduling:
-            raise ValueError("async_scheduling cannot be combined with pipeline parallelism "
-                             "(max_concurrent_batches > 1): the stages before the last never see the device tokens")
-
-    @property
-    def tracks_in_flight(self) -> bool:
-        """Tokens of steps not yet read are counted as placeholders on their requests."""
-        return self.async_scheduling or self.max_concurrent_batches > 1
 
 
 class _WaitingQueue:
@@ -138,9 +62,10 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting = _WaitingQueue(config.policy)
         self.running: list[Request] = []
-        self.finished_req_ids: set[str] = set()
+        # Finished or aborted since the last step: the workers hear of them with the next one.
+        self._finished_req_ids: set[str] = set()
         # Preempted by a step that ran nothing (so was not launched): told with the next one.
-        self.pending_preempted_req_ids: set[str] = set()
+        self._pending_preempted_req_ids: set[str] = set()
         self.num_preemptions = 0
 
     # ---- requests in and out -------------------------------------------------------------
@@ -172,7 +97,7 @@ class Scheduler:
         request.status = status
         self.kv.free(request)
         del self.requests[request.request_id]
-        self.finished_req_ids.add(request.request_id)
+        self._finished_req_ids.add(request.request_id)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -180,21 +105,53 @@ class Scheduler:
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
 
+    def defer_notices(self, sched: SchedulerOutput) -> None:
+        """``sched`` was not launched (it had nothing to run): the finished and preempted request
+        ids it carried go to the workers with the next step instead."""
+        self._finished_req_ids |= sched.finished_req_ids
+        self._pending_preempted_req_ids |= sched.preempted_req_ids
+
     # ---- one step --------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         cfg = self.config
-        budget = cfg.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
-        new_reqs: list[NewRequestData] = []
-        cached_reqs: list[CachedRequestData] = []
-        preempted_ids: set[str] = set()
-        earlier_preempted, self.pending_preempted_req_ids = self.pending_preempted_req_ids, set()
-        now = time.time()
-
+        earlier_preempted, self._pending_preempted_req_ids = self._pending_preempted_req_ids, set()
         # Pipeline parallelism: a step takes its share of the requests, so the next steps (the
         # other stages' micro-batches) have work too.
         max_reqs = -(-len(self.requests) // cfg.max_concurrent_batches) if cfg.max_concurrent_batches > 1 \
             else cfg.max_num_seqs
+        cached_reqs, preempted_ids, budget = self._schedule_running(cfg.max_num_batched_tokens, max_reqs,
+                                                                    num_scheduled)
+        # New work only when nothing was preempted this step, so a preempted request is
+        # not overtaken by the ones behind it.
+        new_reqs = [] if preempted_ids else self._schedule_waiting(budget, max_reqs, num_scheduled)
+
+        # Running requests that got no budget this step are simply left out of the batch.
+        scheduled_cached = [c for c in cached_reqs if c.req_id in num_scheduled]
+        out = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=scheduled_cached,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            finished_req_ids=self._finished_req_ids,
+            preempted_req_ids=preempted_ids | earlier_preempted,
+        )
+        self._finished_req_ids = set()
+        for req_id, n in num_scheduled.items():
+            request = self.requests[req_id]
+            request.num_computed_tokens += n
+            if cfg.tracks_in_flight and \
+                    request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders:
+                request.num_output_placeholders += 1  # this step samples its next token
+        return out
+
+    def _schedule_running(self, budget: int, max_reqs: int,
+                          num_scheduled: dict[str, int]) -> tuple[list[CachedRequestData], set[str], int]:
+        """Catch the running requests up, in order, preempting from the back when blocks run out.
+        Returns their step data, the ids preempted, and the budget left."""
+        cfg = self.config
+        cached_reqs: list[CachedRequestData] = []
+        preempted_ids: set[str] = set()
         i = 0
         while i < len(self.running) and budget > 0 and len(num_scheduled) < max_reqs:
             request = self.running[i]
@@ -226,11 +183,14 @@ class Scheduler:
             num_scheduled[request.request_id] = num_new
             budget -= num_new
             i += 1
+        return cached_reqs, preempted_ids, budget
 
-        # New work only when nothing was preempted this step, so a preempted request is
-        # not overtaken by the ones behind it.
-        while not preempted_ids and self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs \
-                and len(num_scheduled) < max_reqs:
+    def _schedule_waiting(self, budget: int, max_reqs: int, num_scheduled: dict[str, int]) -> list[NewRequestData]:
+        """Start waiting requests (prefix-cache hits first) while budget, blocks and seats last."""
+        cfg = self.config
+        new_reqs: list[NewRequestData] = []
+        now = time.time()
+        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs and len(num_scheduled) < max_reqs:
             request = self.waiting.peek()
             if request.num_output_placeholders:  # preempted with a token still in flight
                 break
@@ -256,25 +216,7 @@ class Scheduler:
             ))
             num_scheduled[request.request_id] = num_new
             budget -= num_new
-
-        # Running requests that got no budget this step are simply left out of the batch.
-        scheduled_cached = [c for c in cached_reqs if c.req_id in num_scheduled]
-        out = SchedulerOutput(
-            scheduled_new_reqs=new_reqs,
-            scheduled_cached_reqs=scheduled_cached,
-            num_scheduled_tokens=num_scheduled,
-            total_num_scheduled_tokens=sum(num_scheduled.values()),
-            finished_req_ids=self.finished_req_ids,
-            preempted_req_ids=preempted_ids | earlier_preempted,
-        )
-        self.finished_req_ids = set()
-        for req_id, n in num_scheduled.items():
-            request = self.requests[req_id]
-            request.num_computed_tokens += n
-            if cfg.tracks_in_flight and \
-                    request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders:
-                request.num_output_placeholders += 1  # this step samples its next token
-        return out
+        return new_reqs
 
     def _reaches_limit(self, request: Request) -> bool:
         """Async scheduling: the tokens in flight already reach max_tokens / max_model_len."""
@@ -346,7 +288,7 @@ class Scheduler:
         if request.num_output_tokens >= params.min_tokens:
             if request.eos_token_id is not None and token_id == request.eos_token_id:
                 return RequestStatus.FINISHED_STOPPED
-            if token_id in params._all_stop_token_ids:
+            if token_id in params.all_stop_token_ids:
                 request.stop_reason = token_id
                 return RequestStatus.FINISHED_STOPPED
         if request.max_tokens is not None and request.num_output_tokens >= request.max_tokens:

@@ -1,7 +1,7 @@
 """How a model's layers are split over pipeline stages."""
 from __future__ import annotations
 
-import os
+from pagedllm import envs
 
 PARTITION_ENV = "PAGEDLLM_PP_LAYER_PARTITION"  # e.g. "10,14": layers per stage, like VLLM_PP_LAYER_PARTITION
 
@@ -9,7 +9,7 @@ PARTITION_ENV = "PAGEDLLM_PP_LAYER_PARTITION"  # e.g. "10,14": layers per stage,
 def pp_layer_partition(num_layers: int, pp_size: int) -> list[int]:
     """Layers per stage: from ``PAGEDLLM_PP_LAYER_PARTITION`` when set (uneven splits), else
     as even as possible, the first stages taking one more (the last one also runs the LM head)."""
-    spec = os.environ.get(PARTITION_ENV, "").strip()
+    spec = (envs.PAGEDLLM_PP_LAYER_PARTITION or "").strip()
     if spec:
         try:
             parts = [int(x) for x in spec.split(",")]

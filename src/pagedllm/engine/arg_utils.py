@@ -7,8 +7,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from pagedllm.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
-from pagedllm.core.scheduler import SchedulerConfig
+from pagedllm.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 
 _DTYPES = {
     "auto": "auto", "half": "float16", "float16": "float16", "fp16": "float16",
@@ -18,7 +17,6 @@ _BLOCK_SIZES = (8, 16, 32, 64, 128)
 _LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")
 _DEVICES = ("auto", "cpu", "cuda")
 _TOKENIZER_MODES = ("auto", "slow", "hf")
-DEFAULT_CPU_KV_CACHE_BYTES = 4 << 30
 _DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 
 

@@ -4,9 +4,11 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-from typing import Any, AsyncIterator
+from collections.abc import Iterable
+from typing import Any, AsyncIterator, Callable
 
 from pagedllm.config import EngineConfig
+from pagedllm.core.messages import CoreClosed, CoreDead, EngineCoreOutputs, RequestError
 from pagedllm.engine.core_client import EngineCoreClient, EngineDeadError
 from pagedllm.engine.frontend import EngineFrontend
 from pagedllm.engine.output_processor import register_request
@@ -116,20 +118,19 @@ class AsyncLLM(EngineFrontend):
         loop = asyncio.get_running_loop()
         while True:
             msg = await loop.run_in_executor(self._reader_pool, self.engine_core.get_output)
-            kind = msg[0]
-            if kind == "outputs":
-                self._process_core_outputs(msg[1])
-            elif kind == "error":
-                self._fail_engine_request(msg[1], ValueError(msg[2]))
-            elif kind in ("dead", "closed"):
-                error = EngineDeadError(msg[1] if kind == "dead" else "the engine was shut down")
+            if isinstance(msg, EngineCoreOutputs):
+                self._process_core_outputs(msg)
+            elif isinstance(msg, RequestError):
+                self._fail_engine_request(msg.request_id, ValueError(msg.message))
+            elif isinstance(msg, (CoreDead, CoreClosed)):
+                error = EngineDeadError(msg.reason if isinstance(msg, CoreDead) else "the engine was shut down")
                 for rid, q in list(self._queues.items()):
                     q.put_nowait(error)
                 self.parents.clear()
                 self._queues.clear()
                 return
 
-    def _process_core_outputs(self, core_outputs: Any) -> None:
+    def _process_core_outputs(self, core_outputs: EngineCoreOutputs) -> None:
         outputs, to_abort = self.output_processor.process_outputs(core_outputs.outputs)
         if to_abort:
             self.engine_core.abort_requests(to_abort)
@@ -171,10 +172,10 @@ class AsyncLLM(EngineFrontend):
     async def get_stats(self) -> dict[str, Any]:
         """The core's KV cache and queue sizes: num_free_blocks, num_blocks, kv_cache_usage,
         num_running, num_waiting."""
-        return await asyncio.wrap_future(self.engine_core.call_utility("get_stats"))
+        return await self._utility("get_stats")
 
     async def reset_prefix_cache(self) -> bool:
-        return await asyncio.wrap_future(self.engine_core.call_utility("reset_prefix_cache"))
+        return await self._utility("reset_prefix_cache")
 
     # ---- RL rollout: the same calls as LLM, run in the core process ------------------------
     async def _utility(self, method: str, *args: Any) -> Any:
@@ -189,13 +190,15 @@ class AsyncLLM(EngineFrontend):
     async def is_sleeping(self) -> bool:
         return await self._utility("is_sleeping")
 
-    async def collective_rpc(self, method: str, timeout: float | None = None, args: tuple = (),
+    async def collective_rpc(self, method: str | Callable, timeout: float | None = None, args: tuple = (),
                              kwargs: dict[str, Any] | None = None) -> list[Any]:
-        """Arguments and results cross a process boundary: they must pickle (CPU tensors do)."""
+        """Run ``method`` on every worker (see LLM.collective_rpc). Arguments and results cross a
+        process boundary: they must pickle (CPU tensors do)."""
         return await self._utility("collective_rpc", method, tuple(args), kwargs)
 
-    async def update_weights(self, named_tensors) -> None:
-        await self._utility("update_weights", list(named_tensors))
+    async def update_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
+        """LLM.update_weights: collective_rpc("load_weights"), the pairs listed to cross to the core."""
+        await self.collective_rpc("load_weights", args=(list(named_tensors),))
 
     async def check_health(self) -> None:
         if self._closed:
@@ -214,5 +217,5 @@ class AsyncLLM(EngineFrontend):
         if self._closed:
             return
         self._closed = True
-        self.engine_core.shutdown()  # also wakes the reader thread with ("closed",)
+        self.engine_core.shutdown()  # also wakes the reader thread with CoreClosed
         self._reader_pool.shutdown(wait=False)

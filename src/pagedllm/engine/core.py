@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from typing import Any
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
@@ -11,6 +12,7 @@ from pagedllm.core.request import Request
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.utils import freeze_gc_heap
 from pagedllm.worker.executor import create_executor
+from pagedllm.worker.executor_base import WorkerMethod
 
 logger = logging.getLogger("pagedllm")
 
@@ -88,8 +90,7 @@ class EngineCore:
                 self._batch_queue.append((sched, self.executor.execute_model(sched, non_block=True)))
                 launched = True
             else:  # nothing runnable now: the workers hear of finished/preempted requests next time
-                self.scheduler.finished_req_ids |= sched.finished_req_ids
-                self.scheduler.pending_preempted_req_ids |= sched.preempted_req_ids
+                self.scheduler.defer_notices(sched)
         outputs = []
         if self._batch_queue and (not launched or len(self._batch_queue) == self._max_in_flight):
             sched, pending = self._batch_queue.popleft()
@@ -112,14 +113,14 @@ class EngineCore:
             raise ValueError(f"sleep level must be 1 (weights offloaded to host) or 2 (weights discarded), got {level!r}")
         if self.has_unfinished_requests():
             raise ValueError(
-                f"cannot sleep with {len(self.scheduler.running) + len(self.scheduler.waiting)} unfinished "
+                f"cannot sleep with {self.scheduler.get_num_unfinished_requests()} unfinished "
                 "request(s); finish or abort them first")
         if self.sleeping_tags:
             logger.warning("sleep(level=%d) ignored: the engine is already sleeping (%s)", level,
                            ", ".join(sorted(self.sleeping_tags)))
             return
         self.kv_cache_manager.reset_prefix_cache()  # the cached contents are about to vanish
-        self.executor.sleep(level)
+        self.executor.collective_rpc("sleep", (level,))
         self.sleeping_tags = {"weights", "kv_cache"}
 
     def wake_up(self, tags: list[str] | None = None) -> None:
@@ -134,7 +135,7 @@ class EngineCore:
         if not todo:
             logger.warning("wake_up(tags=%s) ignored: nothing of that is asleep", tags)
             return
-        self.executor.wake_up(todo)
+        self.executor.collective_rpc("wake_up", (todo,))
         self.sleeping_tags -= set(todo)
         if "kv_cache" in todo:
             self.kv_cache_manager.reset_prefix_cache()  # the new cache holds nothing
@@ -142,17 +143,21 @@ class EngineCore:
     def is_sleeping(self) -> bool:
         return bool(self.sleeping_tags)
 
-    def collective_rpc(self, method, args: tuple = (), kwargs: dict | None = None) -> list:
-        """Call a Worker method by name (or a function of the worker) on every worker. After
-        "load_weights" the prefix cache is reset: KV computed by the old weights is never reused."""
+    def collective_rpc(self, method: WorkerMethod, args: tuple = (), kwargs: dict | None = None) -> list:
+        """Call a Worker method by name (or a function of the worker) on every worker: the one path
+        every such call from LLM / LLMEngine / AsyncLLM takes. After "load_weights" the prefix cache
+        is reset: KV computed by the old weights is never reused."""
         results = self.executor.collective_rpc(method, tuple(args), kwargs)
         if method in _WEIGHT_UPDATE_METHODS:
             self.kv_cache_manager.reset_prefix_cache()
         return results
 
-    def update_weights(self, weights) -> None:
-        """Load HF-named (name, tensor) pairs into the running model, then reset the prefix cache."""
-        self.collective_rpc("load_weights", (weights,))
+    def get_stats(self) -> dict[str, Any]:
+        """KV cache and queue sizes (the server's /metrics and health reads)."""
+        kv, stats = self.kv_cache_manager, self.scheduler.make_stats()
+        return {"num_free_blocks": kv.num_free_blocks, "num_blocks": kv.num_blocks,
+                "kv_cache_usage": stats.kv_cache_usage, "num_running": stats.num_running_reqs,
+                "num_waiting": stats.num_waiting_reqs}
 
     def shutdown(self) -> None:
         self.executor.shutdown()

@@ -14,19 +14,33 @@ import traceback
 from typing import Any
 
 from pagedllm.config import EngineConfig
-from pagedllm.core.messages import EngineCoreOutputs, EngineCoreRequest
+from pagedllm.core.messages import (
+    AbortRequests,
+    AddRequest,
+    CoreClosed,
+    CoreDead,
+    CoreFailed,
+    CoreInput,
+    CoreOutput,
+    CoreReady,
+    CoreStartupError,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    RequestError,
+    Shutdown,
+    UtilityCall,
+    UtilityResult,
+)
 
 logger = logging.getLogger("pagedllm")
 
-# Messages into the core process:
-#   ("add", EngineCoreRequest) | ("abort", [request ids]) | ("utility", call_id, method, args) | ("shutdown",)
-# Messages out of it:
-#   ("ready", num_blocks) | ("startup_error", text, traceback) | ("outputs", EngineCoreOutputs)
-#   | ("error", request_id, message) | ("utility_result", call_id, result, error_text) | ("fatal", text)
+# The messages that cross are the dataclasses of pagedllm.core.messages: in, AddRequest |
+# AbortRequests | UtilityCall | Shutdown; out, CoreReady | CoreStartupError | EngineCoreOutputs |
+# RequestError | UtilityResult | CoreFailed.
 
 _PARENT_POLL_S = 1.0
-_UTILITIES = ("get_stats", "reset_prefix_cache", "sleep", "wake_up", "is_sleeping", "collective_rpc",
-              "update_weights")
+# The EngineCore methods a UtilityCall may name.
+_UTILITIES = ("get_stats", "reset_prefix_cache", "sleep", "wake_up", "is_sleeping", "collective_rpc")
 
 
 class EngineDeadError(RuntimeError):
@@ -40,12 +54,6 @@ def _exit_when_parent_dies(parent_pid: int) -> None:
             os._exit(1)  # no orphans: the API process is gone, nobody will read our outputs
 
 
-def _core_stats(core: Any) -> dict[str, Any]:
-    kv, sched = core.kv_cache_manager, core.scheduler
-    return {"num_free_blocks": kv.num_free_blocks, "num_blocks": kv.num_blocks,
-            "kv_cache_usage": kv.usage, "num_running": len(sched.running), "num_waiting": len(sched.waiting)}
-
-
 def run_engine_core(config: EngineConfig, input_q: Any, output_q: Any, parent_pid: int) -> None:
     """The core process's loop: drain messages, step while there is work, send outputs."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it shuts us down
@@ -55,9 +63,9 @@ def run_engine_core(config: EngineConfig, input_q: Any, output_q: Any, parent_pi
     try:
         core = EngineCore(config)
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
-        output_q.put(("startup_error", f"{type(e).__name__}: {e}", traceback.format_exc()))
+        output_q.put(CoreStartupError(f"{type(e).__name__}: {e}", traceback.format_exc()))
         return
-    output_q.put(("ready", core.kv_cache_manager.num_blocks))
+    output_q.put(CoreReady(core.kv_cache_manager.num_blocks))
     try:
         while True:
             block = not core.has_unfinished_requests()
@@ -67,42 +75,38 @@ def run_engine_core(config: EngineConfig, input_q: Any, output_q: Any, parent_pi
                 except queue.Empty:
                     break
                 block = False
-                if msg[0] == "shutdown":
+                if isinstance(msg, Shutdown):
                     core.shutdown()
                     return
                 _handle_message(core, msg, output_q)
             if core.has_unfinished_requests():
                 out = core.step()
                 if out.outputs:
-                    output_q.put(("outputs", out))
+                    output_q.put(out)
     except BaseException as e:  # noqa: BLE001
-        output_q.put(("fatal", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        output_q.put(CoreFailed(f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
         raise
 
 
-def _handle_message(core: Any, msg: tuple, output_q: Any) -> None:
-    kind = msg[0]
-    if kind == "add":
-        request: EngineCoreRequest = msg[1]
+def _handle_message(core: Any, msg: CoreInput, output_q: Any) -> None:
+    if isinstance(msg, AddRequest):
         try:
-            core.add_request(request)
+            core.add_request(msg.request)
         except Exception as e:  # noqa: BLE001 - one bad request must not stop the loop
-            output_q.put(("error", request.request_id, str(e)))
-    elif kind == "abort":
-        out = core.abort_requests(msg[1])
+            output_q.put(RequestError(msg.request.request_id, str(e)))
+    elif isinstance(msg, AbortRequests):
+        out = core.abort_requests(msg.request_ids)
         if out.outputs:
-            output_q.put(("outputs", out))
-    elif kind == "utility":
-        _, call_id, method, args = msg
+            output_q.put(out)
+    elif isinstance(msg, UtilityCall):
         try:
-            if method not in _UTILITIES:
-                raise ValueError(f"unknown utility {method!r}; known: {list(_UTILITIES)}")
-            result = _core_stats(core) if method == "get_stats" else getattr(core, method)(*args)
-            output_q.put(("utility_result", call_id, result, None))
+            if msg.method not in _UTILITIES:
+                raise ValueError(f"unknown utility {msg.method!r}; known: {list(_UTILITIES)}")
+            output_q.put(UtilityResult(msg.call_id, getattr(core, msg.method)(*msg.args)))
         except Exception as e:  # noqa: BLE001
-            output_q.put(("utility_result", call_id, None, f"{type(e).__name__}: {e}"))
+            output_q.put(UtilityResult(msg.call_id, error=f"{type(e).__name__}: {e}"))
     else:
-        logger.error("engine core: unknown message %r", kind)
+        logger.error("engine core: unknown message %r", type(msg).__name__)
 
 
 class EngineCoreClient:
@@ -140,11 +144,11 @@ class EngineCoreClient:
                     raise RuntimeError(
                         f"the engine core process exited during start-up (exit code {self.process.exitcode})")
                 continue
-            if msg[0] == "ready":
-                return msg[1]
-            if msg[0] == "startup_error":
-                logger.debug("engine core start-up failure:\n%s", msg[2])
-                raise RuntimeError(f"the engine core failed to start: {msg[1]}")
+            if isinstance(msg, CoreReady):
+                return msg.num_blocks
+            if isinstance(msg, CoreStartupError):
+                logger.debug("engine core start-up failure:\n%s", msg.traceback)
+                raise RuntimeError(f"the engine core failed to start: {msg.message}")
         raise RuntimeError(f"the engine core did not start within {timeout_s:.0f} s")
 
     def _read_outputs(self) -> None:
@@ -162,14 +166,13 @@ class EngineCoreClient:
                 if not self._closing:
                     self._die("the engine core's output queue closed")
                 return
-            if msg[0] == "utility_result":
-                _, call_id, result, error = msg
+            if isinstance(msg, UtilityResult):
                 with self._lock:
-                    fut = self._futures.pop(call_id, None)
+                    fut = self._futures.pop(msg.call_id, None)
                 if fut is not None:
-                    fut.set_exception(RuntimeError(error)) if error else fut.set_result(result)
-            elif msg[0] == "fatal":
-                self._die(f"the engine core failed: {msg[1]}")
+                    fut.set_exception(RuntimeError(msg.error)) if msg.error else fut.set_result(msg.result)
+            elif isinstance(msg, CoreFailed):
+                self._die(f"the engine core failed: {msg.message}")
                 return
             else:
                 self._outputs.put(msg)
@@ -181,9 +184,9 @@ class EngineCoreClient:
             futures, self._futures = list(self._futures.values()), {}
         for fut in futures:
             fut.set_exception(EngineDeadError(reason))
-        self._outputs.put(("dead", reason))
+        self._outputs.put(CoreDead(reason))
 
-    def _send(self, msg: tuple) -> None:
+    def _send(self, msg: CoreInput) -> None:
         if self._closing:
             raise EngineDeadError("the engine core was shut down")
         if self.dead_reason is not None:
@@ -192,11 +195,11 @@ class EngineCoreClient:
 
     # ---- the core's API ----------------------------------------------------------------------
     def add_request(self, request: EngineCoreRequest) -> None:
-        self._send(("add", request))
+        self._send(AddRequest(request))
 
     def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids and self.dead_reason is None and not self._closing:
-            self._input_q.put(("abort", list(request_ids)))
+            self._input_q.put(AbortRequests(list(request_ids)))
 
     def call_utility(self, method: str, *args: Any) -> concurrent.futures.Future:
         fut: concurrent.futures.Future = concurrent.futures.Future()
@@ -204,16 +207,16 @@ class EngineCoreClient:
             call_id = next(self._call_ids)
             self._futures[call_id] = fut
         try:
-            self._send(("utility", call_id, method, args))
+            self._send(UtilityCall(call_id, method, args))
         except EngineDeadError as e:
             with self._lock:
                 self._futures.pop(call_id, None)
             fut.set_exception(e)
         return fut
 
-    def get_output(self, timeout_s: float | None = None) -> tuple:
-        """The next ("outputs", EngineCoreOutputs) | ("error", request_id, message) message, or
-        ("dead", reason) / ("closed",) when the core has gone. Raises queue.Empty on timeout."""
+    def get_output(self, timeout_s: float | None = None) -> CoreOutput:
+        """The next EngineCoreOutputs or RequestError, or CoreDead / CoreClosed when the core has
+        gone. Raises queue.Empty on timeout."""
         return self._outputs.get(timeout=timeout_s)
 
     def is_alive(self) -> bool:
@@ -226,12 +229,12 @@ class EngineCoreClient:
         self._closing = True
         if self.process.is_alive():
             try:
-                self._input_q.put(("shutdown",))
+                self._input_q.put(Shutdown())
             except (ValueError, OSError):
                 pass
             self.process.join(timeout_s)
         self._kill()
-        self._outputs.put(("closed",))
+        self._outputs.put(CoreClosed())
         if getattr(self, "_reader", None) is not None:
             self._reader.join(2 * _PARENT_POLL_S)
 

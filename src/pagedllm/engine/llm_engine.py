@@ -1,7 +1,6 @@
 """LLMEngine: the synchronous engine — processor, engine core and output processor in one loop."""
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any, Callable
 
 from pagedllm.config import EngineConfig
@@ -95,6 +94,3 @@ class LLMEngine(EngineFrontend):
     def collective_rpc(self, method: str | Callable, timeout: float | None = None, args: tuple = (),
                        kwargs: dict[str, Any] | None = None) -> list[Any]:
         return self.engine_core.collective_rpc(method, args, kwargs)
-
-    def update_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
-        self.engine_core.update_weights(weights)

@@ -68,26 +68,9 @@ class Processor:
         if self.tokenizer is None and params.detokenize:
             raise ValueError("detokenize=True needs a tokenizer; with skip_tokenizer_init=True set detokenize=False")
         params = params.clone()
-        if not params.ignore_eos:
-            params._all_stop_token_ids |= self.generation_eos_ids
-        params._bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
+        params.update_from_generation_config(self.generation_eos_ids)
+        params.update_from_tokenizer(self.tokenizer)
         eos = None if params.ignore_eos else self.eos_token_id
         if params.max_tokens is None:
             params.max_tokens = mc.max_model_len - len(token_ids)
         return text, EngineCoreRequest(request_id, token_ids, params, eos, arrival_time or time.time(), priority)
-
-    def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
-        """Each bad word as token ids, without and with a leading space."""
-        if not words:
-            return []
-        if self.tokenizer is None:
-            raise ValueError("bad_words needs a tokenizer")
-        out: list[list[int]] = []
-        for word in words:
-            plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
-            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
-            # Both spellings: at the start of the text and after a space (mid-sentence).
-            for ids in (plain, spaced):
-                if ids and ids not in out:
-                    out.append(ids)
-        return out

@@ -2,23 +2,16 @@
 from __future__ import annotations
 
 import logging
-import os
 import time
 
+from pagedllm import envs
 from pagedllm.core.messages import SchedulerStats
 
 logger = logging.getLogger("pagedllm")
 
-# vLLM's VLLM_LOG_STATS_INTERVAL, under our prefix.
-DEFAULT_LOG_STATS_INTERVAL_S = 10.0
-
 
 def log_stats_interval_s() -> float:
-    text = os.environ.get("PAGEDLLM_LOG_STATS_INTERVAL", "")
-    try:
-        value = float(text) if text else DEFAULT_LOG_STATS_INTERVAL_S
-    except ValueError:
-        raise ValueError(f"PAGEDLLM_LOG_STATS_INTERVAL must be a number of seconds, got {text!r}") from None
+    value = envs.PAGEDLLM_LOG_STATS_INTERVAL
     if value <= 0:
         raise ValueError(f"PAGEDLLM_LOG_STATS_INTERVAL must be > 0, got {value}")
     return value

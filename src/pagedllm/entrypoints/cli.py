@@ -12,8 +12,9 @@ import types
 import typing
 from typing import Any, Callable, Optional, Sequence
 
+from pagedllm import envs
 from pagedllm.engine.arg_utils import EngineArgs
-from pagedllm.entrypoints.openai.cli_args import ENV_API_KEY, FrontendArgs, add_frontend_args
+from pagedllm.entrypoints.openai.cli_args import FrontendArgs, add_frontend_args
 
 # `pagedllm bench NAME` runs pagedllm.benchmarks.<module>.main(argv).
 BENCHMARKS = {"throughput": "throughput", "latency": "latency", "startup": "startup", "serve": "serve",
@@ -108,7 +109,7 @@ def default_served_name(model: Optional[str]) -> str:
 
 def frontend_args_from(ns: argparse.Namespace) -> FrontendArgs:
     args = FrontendArgs.from_namespace(ns)
-    args.api_key = args.api_key or os.environ.get(ENV_API_KEY) or None
+    args.api_key = args.api_key or envs.PAGEDLLM_API_KEY or None
     for path in (args.ssl_keyfile, args.ssl_certfile):
         if path is not None and not os.path.isfile(path):
             raise ValueError(f"no such TLS file: {path}")

@@ -64,7 +64,7 @@ class LLM:
         """Load ``(name, tensor)`` pairs in the Hugging Face checkpoint's names (q/k/v and gate/up
         fused here) into the running model, then reset the prefix cache. Tensors may be on any
         device and in any float dtype; they are copied and cast into place."""
-        self.llm_engine.update_weights(named_tensors)
+        self.collective_rpc("load_weights", args=(named_tensors,))
 
     def generate(
         self,

@@ -15,13 +15,15 @@ from typing import Any
 
 import numpy as np
 
+from pagedllm import envs
+
 _INDEX = "tensor_index.json"
 
 
 def gguf_cache_dir(gguf_file: str) -> str:
     st = os.stat(gguf_file)
     key = hashlib.sha256(f"{os.path.abspath(gguf_file)}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    root = os.environ.get("PAGEDLLM_CACHE_DIR") or os.path.join(
+    root = envs.PAGEDLLM_CACHE_DIR or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pagedllm")
     return os.path.join(root, "gguf", key)
 

@@ -23,6 +23,8 @@ from pagedllm.model.registry import get_model_class
 logger = logging.getLogger("pagedllm")
 
 LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")
+# ModelConfig.dtype (a name, so the config stays free of torch) -> the torch dtype of weights and activations.
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass

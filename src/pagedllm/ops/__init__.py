@@ -3,12 +3,13 @@ and the reference they are tested against."""
 from __future__ import annotations
 
 import importlib.util
-import os
 from types import ModuleType
 
 import torch
 
-DISABLE_ENV = "PAGEDLLM_DISABLE_TRITON_OPS"
+from pagedllm import envs
+
+DISABLE_ENV = "PAGEDLLM_DISABLE_TRITON_OPS"  # its name, for messages and tests (defined in envs)
 
 # pagedllm.ops.triton_ops once looked up, False where triton is missing or DISABLE_ENV=1.
 # Decided once per process, so the hot path pays no lookup; set back to None to decide again.
@@ -21,7 +22,7 @@ def triton_ops_for(x: torch.Tensor) -> ModuleType | None:
     if not x.is_cuda:
         return None
     if _TRITON_OPS is None:
-        enabled = os.environ.get(DISABLE_ENV, "0") != "1" and importlib.util.find_spec("triton") is not None
+        enabled = not envs.PAGEDLLM_DISABLE_TRITON_OPS and importlib.util.find_spec("triton") is not None
         if enabled:
             from pagedllm.ops import triton_ops
 

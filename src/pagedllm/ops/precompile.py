@@ -32,16 +32,19 @@ import time
 import warnings
 from collections.abc import Iterator
 
+from pagedllm import envs
+
 logger = logging.getLogger("pagedllm")
 
-ENV = "PAGEDLLM_PARALLEL_COMPILE"  # 0 turns it off
+ENV = "PAGEDLLM_PARALLEL_COMPILE"  # its name (defined in envs): 0 turns the pool off
+
 # The modules whose kernels a start-up compiles; the pool's processes import them up front.
 KERNEL_MODULES = ("pagedllm.ops.triton_ops", "pagedllm.ops.triton_gemv", "pagedllm.attention.triton_kernels",
                   "pagedllm.sample.triton_sampler")
 
 
 def precompile_available() -> bool:
-    if os.environ.get(ENV, "1") == "0" or os.environ.get("TRITON_INTERPRET") == "1" or not hasattr(os, "fork"):
+    if not envs.PAGEDLLM_PARALLEL_COMPILE or os.environ.get("TRITON_INTERPRET") == "1" or not hasattr(os, "fork"):
         return False
     try:
         import triton

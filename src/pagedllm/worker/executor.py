@@ -1,5 +1,5 @@
-"""Executors: how the engine core reaches its worker(s) — in its own process (``uni``) or one
-spawned process per tensor-parallel rank on this host (``mp``)."""
+"""The ``uni`` executor (the worker in the engine core's process), the ``mp`` one (a spawned
+process per rank on this host), and ``create_executor``, which picks one (or the ``ray`` one)."""
 from __future__ import annotations
 
 import contextlib
@@ -11,82 +11,45 @@ import socket
 import time
 import traceback
 import weakref
-from collections.abc import ItemsView, Iterator, KeysView, ValuesView
 from multiprocessing.connection import wait as wait_for_ready
-from typing import Any, Callable
+from typing import Any
 
+from pagedllm import envs
 from pagedllm.config import EngineConfig
-from pagedllm.core.scheduler import ModelRunnerOutput, SchedulerOutput
+from pagedllm.core.sched_output import SchedulerOutput
 from pagedllm.utils import freeze_gc_heap
+from pagedllm.worker.executor_base import (
+    Executor,
+    WorkerFailedError,
+    WorkerGroupExecutor,
+    WorkerMethod,
+    call_worker,
+    serve_call,
+)
 from pagedllm.worker.worker import Worker
 
 logger = logging.getLogger("pagedllm")
 
-# How long start-up (model load, KV sizing) may take before the executor gives up on a worker.
-WORKER_START_TIMEOUT_S = float(os.environ.get("PAGEDLLM_WORKER_START_TIMEOUT_S", "600"))
 _POLL_S = 0.5  # how often a wait checks that every worker process is still alive
 
 
-def _check_worker_method(method: str | Callable) -> None:
-    if isinstance(method, str):
-        func = getattr(Worker, method, None)
-        if func is None or method.startswith("_") or not callable(func):
-            raise ValueError(f"collective_rpc method {method!r} is not a public Worker method")
-    elif not callable(method):
-        raise ValueError(f"collective_rpc method must be a str or a callable, got {type(method).__name__}")
-
-
-def _call_worker(worker: Worker, method: str | Callable, args: tuple, kwargs: dict | None) -> Any:
-    if isinstance(method, str):
-        return getattr(worker, method)(*args, **(kwargs or {}))
-    return method(worker, *args, **(kwargs or {}))
-
-
-def serve_call(worker: Worker, method: str | Callable, args: tuple, kwargs: dict | None, is_output_rank: bool) -> Any:
-    """One executor call inside a worker process or actor. A step's output goes back from the
-    output rank only: only the last stage samples, and its tensor ranks all sample the same tokens."""
-    if method == "execute_model":
-        result = worker.execute_model(args[0])
-        return result if is_output_rank else None
-    return _call_worker(worker, method, args, kwargs)
-
-
-class UniProcExecutor:
+class UniProcExecutor(Executor):
     """The worker lives in the engine core's own process."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.worker = Worker(config)
 
-    def determine_num_blocks(self) -> int:
-        return self.worker.determine_num_blocks()
-
-    def kv_cache_bytes_per_block(self) -> int:
-        return self.worker.model_runner.kv_cache_bytes_per_block()
-
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.worker.initialize_kv_cache(num_blocks)
+    def _run_on_workers(self, method: WorkerMethod, args: tuple, kwargs: dict | None) -> list[Any]:
+        return [call_worker(self.worker, method, args, kwargs)]
 
     def execute_model(self, sched: SchedulerOutput, non_block: bool = False):
-        """The step's ModelRunnerOutput, or with ``non_block`` a handle whose result() waits."""
         return self.worker.execute_model(sched, non_block)
-
-    def collective_rpc(self, method: str | Callable, args: tuple = (), kwargs: dict | None = None) -> list[Any]:
-        """Call ``method`` on every worker (a Worker method's name, or a function taking the
-        worker first); one result per worker, in rank order."""
-        _check_worker_method(method)
-        return [_call_worker(self.worker, method, args, kwargs)]
-
-    def sleep(self, level: int) -> None:
-        self.collective_rpc("sleep", (level,))
-
-    def wake_up(self, tags: list[str]) -> None:
-        self.collective_rpc("wake_up", (tags,))
 
     def shutdown(self) -> None:
         pass
 
 
-def create_executor(config: EngineConfig):
+def create_executor(config: EngineConfig) -> Executor:
     backend = config.parallel_config.distributed_executor_backend
     if backend == "mp":
         return MultiprocExecutor(config)
@@ -97,69 +60,6 @@ def create_executor(config: EngineConfig):
 
         return RayExecutor(config)
     raise ValueError(f"distributed_executor_backend must be 'uni', 'mp' or 'ray', got {backend!r}")
-
-
-class WorkerFailedError(RuntimeError):
-    """A worker process raised, died or never came up; the executor is unusable after it."""
-
-
-class WorkerGroupExecutor:
-    """What the multi-worker executors (mp, ray) share: every call goes to all ranks through
-    ``_send`` (which returns a ticket) and comes back through ``_gather(ticket, what)``, one
-    reply per rank in rank order, raising WorkerFailedError when a rank fails or dies."""
-
-    output_rank: int  # whose ModelRunnerOutput the engine reads (the last stage's tensor rank 0)
-
-    def _send(self, method: str | Callable, args: tuple = (), kwargs: dict | None = None) -> Any:
-        raise NotImplementedError
-
-    def _gather(self, ticket: Any, what: str) -> list[Any]:
-        raise NotImplementedError
-
-    def _run(self, method: str | Callable, args: tuple = (), kwargs: dict | None = None) -> list[Any]:
-        name = method if isinstance(method, str) else getattr(method, "__name__", "a function")
-        return self._gather(self._send(method, args, kwargs), f"{name}()")
-
-    def determine_num_blocks(self) -> int:
-        return min(self._run("determine_num_blocks"))  # every rank must fit the same block count
-
-    def kv_cache_bytes_per_block(self) -> int:
-        return self._run("kv_cache_bytes_per_block")[0]
-
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        self._run("initialize_kv_cache", (num_blocks,))
-
-    def execute_model(self, sched: SchedulerOutput, non_block: bool = False):
-        """The output rank's ModelRunnerOutput (the last stage's tensor ranks all sample the same
-        tokens from the same all-gathered logits), or with ``non_block`` a handle whose
-        result() waits for it: the workers run the step while the engine core goes on."""
-        pending = _PendingStep(self, self._send("execute_model", (sched,)))
-        return pending if non_block else pending.result()
-
-    def collective_rpc(self, method: str | Callable, args: tuple = (), kwargs: dict | None = None) -> list[Any]:
-        """Call ``method`` on every worker; one result per worker, in rank order. Iterators and
-        dict views among the arguments (``state_dict().items()``) are listed first to be sent."""
-        _check_worker_method(method)
-        args = tuple(list(a) if isinstance(a, (Iterator, ItemsView, KeysView, ValuesView)) else a for a in args)
-        return self._run(method, args, kwargs)
-
-    def sleep(self, level: int) -> None:
-        self.collective_rpc("sleep", (level,))
-
-    def wake_up(self, tags: list[str]) -> None:
-        self.collective_rpc("wake_up", (tags,))
-
-
-class _PendingStep:
-    def __init__(self, executor: WorkerGroupExecutor, ticket: Any) -> None:
-        self.executor, self.ticket = executor, ticket
-        self._result: ModelRunnerOutput | None = None
-
-    def result(self) -> ModelRunnerOutput:
-        if self._result is None:
-            # Every rank's reply is awaited: a failure anywhere is seen here, not in a later step.
-            self._result = self.executor._gather(self.ticket, "execute_model()")[self.executor.output_rank]
-        return self._result
 
 
 class MultiprocExecutor(WorkerGroupExecutor):
@@ -194,7 +94,7 @@ class MultiprocExecutor(WorkerGroupExecutor):
                     child_conn.close()
                     self.processes.append(process)
                     self.conns.append(parent_conn)
-            self._gather(-1, "start-up", timeout_s=WORKER_START_TIMEOUT_S)
+            self._gather(-1, "start-up", timeout_s=envs.PAGEDLLM_WORKER_START_TIMEOUT_S)
         except BaseException:
             self.shutdown()
             raise
@@ -203,7 +103,7 @@ class MultiprocExecutor(WorkerGroupExecutor):
                     config.parallel_config.pipeline_parallel_size)
 
     # ---- calls to every worker ----------------------------------------------------------
-    def _send(self, method: str | Callable, args: tuple = (), kwargs: dict | None = None) -> int:
+    def _send(self, method: WorkerMethod, args: tuple = (), kwargs: dict | None = None) -> int:
         if self._failure is not None:
             raise WorkerFailedError(self._failure)
         self._seq += 1

@@ -9,17 +9,17 @@ import numpy as np
 import torch
 from torch import nn
 
-from pagedllm.attention.backend import AttentionMetadata, get_attention_backend, kv_cache_shape
+from pagedllm.attention.backend import AttentionMetadata, kv_cache_shape
+from pagedllm.attention.selector import get_attention_backend
 from pagedllm.config import EngineConfig
 from pagedllm.core.messages import PositionLogprobs
-from pagedllm.core.scheduler import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from pagedllm.core.sched_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from pagedllm.distributed import get_pp_size, is_first_pp_rank, is_last_pp_rank, pp_recv, pp_send
+from pagedllm.model.loader import TORCH_DTYPES
 from pagedllm.sample.sampler import Sampler, SamplingMetadata, compute_logprobs_with_ranks
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedllm")
-
-_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass
@@ -67,7 +67,7 @@ def sampling_features(p: SamplingParams) -> frozenset[str]:
         f.add("allowed")
     if p.logit_bias:
         f.add("bias")
-    if p.min_tokens > 0 or p._bad_words_token_ids:
+    if p.min_tokens > 0 or p.bad_words_token_ids:
         f.add("ban")
     if p.logits_processors:
         f.add("procs")
@@ -79,7 +79,7 @@ class ModelRunner:
         self.config = config
         self.model = model
         self.device = device
-        self.dtype = _TORCH_DTYPES[config.model_config.dtype]
+        self.dtype = TORCH_DTYPES[config.model_config.dtype]
         self.block_size = config.cache_config.block_size
         self.vocab_size = config.model_config.vocab_size
         self.attn_backend = get_attention_backend(device)
@@ -569,8 +569,8 @@ class ModelRunner:
         out = state.output_token_ids
         banned: list[int] = []
         if len(out) < p.min_tokens:
-            banned.extend(p._all_stop_token_ids)
-        for word in p._bad_words_token_ids:
+            banned.extend(p.all_stop_token_ids)
+        for word in p.bad_words_token_ids:
             prefix = word[:-1]
             if len(out) >= len(prefix) and (not prefix or out[len(out) - len(prefix):] == prefix):
                 banned.append(word[-1])

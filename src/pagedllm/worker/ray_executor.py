@@ -12,11 +12,12 @@ import sys
 import time
 import traceback
 import weakref
-from typing import Any, Callable
+from typing import Any
 
+from pagedllm import envs
 from pagedllm.config import EngineConfig
 from pagedllm.utils import freeze_gc_heap
-from pagedllm.worker.executor import WorkerFailedError, WorkerGroupExecutor, serve_call
+from pagedllm.worker.executor_base import WorkerFailedError, WorkerGroupExecutor, WorkerMethod, serve_call
 
 try:
     import ray
@@ -27,7 +28,7 @@ except ImportError:  # an optional extra: the error comes when the executor is a
 
 logger = logging.getLogger("pagedllm")
 
-STRATEGY_ENV = "PAGEDLLM_RAY_PLACEMENT_STRATEGY"
+STRATEGY_ENV = "PAGEDLLM_RAY_PLACEMENT_STRATEGY"  # its name, for messages (defined in envs)
 _STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 _POLL_S = 0.5  # how often a wait wakes up to notice a dead actor or a passed deadline
 # Call arguments up to this size travel inside the task (a step's SchedulerOutput: no object
@@ -63,13 +64,13 @@ class RayExecutor(WorkerGroupExecutor):
         self._failure: str | None = None
         self._state: dict[str, Any] = {"actors": self.actors, "pg": None}
         self._finalizer = weakref.finalize(self, _stop_actors, self._state)
-        start_timeout_s = float(os.environ.get("PAGEDLLM_WORKER_START_TIMEOUT_S", "600"))
+        start_timeout_s = envs.PAGEDLLM_WORKER_START_TIMEOUT_S
         deadline = time.monotonic() + start_timeout_s
         on_gpu = config.device.startswith("cuda")
         if on_gpu and ":" in config.device:
             # Ray picks each actor's GPU (CUDA_VISIBLE_DEVICES): an index here would name another one.
             config = dataclasses.replace(config, device="cuda")
-        strategy = os.environ.get(STRATEGY_ENV, "PACK").strip().upper() or "PACK"
+        strategy = envs.PAGEDLLM_RAY_PLACEMENT_STRATEGY
         if strategy not in _STRATEGIES:
             raise ValueError(f"{STRATEGY_ENV} must be one of {', '.join(_STRATEGIES)}, got {strategy!r}")
         try:
@@ -136,7 +137,7 @@ class RayExecutor(WorkerGroupExecutor):
         if self._failure is not None:
             raise WorkerFailedError(self._failure)
 
-    def _send(self, method: str | Callable, args: tuple = (), kwargs: dict | None = None) -> list:
+    def _send(self, method: WorkerMethod, args: tuple = (), kwargs: dict | None = None) -> list:
         self._check_alive()
         try:
             payload = ray.cloudpickle.dumps((method, args, kwargs))  # pickled once for every rank

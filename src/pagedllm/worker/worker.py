@@ -9,11 +9,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from pagedllm.config import EngineConfig
-from pagedllm.core.scheduler import SchedulerOutput
-from pagedllm.engine.arg_utils import DEFAULT_CPU_KV_CACHE_BYTES
+from pagedllm.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+from pagedllm.core.sched_output import SchedulerOutput
 from pagedllm.ops.precompile import precompile, precompile_available
-from pagedllm.worker.model_runner import _TORCH_DTYPES, ModelRunner
+from pagedllm.model.loader import TORCH_DTYPES, ResolvedModel, load_model
+from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("pagedllm")
 
@@ -27,7 +27,6 @@ class Worker:
     def __init__(self, config: EngineConfig, rank: int = 0, distributed_init_method: str | None = None,
                  local_rank: int | None = None) -> None:
         from pagedllm.distributed import init_distributed
-        from pagedllm.model.loader import ResolvedModel, load_model
 
         self.config = config
         self.rank = rank
@@ -49,7 +48,7 @@ class Worker:
         mc = config.model_config
         torch.manual_seed(mc.seed)
         resolved = ResolvedModel(path=mc.path, gguf_file=mc.gguf_file, hf_config=mc.hf_config)
-        model = load_model(resolved, mc.load_format, _TORCH_DTYPES[mc.dtype],
+        model = load_model(resolved, mc.load_format, TORCH_DTYPES[mc.dtype],
                            self.device, seed=mc.seed)
         self.model_runner = ModelRunner(config, model, self.device)
         if self.device.type == "cuda" and precompile_available():

@@ -1,0 +1,56 @@
+"""The step contracts between the scheduler and the workers: what to run, what came back."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedllm.core.messages import PositionLogprobs
+from pagedllm.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """Everything the worker needs to start (or restart after preemption) a request."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    """A request the worker already holds: only what changed."""
+
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+    # Pipeline parallelism: the output tokens among this step's inputs (positions
+    # max(num_computed_tokens, num_prompt_tokens) onward). Only the last stage samples, so the
+    # other stages learn the tokens here; empty when one worker samples and keeps its own.
+    new_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class SchedulerOutput:
+    """Exactly what the worker must run this step; order = order in the flat batch."""
+
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # Requests the worker should forget (finished or aborted since the last step).
+    finished_req_ids: set[str] = field(default_factory=set)
+    # Preempted this step: the worker drops their state (they come back as new requests).
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What came back from one step, per request in the batch order."""
+
+    req_ids: list[str]
+    sampled_token_ids: list[list[int]]  # [] for a request still in the middle of its prefill
+    logprobs: dict[str, PositionLogprobs] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)

@@ -1,0 +1,112 @@
+"""Every PAGEDLLM_* environment variable, defined once and read lazily (``envs.PAGEDLLM_X``).
+
+Each read looks at ``os.environ`` now, so a variable set after import (a test's monkeypatch, a
+worker's environment) is seen. ``python -m pagedllm.envs`` prints the README's table.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    name: str
+    type: str  # as the README shows it
+    default: Any  # the value when unset (or empty)
+    doc: str
+    parse: Callable[[str], Any] = str  # the set (non-empty) text -> the value (None: the default)
+
+    def read(self) -> Any:
+        text = os.environ.get(self.name, "")
+        value = self.parse(text) if text else None
+        return self.default if value is None else value
+
+
+def _is_one(text: str) -> bool:
+    return text == "1"
+
+
+def _not_zero(text: str) -> bool:
+    return text != "0"
+
+
+def _stripped_lower(text: str) -> str | None:
+    return text.strip().lower() or None
+
+
+def _stripped_upper(text: str) -> str | None:
+    return text.strip().upper() or None
+
+
+def _seconds(name: str) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            return float(text)
+        except ValueError:
+            raise ValueError(f"{name} must be a number of seconds, got {text!r}") from None
+    return parse
+
+
+_VARS = [
+    EnvVar("PAGEDLLM_LOGGING_LEVEL", "str", "INFO", "Level of the `pagedllm` logger (DEBUG, INFO, WARNING, ...).",
+           str.upper),
+    EnvVar("PAGEDLLM_CONFIGURE_LOGGING", "bool (0 = off)", True,
+           "0 leaves the `pagedllm` logger to the application's own logging config.", _not_zero),
+    EnvVar("PAGEDLLM_LOG_STATS_INTERVAL", "float (s)", 10.0,
+           "Seconds between the engine's stats log lines (vLLM's VLLM_LOG_STATS_INTERVAL).",
+           _seconds("PAGEDLLM_LOG_STATS_INTERVAL")),
+    EnvVar("PAGEDLLM_API_KEY", "str", None, "API key the server requires on `/v1/*` when `--api-key` is not given."),
+    EnvVar("PAGEDLLM_ATTENTION_BACKEND", "`torch` or `triton`", None,
+           "Force an attention backend (default: triton on CUDA, torch elsewhere).", _stripped_lower),
+    EnvVar("PAGEDLLM_DISABLE_TRITON_OPS", "bool (1 = on)", False,
+           "1 runs the torch reference of the fused ops (RMSNorm, SiLU-and-mul, rotary, GEMV) on CUDA too.",
+           _is_one),
+    EnvVar("PAGEDLLM_PARALLEL_COMPILE", "bool (0 = off)", True,
+           "0 compiles the Triton kernels one after another in the engine process at start-up.", _not_zero),
+    EnvVar("PAGEDLLM_CACHE_DIR", "path", None,
+           "Cache folder for GGUF config, tokenizer and tensor tables (default: `$XDG_CACHE_HOME/pagedllm`, "
+           "else `~/.cache/pagedllm`)."),
+    EnvVar("PAGEDLLM_PP_LAYER_PARTITION", "str", None,
+           "Layers per pipeline stage, comma-separated (e.g. `10,14`); default: as even as possible."),
+    EnvVar("PAGEDLLM_WORKER_START_TIMEOUT_S", "float (s)", 600.0,
+           "How long worker start-up (model load, KV sizing, Ray placement) may take (mp and ray executors).",
+           _seconds("PAGEDLLM_WORKER_START_TIMEOUT_S")),
+    EnvVar("PAGEDLLM_RAY_PLACEMENT_STRATEGY", "`PACK`, `SPREAD`, `STRICT_PACK` or `STRICT_SPREAD`", "PACK",
+           "Placement-group strategy of the ray executor's bundles (one per rank).", _stripped_upper),
+    EnvVar("PAGEDLLM_COMMIT", "str", None,
+           "Commit recorded in benchmark results when the tree has no git history."),
+]
+ENV_VARS: dict[str, EnvVar] = {v.name: v for v in _VARS}
+
+
+def __getattr__(name: str) -> Any:
+    var = ENV_VARS.get(name)
+    if var is None:
+        raise AttributeError(f"module 'pagedllm.envs' has no attribute {name!r}")
+    return var.read()
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *ENV_VARS])
+
+
+def _shown(default: Any) -> str:
+    if default is None:
+        return "unset"
+    if isinstance(default, bool):
+        return "1" if default else "0"
+    return f"`{default}`"
+
+
+def markdown_table() -> str:
+    """The README's table of environment variables."""
+    rows = ["| variable | type | default | meaning |", "| --- | --- | --- | --- |"]
+    for v in _VARS:
+        rows.append(f"| `{v.name}` | {v.type} | {_shown(v.default)} | {v.doc} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(markdown_table())

@@ -1,0 +1,120 @@
+"""The Executor protocol (how the engine core reaches its workers) and the pieces the executors share."""
+from __future__ import annotations
+
+import abc
+from collections.abc import ItemsView, Iterator, KeysView, ValuesView
+from typing import Any, Callable, Union
+
+from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.worker.worker import Worker
+
+# A Worker method's name, or a function called as ``f(worker, *args, **kwargs)``.
+WorkerMethod = Union[str, Callable[..., Any]]
+
+
+class WorkerFailedError(RuntimeError):
+    """A worker process raised, died or never came up; the executor is unusable after it."""
+
+
+def check_worker_method(method: WorkerMethod) -> None:
+    """A user's collective_rpc target: a public Worker method's name, or a callable."""
+    if isinstance(method, str):
+        func = getattr(Worker, method, None)
+        if func is None or method.startswith("_") or not callable(func):
+            raise ValueError(f"collective_rpc method {method!r} is not a public Worker method")
+    elif not callable(method):
+        raise ValueError(f"collective_rpc method must be a str or a callable, got {type(method).__name__}")
+
+
+def call_worker(worker: Worker, method: WorkerMethod, args: tuple, kwargs: dict | None) -> Any:
+    if isinstance(method, str):
+        return getattr(worker, method)(*args, **(kwargs or {}))
+    return method(worker, *args, **(kwargs or {}))
+
+
+def serve_call(worker: Worker, method: WorkerMethod, args: tuple, kwargs: dict | None, is_output_rank: bool) -> Any:
+    """One executor call inside a worker process or actor. A step's output goes back from the
+    output rank only: only the last stage samples, and its tensor ranks all sample the same tokens."""
+    if method == "execute_model":
+        result = worker.execute_model(args[0])
+        return result if is_output_rank else None
+    return call_worker(worker, method, args, kwargs)
+
+
+class Executor(abc.ABC):
+    """How the engine core reaches its worker(s). Every call to all workers travels one path,
+    ``collective_rpc`` (the engine's own calls skip only the check of the method name); the step
+    has its own call because it may return before the workers finish. Implemented by
+    UniProcExecutor (the worker in this process), MultiprocExecutor (one process per rank) and
+    RayExecutor (one Ray actor per rank)."""
+
+    output_rank: int = 0  # whose ModelRunnerOutput the engine reads (the last stage's tensor rank 0)
+
+    @abc.abstractmethod
+    def _run_on_workers(self, method: WorkerMethod, args: tuple, kwargs: dict | None) -> list[Any]:
+        """Call ``method`` on every worker; one result per worker, in rank order."""
+
+    @abc.abstractmethod
+    def execute_model(self, sched: SchedulerOutput, non_block: bool = False):
+        """The step's ModelRunnerOutput, or with ``non_block`` a handle whose result() waits."""
+
+    @abc.abstractmethod
+    def shutdown(self) -> None:
+        """Stop the workers; idempotent."""
+
+    def collective_rpc(self, method: WorkerMethod, args: tuple = (), kwargs: dict | None = None) -> list[Any]:
+        """Call ``method`` on every worker (a public Worker method's name, or a function taking the
+        worker first); one result per worker, in rank order."""
+        check_worker_method(method)
+        return self._run_on_workers(method, tuple(args), kwargs)
+
+    def determine_num_blocks(self) -> int:
+        return min(self._run_on_workers("determine_num_blocks", (), None))  # every rank must fit the same count
+
+    def kv_cache_bytes_per_block(self) -> int:
+        return self._run_on_workers("kv_cache_bytes_per_block", (), None)[0]
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self._run_on_workers("initialize_kv_cache", (num_blocks,), None)
+
+
+class WorkerGroupExecutor(Executor):
+    """What the multi-worker executors (mp, ray) share: every call goes to all ranks through
+    ``_send`` (which returns a ticket) and comes back through ``_gather(ticket, what)``, one
+    reply per rank in rank order, raising WorkerFailedError when a rank fails or dies."""
+
+    @abc.abstractmethod
+    def _send(self, method: WorkerMethod, args: tuple = (), kwargs: dict | None = None) -> Any:
+        """Send the call to every rank; returns the ticket ``_gather`` waits on."""
+
+    @abc.abstractmethod
+    def _gather(self, ticket: Any, what: str) -> list[Any]:
+        """Every rank's reply to ``ticket``, in rank order."""
+
+    def _run_on_workers(self, method: WorkerMethod, args: tuple, kwargs: dict | None) -> list[Any]:
+        # Iterators and dict views (``state_dict().items()``) are listed first to be sent.
+        args = tuple(list(a) if isinstance(a, (Iterator, ItemsView, KeysView, ValuesView)) else a for a in args)
+        name = method if isinstance(method, str) else getattr(method, "__name__", "a function")
+        return self._gather(self._send(method, args, kwargs), f"{name}()")
+
+    def execute_model(self, sched: SchedulerOutput, non_block: bool = False):
+        """The output rank's ModelRunnerOutput (the last stage's tensor ranks all sample the same
+        tokens from the same all-gathered logits), or with ``non_block`` a handle whose
+        result() waits for it: the workers run the step while the engine core goes on."""
+        ticket = self._send("execute_model", (sched,))
+        pending = PendingStep(lambda: self._gather(ticket, "execute_model()")[self.output_rank])
+        return pending if non_block else pending.result()
+
+
+class PendingStep:
+    """A launched step: ``result()`` waits for its ModelRunnerOutput (once; later calls return it)."""
+
+    def __init__(self, wait: Callable[[], ModelRunnerOutput]) -> None:
+        self._wait = wait
+        self._result: ModelRunnerOutput | None = None
+
+    def result(self) -> ModelRunnerOutput:
+        if self._result is None:
+            # Every rank's reply is awaited: a failure anywhere is seen here, not in a later step.
+            self._result = self._wait()
+        return self._result
