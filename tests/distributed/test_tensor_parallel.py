@@ -11,7 +11,7 @@ import time
 import pytest
 
 from pagedllm import LLM, EngineArgs, SamplingParams, TokensPrompt
-from pagedllm.core.messages import EngineCoreRequest
+from pagedllm.core.messages import EngineCoreOutputs, EngineCoreRequest
 from pagedllm.engine.core_client import EngineCoreClient
 from pagedllm.worker.executor import MultiprocExecutor
 from pagedllm.worker.executor_base import WorkerFailedError
@@ -108,8 +108,8 @@ def test_tp2_runs_inside_the_server_s_engine_core_process(tp_models):
                                              eos_token_id=None, arrival_time=time.time()))
         tokens, finished = [], False
         while not finished:
-            kind, core_outputs = client.get_output(timeout_s=60)
-            assert kind == "outputs"
+            core_outputs = client.get_output(timeout_s=60)
+            assert isinstance(core_outputs, EngineCoreOutputs)
             for out in core_outputs.outputs:
                 tokens += out.new_token_ids
                 finished = finished or out.finished

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from pagedllm import EngineArgs, SamplingParams
-from pagedllm.core.messages import EngineCoreRequest
+from pagedllm.core.messages import EngineCoreOutputs, EngineCoreRequest, RequestError
 from pagedllm.engine.core_client import EngineCoreClient, EngineDeadError
 from tests.conftest import TEST_KV_BYTES
 
@@ -38,15 +38,15 @@ def test_bad_request_comes_back_as_an_error_and_the_loop_keeps_serving(tiny_mode
     client = EngineCoreClient(config)
     try:
         client.add_request(_request("too-long", [5] * 600))
-        kind, request_id, message = client.get_output(timeout_s=30)
-        assert (kind, request_id) == ("error", "too-long") and "max_model_len" in message
+        error = client.get_output(timeout_s=30)
+        assert isinstance(error, RequestError) and error.request_id == "too-long" and "max_model_len" in error.message
         client.add_request(_request("ok", [5, 6, 7], max_tokens=3))
         client.add_request(_request("aborted", [8, 9], max_tokens=400))
         client.abort_requests(["aborted"])
         tokens, finish = {"ok": [], "aborted": []}, {}
         while len(finish) < 2:
-            kind, core_outputs = client.get_output(timeout_s=30)
-            assert kind == "outputs"
+            core_outputs = client.get_output(timeout_s=30)
+            assert isinstance(core_outputs, EngineCoreOutputs)
             for out in core_outputs.outputs:
                 tokens[out.request_id] += out.new_token_ids
                 if out.finished:

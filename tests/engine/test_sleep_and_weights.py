@@ -37,8 +37,15 @@ def model_greedy(model, prompts: list[list[int]], max_new_tokens: int = 12) -> l
 
 
 def parameters(llm: LLM) -> dict[str, torch.nn.Parameter]:
-    model = llm.llm_engine.engine_core.executor.worker.model_runner.model
-    return dict(model.named_parameters(remove_duplicate=False))
+    """The one worker's parameters (the uni executor: the objects themselves come back)."""
+    [params] = llm.collective_rpc(lambda worker: dict(worker.model_runner.model.named_parameters(
+        remove_duplicate=False)))
+    return params
+
+
+def kv_cache_freed(worker) -> bool:
+    runner = worker.model_runner
+    return runner.kv_caches == [] and all(layer.kv_cache is None for layer in runner.attn_layers)
 
 
 @pytest.mark.parametrize("arch,async_scheduling", [("llama", False), ("qwen3", True)])
@@ -53,8 +60,7 @@ def test_dummy_weights_updated_then_slept_and_woken_match_transformers(tiny_mode
     params = parameters(llm)
     llm.sleep(level=1)
     assert llm.is_sleeping()
-    runner = llm.llm_engine.engine_core.executor.worker.model_runner
-    assert runner.kv_caches == [] and all(layer.kv_cache is None for layer in runner.attn_layers)
+    assert llm.collective_rpc(kv_cache_freed) == [True]
     assert all(p.numel() == 0 for p in params.values())
     llm.wake_up()
     assert not llm.is_sleeping()
@@ -65,7 +71,7 @@ def test_dummy_weights_updated_then_slept_and_woken_match_transformers(tiny_mode
 
     # Level 2 discards the weights: the vLLM / RL order is weights, update, then KV cache.
     llm.sleep(level=2)
-    assert llm.llm_engine.engine_core.executor.worker._weights_asleep.host is None
+    assert llm.collective_rpc(lambda worker: worker._weights_asleep.host is None) == [True]
     llm.wake_up(tags=["weights"])
     assert llm.is_sleeping()  # the KV cache is still asleep
     llm.update_weights(state_dict_items(model_dir))
