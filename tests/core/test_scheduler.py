@@ -140,3 +140,19 @@ def test_abort_frees_blocks_of_running_and_waiting():
     assert not s.has_unfinished_requests()
     out = s.schedule()
     assert out.finished_req_ids == {"a", "b"}
+
+
+def test_deferred_notices_of_an_unlaunched_step_go_out_with_the_next_one():
+    """A step that ran nothing is not launched: the finished ids it carried reach the workers
+    with the next step, not never (the engine core's batch queue calls defer_notices)."""
+    s = make_scheduler()
+    s.add_request(make_request("a", 5))
+    run_step(s)
+    s.abort_requests(["a"])
+    empty = s.schedule()
+    assert empty.total_num_scheduled_tokens == 0 and empty.finished_req_ids == {"a"}
+    s.defer_notices(empty)
+    s.add_request(make_request("b", 3))
+    out, _ = run_step(s)
+    assert out.finished_req_ids == {"a"} and out.num_scheduled_tokens == {"b": 3}
+    assert s.schedule().finished_req_ids == set()  # told once
