@@ -27,7 +27,7 @@ _CHILD_CODE = ("import time; _t0 = time.time()\n"
 # phase name -> (module, attribute path) of the function whose duration it is.
 _PHASES = {
     "config_s": ("pagedllm.engine.arg_utils", "EngineArgs.create_engine_config"),
-    "load_s": ("pagedllm.model.loader", "load_model"),
+    "load_s": ("pagedllm.worker.worker", "load_model"),  # wrapped where the worker looks it up
     "precompile_s": ("pagedllm.worker.worker", "precompile"),
     "kv_sizing_s": ("pagedllm.worker.worker", "Worker.determine_num_blocks"),
     "cuda_graphs_s": ("pagedllm.worker.model_runner", "ModelRunner.capture_cuda_graphs"),
