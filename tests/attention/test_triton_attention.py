@@ -93,14 +93,17 @@ def make_batch(rng: random.Random, *, block_size: int, num_kv_heads: int, group:
     )
 
 
-def reference(b: Batch, scale: float, window: int | None) -> torch.Tensor:
-    """Plain causal softmax attention in float64 over each sequence's dense K/V."""
+def reference(b: Batch, scale: float, window: int | None, soft_cap: float | None = None) -> torch.Tensor:
+    """Plain causal softmax attention in float64 over each sequence's dense K/V (scores
+    ``tanh(s / cap) * cap`` with a soft cap)."""
     group = b.q.shape[1] // b.ks[0].shape[1]
     outs, start = [], 0
     for k, v, ql, cl in zip(b.ks, b.vs, b.q_lens, b.ctx_lens):
         q = b.q[start:start + ql].double().cpu()
         kk, vv = k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
         s = torch.einsum("qhd,khd->hqk", q, kk) * scale
+        if soft_cap is not None:
+            s = torch.tanh(s / soft_cap) * soft_cap
         q_pos, k_pos = torch.arange(cl, cl + ql)[:, None], torch.arange(cl + ql)[None, :]
         mask = k_pos <= q_pos
         if window is not None:
@@ -118,10 +121,11 @@ def run_kernels(kernels, b: Batch, scale: float, window: int | None, **hints) ->
     return out
 
 
-def check(out: torch.Tensor, b: Batch, scale: float, window: int | None, dtype: torch.dtype, what) -> float:
+def check(out: torch.Tensor, b: Batch, scale: float, window: int | None, dtype: torch.dtype, what,
+          soft_cap: float | None = None) -> float:
     got = out[:b.num_real_tokens].double().cpu()
     assert not got.isnan().any(), f"{what}: real rows left unwritten or NaN"
-    ref = reference(b, scale, window)
+    ref = reference(b, scale, window, soft_cap)
     rel = ((got - ref).norm() / ref.norm()).item()
     assert rel < TOL[dtype], f"{what}: relative error {rel:.3g} >= {TOL[dtype]:g}"
     return rel
@@ -207,6 +211,53 @@ def test_split_kv_handles_multi_token_runs(kernels):
         check(out, b, 0.125, None, torch.float32, hint)
 
 
+# (block_size, kv_heads, group, head_dim, dtype, kind, window, splits, soft cap): the capped variant
+# over prefill + decode launches, with and without a window, and the split-KV decode path.
+SOFT_CAP_CASES = [
+    (16, 2, 2, 64, torch.float32, "mixed", None, None, 5.0),
+    (8, 1, 4, 32, torch.float32, "mixed", 6, None, 2.0),
+    (16, 2, 2, 64, torch.float32, "decode", 9, 3, 3.0),
+    (32, 2, 2, 64, torch.bfloat16, "mixed", 12, None, 8.0),
+]
+
+
+@pytest.mark.parametrize("case", range(len(SOFT_CAP_CASES)))
+def test_logits_soft_cap_matches_float64_reference(kernels, case):
+    """Scores ``tanh(s / cap) * cap`` before masking and softmax (Gemma 2); small caps so the cap
+    changes the result (checked: the uncapped reference is far off)."""
+    block_size, kvh, group, hd, dtype, kind, window, splits, cap = SOFT_CAP_CASES[case]
+    rng = random.Random(100 + case)
+    runs = random_runs(rng, kind, max_ctx=40, max_chunk=20, max_seqs=4)
+    b = make_batch(rng, block_size=block_size, num_kv_heads=kvh, group=group, head_dim=hd, dtype=dtype, runs=runs,
+                   num_pad_seqs=1, num_pad_rows=1)
+    scale = 1.0  # larger scores than hd ** -0.5 gives, so the cap bites
+    hint = 1 if kind == "decode" else max(q for _, q in runs)
+    out = run_kernels(kernels, b, scale, window, max_query_len=hint, num_kv_splits=splits, logits_soft_cap=cap)
+    check(out, b, scale, window, dtype, SOFT_CAP_CASES[case], soft_cap=cap)
+    uncapped = reference(b, scale, window)
+    got = out[:b.num_real_tokens].double().cpu()
+    assert ((got - uncapped).norm() / uncapped.norm()).item() > 10 * TOL[dtype]
+
+
+def test_torch_backend_soft_cap_matches_reference():
+    """The CPU reference backend's capped path (prefill with a cached prefix, decodes) against the
+    same float64 reference."""
+    rng = random.Random(21)
+    runs = [(13, 6), (0, 9), (40, 1), (5, 1)]
+    b = make_batch(rng, block_size=16, num_kv_heads=2, group=2, head_dim=32, dtype=torch.float32, runs=runs,
+                   device="cpu")
+    b.cache.nan_to_num_(0.0)
+    qsl, seq_lens = b.qsl.tolist(), b.seq_lens.tolist()
+    md = AttentionMetadata(
+        num_actual_tokens=b.num_real_tokens, slot_mapping=b.slots, block_tables=b.block_tables,
+        query_start_loc=b.qsl, seq_lens=b.seq_lens, query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens,
+        max_query_len=9, max_seq_len=max(seq_lens))
+    for window in (None, 7):
+        out = TorchAttentionBackend().forward(b.q, b.k_new, b.v_new, b.cache.clone(), md, 1.0,
+                                              sliding_window=window, logits_soft_cap=4.0)
+        check(out, b, 1.0, window, torch.float32, window, soft_cap=4.0)
+
+
 def test_padding_sequences_do_not_disturb_real_rows(kernels):
     """A CUDA graph's spare rows: sequences of query length 1 and seq_len 1, or both 0, and
     token rows of no sequence. Real rows stay exact; no NaN reaches them."""
@@ -275,6 +326,8 @@ def test_bad_arguments_are_rejected(kernels):
     out = torch.empty_like(b.q)
     with pytest.raises(ValueError, match="sliding_window"):
         kernels.unified_attention(b.q, b.cache, b.block_tables, b.qsl, b.seq_lens, 0.1, out, 0)
+    with pytest.raises(ValueError, match="logits_soft_cap"):
+        kernels.unified_attention(b.q, b.cache, b.block_tables, b.qsl, b.seq_lens, 0.1, out, logits_soft_cap=0.0)
     with pytest.raises(ValueError, match="multiple"):
         kernels.unified_attention(b.q[:, :3], b.cache, b.block_tables, b.qsl, b.seq_lens, 0.1, out[:, :3])
     with pytest.raises(ValueError, match="slot_mapping"):

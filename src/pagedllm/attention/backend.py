@@ -50,7 +50,11 @@ class AttentionBackend:
         metadata: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """``sliding_window``: a query at position p sees keys at positions > p - window.
+        ``logits_soft_cap``: scores become ``tanh(s / cap) * cap`` before masking and softmax
+        (Gemma 2)."""
         raise NotImplementedError
 
 

@@ -29,7 +29,8 @@ class TorchAttentionBackend(AttentionBackend):
 
     name = "torch"
 
-    def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata, scale, sliding_window=None):
+    def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata, scale, sliding_window=None,
+                logits_soft_cap=None):
         n = metadata.num_actual_tokens
         write_to_paged_cache(key[:n], value[:n], kv_cache, metadata.slot_mapping[:n])
         out = torch.empty_like(query)
@@ -42,10 +43,10 @@ class TorchAttentionBackend(AttentionBackend):
                 continue
             out[start:end] = self._prefill(
                 query[start:end], key[start:end], value[start:end], kv_cache,
-                metadata.block_tables[i], seq_lens[i], scale, sliding_window,
+                metadata.block_tables[i], seq_lens[i], scale, sliding_window, logits_soft_cap,
             )
         if decode_reqs:
-            self._decode(query, kv_cache, metadata, decode_reqs, scale, sliding_window, out)
+            self._decode(query, kv_cache, metadata, decode_reqs, scale, sliding_window, logits_soft_cap, out)
         return out
 
     @staticmethod
@@ -54,7 +55,7 @@ class TorchAttentionBackend(AttentionBackend):
         num_blocks = -(-seq_len // block_size)
         return cache[block_table[:num_blocks]].flatten(0, 1)[:seq_len]
 
-    def _prefill(self, q, k_new, v_new, kv_cache, block_table, seq_len, scale, sliding_window):
+    def _prefill(self, q, k_new, v_new, kv_cache, block_table, seq_len, scale, sliding_window, soft_cap):
         q_len = q.shape[0]
         if seq_len == q_len:  # nothing cached before this chunk: the new K/V are the context
             k, v = k_new, v_new
@@ -68,14 +69,18 @@ class TorchAttentionBackend(AttentionBackend):
             mask = k_pos <= q_pos
             if sliding_window is not None:
                 mask &= k_pos > q_pos - sliding_window
+        q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+        if soft_cap is not None:
+            if mask is None:
+                mask = torch.ones(q_len, seq_len, dtype=torch.bool, device=q.device).tril()
+            return _soft_capped_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), mask, scale,
+                                          soft_cap)[0].transpose(0, 1)
         o = F.scaled_dot_product_attention(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-            attn_mask=mask, is_causal=mask is None, scale=scale,
-            enable_gqa=q.shape[1] != k.shape[1],
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=q.shape[0] != k.shape[0],
         )
         return o.transpose(0, 1)
 
-    def _decode(self, query, kv_cache, metadata, reqs, scale, sliding_window, out):
+    def _decode(self, query, kv_cache, metadata, reqs, scale, sliding_window, soft_cap, out):
         """One query token per request, all requests in one padded batch.
 
         K and V of every request are gathered with one copy each, then one fused SDPA call
@@ -103,8 +108,26 @@ class TorchAttentionBackend(AttentionBackend):
         valid = k_pos < seq_lens
         if sliding_window is not None:
             valid &= k_pos >= seq_lens - sliding_window
-        o = F.scaled_dot_product_attention(
-            query[tok].unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=valid[:, None, None, :],
-            scale=scale, enable_gqa=query.shape[1] != num_kv_heads,
-        )  # [B, H, 1, D]
+        if soft_cap is not None:
+            o = _soft_capped_attention(query[tok].unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2),
+                                       valid[:, None, None, :], scale, soft_cap)
+        else:
+            o = F.scaled_dot_product_attention(
+                query[tok].unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=valid[:, None, None, :],
+                scale=scale, enable_gqa=query.shape[1] != num_kv_heads,
+            )  # [B, H, 1, D]
         out[tok] = o.squeeze(2)
+
+
+def _soft_capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                           soft_cap: float) -> torch.Tensor:
+    """Attention with scores ``tanh(s / cap) * cap`` (SDPA has no soft cap), as HF's eager Gemma 2
+    computes it: capped in the model dtype, masked, softmax in float32. q [B, H, Q, D], k/v
+    [B, KVH, K, D], mask broadcastable to [B, H, Q, K] (True: visible)."""
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / soft_cap) * soft_cap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)

@@ -102,6 +102,14 @@ def _load_block_ids(bt_row, tile, tile_hi, kv_stop, n, BLOCK_N: tl.constexpr, BL
 
 
 @triton.jit
+def _tanh(x):
+    """tanh from exp2 (exact at +-inf, no overflow): sign(x) (1 - e^-2|x|) / (1 + e^-2|x|)."""
+    e = tl.math.exp2(-2.0 * 1.4426950408889634 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
 def _find_seq(qsl_ptr, pid, num_seqs, BLOCK_Q: tl.constexpr):
     """The last sequence whose first program is at or before ``pid``."""
     lo = tl.zeros([], dtype=tl.int32)
@@ -129,14 +137,14 @@ def _find_seq(qsl_ptr, pid, num_seqs, BLOCK_Q: tl.constexpr):
 def _attention_kernel(
     q_ptr, out_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr,
     part_out_ptr, part_m_ptr, part_l_ptr,  # split-KV partials; unused unless SPLIT
-    scale_log2, num_seqs, window, num_heads,
+    scale_log2, num_seqs, window, num_heads, softcap_log2,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_c_block, stride_c_slot, stride_c_head, stride_bt,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     USE_WINDOW: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr,
-    Q_LEN_FILTER: tl.constexpr, Q_LEN_THRESHOLD: tl.constexpr,
+    Q_LEN_FILTER: tl.constexpr, Q_LEN_THRESHOLD: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     # One flat grid axis, KV head fastest: the programs of one sequence run side by side and
     # read the same cache blocks (each slot holds all KV heads) at about the same time.
@@ -213,6 +221,8 @@ def _attention_kernel(
         else:
             sc = tl.dot(q, tl.trans(k))
         sc = sc * scale_log2
+        if SOFTCAP:  # Gemma 2: cap * tanh(s / cap); scale_log2 is scale / cap, softcap_log2 cap * log2(e)
+            sc = _tanh(sc) * softcap_log2
         visible = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
         if USE_WINDOW:
             visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
@@ -308,12 +318,14 @@ def _tile_config(long_queries: bool, block_q_1: bool, group_pad: int, head_dim: 
 
 
 def _check_attention_inputs(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
-                            sliding_window: int | None) -> None:
+                            sliding_window: int | None, logits_soft_cap: float | None = None) -> None:
     num_heads, num_kv_heads = q.shape[1], kv_cache.shape[3]
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window={sliding_window} must be >= 1 (or None)")
+    if logits_soft_cap is not None and not logits_soft_cap > 0:
+        raise ValueError(f"logits_soft_cap={logits_soft_cap} must be > 0 (or None)")
     if q.dtype != kv_cache.dtype or out.dtype != q.dtype:
         raise ValueError(f"q {q.dtype}, kv_cache {kv_cache.dtype} and out {out.dtype} must share a dtype")
     assert q.stride(-1) == 1 and out.stride(-1) == 1 and kv_cache.is_contiguous()
@@ -339,6 +351,7 @@ def unified_attention(
     *,
     max_query_len: int | None = None,
     num_kv_splits: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Causal paged attention for a flat batch; writes ``out`` rows of every token that
     belongs to a sequence (rows past ``query_start_loc[-1]`` are left as they are).
@@ -346,14 +359,16 @@ def unified_attention(
     ``max_query_len`` is only a hint that picks the launch shape (1: decode tiles, one
     program per token; otherwise short and long query runs in separate launches); any value
     gives correct results. ``num_kv_splits`` forces the split-KV path (None: a heuristic that
-    splits only decode batches too small to fill the GPU).
+    splits only decode batches too small to fill the GPU). ``logits_soft_cap``: scores become
+    ``cap * tanh(s / cap)`` before masking (a separate compiled variant; None compiles and runs
+    the kernels without it).
     """
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = seq_lens.shape[0]
     num_kv_heads = kv_cache.shape[3]
     if num_tokens == 0 or num_seqs == 0:
         return out
-    _check_attention_inputs(q, kv_cache, out, sliding_window)
+    _check_attention_inputs(q, kv_cache, out, sliding_window, logits_soft_cap)
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
     dim_pad = triton.next_power_of_2(head_dim)
@@ -361,12 +376,17 @@ def unified_attention(
     common = dict(
         NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=group_pad, BLOCK_SIZE=kv_cache.shape[2],
         HEAD_DIM=head_dim, DIM_PAD=dim_pad, USE_WINDOW=sliding_window is not None, IEEE=ieee,
+        SOFTCAP=logits_soft_cap is not None,
     )
     # K and V halves as two pointers: the distance between them (num_blocks x block bytes, past
     # 2**31 elements for large caches) would otherwise be an argument Triton types i32 or i64
     # by its value, one compiled variant per kind of cache size.
     args = [q, out, kv_cache[0], kv_cache[1], block_tables, seq_lens, query_start_loc]
-    scalars = [scale * LOG2_E, num_seqs, sliding_window or 0, num_heads,
+    if logits_soft_cap is None:
+        scale_log2, softcap_log2 = scale * LOG2_E, 0.0
+    else:
+        scale_log2, softcap_log2 = scale / logits_soft_cap, logits_soft_cap * LOG2_E
+    scalars = [scale_log2, num_seqs, sliding_window or 0, num_heads, softcap_log2,
                q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_tables.stride(0)]
 
