@@ -34,6 +34,20 @@ CASES = {
         transformers.MistralConfig, dict(tie_word_embeddings=False, sliding_window=8, head_dim=None), {}),
     "qwen2_tied": (transformers.Qwen2Config, dict(tie_word_embeddings=True), {}),
     "qwen3_head_dim_32": (transformers.Qwen3Config, dict(tie_word_embeddings=False, head_dim=32), {}),
+    # Small caps and windows so soft-capping and the local/global split change the logits.
+    "gemma2_softcaps_sliding": (transformers.Gemma2Config, dict(
+        head_dim=16, query_pre_attn_scalar=24, sliding_window=8, attn_logit_softcapping=1.5,
+        final_logit_softcapping=4.0), {}),
+    "gemma3_local_global_rope": (transformers.Gemma3TextConfig, dict(
+        head_dim=32, query_pre_attn_scalar=32, sliding_window=8, sliding_window_pattern=2, final_logit_softcapping=5.0,
+        rope_local_base_freq=100.0, rope_scaling={"rope_type": "linear", "factor": 4.0}), {}),
+    # Short factors: the loader is given max_model_len 64 (the pretraining length), as HF picks
+    # them for sequences that short; the long ones are checked in tests/model/test_new_archs.py.
+    "phi3_longrope_short_partial": (transformers.Phi3Config, dict(
+        tie_word_embeddings=False, original_max_position_embeddings=64, partial_rotary_factor=0.5, pad_token_id=0,
+        eos_token_id=2,
+        rope_scaling={"type": "longrope", "short_factor": [1.0, 1.3, 1.9, 2.5], "long_factor": [2.0, 3.0, 5.0, 9.0]}),
+        dict(max_model_len=64)),
 }
 
 
@@ -41,9 +55,12 @@ def _save_tiny_checkpoint(folder: Path, config_cls, config_kwargs: dict, save_kw
     torch.manual_seed(0)
     config = config_cls(**TINY, **config_kwargs)
     hf_model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    save_kwargs = {k: v for k, v in save_kwargs.items() if k != "max_model_len"}
     with torch.no_grad():  # non-trivial norms and biases, so a swapped or skipped one shows
         for name, p in hf_model.named_parameters():
-            if "norm" in name:
+            if "norm" in name and "gemma" in config.model_type:
+                p.uniform_(-0.5, 0.5)  # Gemma scales by (1 + w)
+            elif "norm" in name:
                 p.uniform_(0.5, 1.5)
             elif name.endswith("bias"):
                 p.normal_(0.0, 0.1)
@@ -93,7 +110,7 @@ def tiny_case(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(request.param)
     hf_model = _save_tiny_checkpoint(folder, config_cls, config_kwargs, save_kwargs)
     resolved = resolve_model(str(folder))
-    model = load_model(resolved, "auto", torch.float32, torch.device("cpu"))
+    model = load_model(resolved, "auto", torch.float32, torch.device("cpu"), max_model_len=save_kwargs.get("max_model_len"))
     return hf_model, model
 
 

@@ -9,8 +9,6 @@ their output rows (column-parallel), ``o_proj``/``down_proj`` their input column
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -18,6 +16,7 @@ from torch import nn
 from pagedllm.distributed import (
     get_tp_rank, get_tp_size, tensor_model_parallel_all_gather, tensor_model_parallel_all_reduce,
 )
+from pagedllm.model.rotary import RotaryEmbedding, rope_params  # noqa: F401  (re-exported)
 from pagedllm.ops import triton_ops_for
 
 
@@ -59,6 +58,8 @@ class RMSNorm(nn.Module):
     """RMSNorm as HF Llama computes it; with ``residual`` it first adds it (fused pre-norm).
     On CUDA one Triton kernel does either (pagedllm.ops); the torch code is the reference."""
 
+    dummy_value = 1.0  # what dummy weights fill the weight with
+
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
         self.eps = eps
@@ -81,74 +82,61 @@ class RMSNorm(nn.Module):
         return self._norm(x), x
 
 
-def _rope_params(config) -> tuple[str, float, dict]:
-    """(rope_type, rope_theta, scaling dict) from a transformers 5.x or 4.x config."""
-    params = getattr(config, "rope_parameters", None)
-    if params:  # transformers 5.x: theta lives inside
-        params = dict(params)
-        theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-    else:  # transformers 4.x
-        params = dict(getattr(config, "rope_scaling", None) or {})
-        theta = getattr(config, "rope_theta", 10000.0)
-    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
-    return rope_type, float(theta), params
+class Fp32RMSNorm(RMSNorm):
+    """RMSNorm with the weight applied in float32 and one rounding at the end (Olmo 2; Gemma with
+    ``offset`` 1: ``x * (1 + w)``), where Llama rounds before the weight: the torch code is its
+    only path."""
+
+    offset = 0.0
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (self.offset + self.weight.float())).to(x.dtype)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x
 
 
-class RotaryEmbedding(nn.Module):
-    """Neox-style (rotate_half) rotary embedding from a cos/sin table indexed by position."""
-
-    SUPPORTED_TYPES = ("default", "linear", "llama3", "dynamic")
-
-    def __init__(self, head_dim: int, max_position: int, config):
-        super().__init__()
-        rope_type, theta, params = _rope_params(config)
-        if rope_type not in self.SUPPORTED_TYPES:
-            raise ValueError(f"rope type {rope_type!r} is not supported; supported: {list(self.SUPPORTED_TYPES)}")
-        factor = float(params.get("factor", 1.0))
-        if rope_type == "dynamic":
-            # Dynamic NTK fixed at the longest context (max_position * factor, as vLLM does):
-            # the paged cache keeps K already rotated, so the base cannot follow the length.
-            theta *= (factor * factor - (factor - 1)) ** (head_dim / (head_dim - 2))
-        if rope_type in ("linear", "dynamic"):
-            max_position = int(max_position * factor)
-        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
-        if rope_type == "linear":
-            inv_freq = inv_freq / factor
-        elif rope_type == "llama3":
-            inv_freq = _llama3_inv_freq(inv_freq, factor, params)
-        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
-        # Kept in float32 whatever the model dtype; cast per use, like HF does.
-        self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
-
-    @staticmethod
-    def fused_ok(q: torch.Tensor, k: torch.Tensor) -> bool:
-        """The Triton kernels take q and k as [T, H, D] views of one dtype."""
-        return q.dim() == 3 and k.dim() == 3 and q.dtype == k.dtype
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        ops = triton_ops_for(q)
-        if ops is not None and self.fused_ok(q, k):  # [T, H, D], one kernel for q and k
-            return ops.rotary_embedding(positions, q, k, self.cos_sin_cache)
-        cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2] each
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+class GemmaRMSNorm(Fp32RMSNorm):
+    offset = 1.0
+    dummy_value = 0.0  # a zero weight is the identity scale
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+class ShardedRMSNorm(Fp32RMSNorm):
+    """Olmo 2's q/k norm over a whole column-parallel projection: each rank holds a slice of the
+    features (and of the weight); the mean square is all-reduced. With KV heads replicated on
+    ranks every feature appears equally often, so the mean over all ranks' slices is still the
+    mean over the full projection."""
+
+    def __init__(self, local_size: int, full_size: int, eps: float, shard_start: int):
+        super().__init__(local_size, eps)
+        self.tp_size, self.shard_start = get_tp_size(), shard_start
+        self.weight = _parameter(local_size, weight_loader=self.weight_loader, full_shape=(full_size,))
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        if self.tp_size > 1:
+            _check_full_rows(loaded_weight, param.full_shape[0])
+            loaded_weight = loaded_weight.narrow(0, self.shard_start, param.shape[0])
+        default_weight_loader(param, loaded_weight)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return super()._norm(x)
+        h = x.float()
+        mean_sq = tensor_model_parallel_all_reduce(h.pow(2).mean(-1, keepdim=True)) / self.tp_size
+        return (h * torch.rsqrt(mean_sq + self.eps) * self.weight.float()).to(x.dtype)
 
 
-def _llama3_inv_freq(inv_freq: torch.Tensor, factor: float, params: dict) -> torch.Tensor:
-    """Llama 3.1: long wavelengths slowed by ``factor``, short kept, a smooth ramp between."""
-    low, high = params["low_freq_factor"], params["high_freq_factor"]
-    old_len = params["original_max_position_embeddings"]
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-    return torch.where(is_medium, smoothed, scaled)
+class GeluTanhAndMul(nn.Module):
+    """``gelu_tanh(gate) * up`` over the two halves of a fused gate_up projection (Gemma)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
 
 
 class SiluAndMul(nn.Module):

@@ -1,7 +1,7 @@
 """The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over a flat batch and paged KV cache."""
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -11,7 +11,8 @@ from pagedllm.distributed import get_pp_rank, get_pp_size
 from pagedllm.distributed.utils import pp_layer_range
 from pagedllm.model import layers
 from pagedllm.model.layers import (
-    LMHead, MergedLinear, QKVLinear, RMSNorm, RotaryEmbedding, RowParallelLinear, SiluAndMul, VocabEmbedding,
+    GeluTanhAndMul, LMHead, MergedLinear, QKVLinear, RMSNorm, RotaryEmbedding, RowParallelLinear, SiluAndMul,
+    VocabEmbedding,
 )
 
 
@@ -19,33 +20,40 @@ class Attention(nn.Module):
     """Self-attention; the model runner sets ``kv_cache`` and ``attn_backend`` before use."""
 
     def __init__(self, config, layer_idx: int, rotary_emb: RotaryEmbedding, qkv_bias: bool, o_bias: bool,
-                 qk_norm: bool):
+                 qk_norm: bool, *, scale: float | None = None, logits_soft_cap: float | None = None,
+                 norm_cls: type[RMSNorm] = RMSNorm):
         super().__init__()
         total_heads = config.num_attention_heads
         total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // total_heads
-        self.scale = self.head_dim**-0.5
+        self.scale = self.head_dim**-0.5 if scale is None else scale
+        self.logits_soft_cap = logits_soft_cap
         self.sliding_window = _sliding_window(config, layer_idx)
         self.qkv_proj = QKVLinear(config.hidden_size, self.head_dim, total_heads, total_kv_heads, qkv_bias)
         # This rank's heads (all of them with one rank); its KV cache holds only its KV heads.
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.o_proj = RowParallelLinear(total_heads * self.head_dim, config.hidden_size, o_bias)
-        if qk_norm:  # Qwen3: per-head RMSNorm of q and k before rotary
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        if qk_norm:  # Qwen3, Gemma 3: per-head RMSNorm of q and k before rotary
+            self.q_norm = norm_cls(self.head_dim, config.rms_norm_eps)
+            self.k_norm = norm_cls(self.head_dim, config.rms_norm_eps)
         self.qk_norm = qk_norm
+        self.fused_qk_norm = qk_norm and norm_cls is RMSNorm  # the Triton kernel rounds as RMSNorm does
         self.rotary_emb = rotary_emb  # one cos/sin table shared by all layers
         self.kv_cache: torch.Tensor | None = None  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         self.attn_backend: AttentionBackend | None = None
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return self.attend(positions, q, k, v, attn_metadata)
+
+    def attend(self, positions, q, k, v, attn_metadata: AttentionMetadata) -> torch.Tensor:
+        """q/k norm, rotary, paged attention and o_proj of the projected [T, size] q, k, v."""
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         ops = layers.triton_ops_for(q)  # looked up at call time: one switch for every layer
-        if self.qk_norm and ops is not None and self.rotary_emb.fused_ok(q, k):  # one launch for all three
+        if self.fused_qk_norm and ops is not None and self.rotary_emb.fused_ok(q, k):  # one launch for all three
             q, k = ops.qk_norm_rotary(positions, q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
                                       self.rotary_emb.cos_sin_cache)
         else:
@@ -54,7 +62,8 @@ class Attention(nn.Module):
             q, k = self.rotary_emb(positions, q, k)
         if self.attn_backend is None:
             raise RuntimeError("Attention.attn_backend is not set; the model runner must set it before forward")
-        o = self.attn_backend.forward(q, k, v, self.kv_cache, attn_metadata, self.scale, self.sliding_window)
+        o = self.attn_backend.forward(q, k, v, self.kv_cache, attn_metadata, self.scale, self.sliding_window,
+                                      logits_soft_cap=self.logits_soft_cap)
         return self.o_proj(o.flatten(1, 2))
 
 
@@ -67,13 +76,17 @@ def _sliding_window(config, layer_idx: int) -> int | None:
     return window if getattr(config, "use_sliding_window", True) else None
 
 
+_ACTIVATIONS = {"silu": SiluAndMul, "gelu_pytorch_tanh": GeluTanhAndMul, "gelu_tanh": GeluTanhAndMul}
+
+
 class MLP(nn.Module):
-    def __init__(self, config, bias: bool):
+    def __init__(self, config, bias: bool, hidden_act: str | None = None):
         super().__init__()
-        if getattr(config, "hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported; supported: ['silu']")
+        hidden_act = hidden_act or getattr(config, "hidden_act", "silu")
+        if hidden_act not in _ACTIVATIONS:
+            raise ValueError(f"hidden_act {hidden_act!r} is not supported; supported: {sorted(_ACTIVATIONS)}")
         self.gate_up_proj = MergedLinear(config.hidden_size, [config.intermediate_size] * 2, bias)
-        self.act_fn = SiluAndMul()
+        self.act_fn = _ACTIVATIONS[hidden_act]()
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -110,23 +123,25 @@ class LlamaModel(nn.Module):
     stage also the embedding, the last the final norm. A stage other than the first takes the
     previous stage's (hidden_states, residual); one other than the last returns them."""
 
-    def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool):
+    def __init__(self, config, make_layer: Callable[[int], nn.Module], rotary_emb: nn.Module,
+                 norm_cls: type[RMSNorm] = RMSNorm, embed_scale: float | None = None):
         super().__init__()
         pp_rank, pp_size = get_pp_rank(), get_pp_size()
         self.is_first_stage, self.is_last_stage = pp_rank == 0, pp_rank == pp_size - 1
         self.start_layer, self.end_layer = pp_layer_range(config.num_hidden_layers, pp_rank, pp_size)
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size) if self.is_first_stage else None
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.rotary_emb = RotaryEmbedding(head_dim, config.max_position_embeddings, config)
+        self.embed_scale = embed_scale  # Gemma: embeddings times sqrt(hidden_size), rounded to the model dtype
+        self.rotary_emb = rotary_emb  # shared by the layers (Gemma 3: one per layer type)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, self.rotary_emb, qkv_bias, o_bias, qk_norm)
-            if self.start_layer <= i < self.end_layer else MissingLayer()
+            make_layer(i) if self.start_layer <= i < self.end_layer else MissingLayer()
             for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if self.is_last_stage else None
+        self.norm = norm_cls(config.hidden_size, config.rms_norm_eps) if self.is_last_stage else None
 
     def forward(self, input_ids, positions, attn_metadata, intermediate_tensors=None):
         if self.is_first_stage:
             hidden_states, residual = self.embed_tokens(input_ids), None
+            if self.embed_scale is not None:
+                hidden_states = hidden_states * self.embed_scale
         else:
             hidden_states, residual = intermediate_tensors
         for layer in self.layers[self.start_layer:self.end_layer]:
@@ -156,12 +171,16 @@ class LlamaForCausalLM(nn.Module):
         ".gate_proj.": (".gate_up_proj.", 0), ".up_proj.": (".gate_up_proj.", 1),
     }
     qk_norm = False
+    norm_cls: type[RMSNorm] = RMSNorm
 
-    def __init__(self, config):
+    def __init__(self, config, max_model_len: int | None = None):
+        """``max_model_len``: the engine's context limit (LongRoPE picks its factors by it)."""
         super().__init__()
         self.config = config
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.model = LlamaModel(config, *self.attention_biases(config), qk_norm=self.qk_norm)
+        rotary = self.make_rotary(config, max_model_len)
+        self.model = LlamaModel(config, lambda i: self.make_layer(config, i, rotary), rotary, self.norm_cls,
+                                self.embed_scale(config))
         self.lm_head = None
         if self.model.is_last_stage:
             # Tied on one stage: the head shares the embedding. When the embedding lives on
@@ -176,6 +195,23 @@ class LlamaForCausalLM(nn.Module):
         """(q/k/v bias, o_proj bias); Llama and Qwen3 put ``attention_bias`` on both."""
         bias = bool(getattr(config, "attention_bias", False))
         return bias, bias
+
+    @staticmethod
+    def make_rotary(config, max_model_len: int | None) -> nn.Module:
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return RotaryEmbedding(head_dim, config.max_position_embeddings, config, max_model_len=max_model_len)
+
+    def make_layer(self, config, layer_idx: int, rotary: nn.Module) -> nn.Module:
+        return DecoderLayer(config, layer_idx, rotary, *self.attention_biases(config), qk_norm=self.qk_norm)
+
+    @staticmethod
+    def embed_scale(config) -> float | None:
+        return None
+
+    @staticmethod
+    def checkpoint_name(name: str) -> str | None:
+        """Our name for a checkpoint tensor's (None: not part of the text model, skipped)."""
+        return name
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata,
@@ -195,7 +231,8 @@ class LlamaForCausalLM(nn.Module):
         shards_seen: dict[str, set] = {}
         head_from_embedding = self.lm_head is not None and getattr(self.lm_head.weight, "checkpoint_name", None)
         for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name == "lm_head.weight"):
+            name = self.checkpoint_name(name)
+            if name is None or "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name == "lm_head.weight"):
                 continue
             if head_from_embedding and name == head_from_embedding:
                 self.lm_head.weight.weight_loader(self.lm_head.weight, tensor)
@@ -240,3 +277,9 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     qk_norm = True
+
+
+class Phi3ForCausalLM(LlamaForCausalLM):
+    """Phi-3 / Phi-4-mini: the checkpoint holds q/k/v and gate/up already fused (``qkv_proj``,
+    ``gate_up_proj``: our fused layers load them whole, each rank keeping its slices); LongRoPE
+    and partial rotary come from the rope parameters."""

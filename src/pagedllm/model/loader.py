@@ -1,6 +1,7 @@
 """Find a model (local folder, GGUF file, or HF cache), read its config and weights, build it."""
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import sys
@@ -18,7 +19,7 @@ from tqdm import tqdm
 
 from pagedllm.model.gguf_cache import gguf_architecture, iterate_gguf_tensors, load_gguf_config
 from pagedllm.model.layers import RMSNorm
-from pagedllm.model.registry import get_model_class
+from pagedllm.model.registry import TEXT_MODEL_OF_MULTIMODAL, get_model_class
 
 logger = logging.getLogger("pagedllm")
 
@@ -68,7 +69,22 @@ def resolve_model(
 
         arch = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
         config.architectures = [arch] if arch else []
-    return ResolvedModel(str(path), gguf_file, _apply_overrides(config, hf_overrides))
+    return ResolvedModel(str(path), gguf_file, _text_config(_apply_overrides(config, hf_overrides)))
+
+
+def _text_config(config: transformers.PretrainedConfig) -> transformers.PretrainedConfig:
+    """For a vision-language checkpoint served as its text model (Gemma 3), the text config,
+    keeping the checkpoint's architecture name (which picks the weight-name mapping) and the
+    top-level settings the text config lacks."""
+    archs = list(getattr(config, "architectures", None) or [])
+    text = getattr(config, "text_config", None)
+    if not archs or archs[0] not in TEXT_MODEL_OF_MULTIMODAL or text is None:
+        return config
+    text.architectures = archs
+    for key in ("dtype", "tie_word_embeddings"):
+        if getattr(text, key, None) is None and getattr(config, key, None) is not None:
+            setattr(text, key, getattr(config, key))
+    return text
 
 
 def _load_config(path: Path, trust_remote_code: bool) -> transformers.PretrainedConfig:
@@ -282,15 +298,20 @@ def _default_dtype(dtype: torch.dtype):
 
 
 def load_model(
-    resolved: ResolvedModel, load_format: str, dtype: torch.dtype, device: torch.device, seed: int = 0
+    resolved: ResolvedModel, load_format: str, dtype: torch.dtype, device: torch.device, seed: int = 0,
+    max_model_len: int | None = None,
 ) -> nn.Module:
-    """Build the model in ``dtype`` directly on ``device`` and fill its weights."""
+    """Build the model in ``dtype`` directly on ``device`` and fill its weights. ``max_model_len``
+    (the engine's context limit) reaches model classes that take it (LongRoPE's choice)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format {load_format!r} is not one of {list(LOAD_FORMATS)}")
     device = torch.device(device)
     model_cls = get_model_class(getattr(resolved.hf_config, "architectures", None))
+    kwargs = {}
+    if max_model_len is not None and "max_model_len" in inspect.signature(model_cls).parameters:
+        kwargs["max_model_len"] = max_model_len
     with _default_dtype(dtype), device:  # parameters are allocated once, where they will live
-        model = model_cls(resolved.hf_config)
+        model = model_cls(resolved.hf_config, **kwargs)
     start = time.perf_counter()
     if load_format == "dummy":
         _init_dummy(model, seed, device)
@@ -312,10 +333,10 @@ def _init_dummy(model: nn.Module, seed: int, device: torch.device) -> None:
     tensor's checkpoint name, and its weight loader keeps this rank's slice, so any tensor or
     pipeline parallel split gives the same model."""
     generator = torch.Generator(device=device)
-    norm_params = {id(p) for m in model.modules() if isinstance(m, RMSNorm) for p in m.parameters()}
+    norm_values = {id(p): m.dummy_value for m in model.modules() if isinstance(m, RMSNorm) for p in m.parameters()}
     for name, param in model.named_parameters():  # tied weights appear once
-        if id(param) in norm_params:
-            param.fill_(1.0)
+        if id(param) in norm_values:
+            param.fill_(norm_values[id(param)])
             continue
         key = getattr(param, "checkpoint_name", name)
         generator.manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()))

@@ -3,14 +3,24 @@ from __future__ import annotations
 
 from torch import nn
 
-from pagedllm.model.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+from pagedllm.model.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3ForConditionalGeneration
+from pagedllm.model.llama import (
+    LlamaForCausalLM, MistralForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
+)
 
 SUPPORTED_ARCHITECTURES: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
 }
+
+# Vision-language checkpoints served as their text model: the loader swaps in ``text_config``.
+TEXT_MODEL_OF_MULTIMODAL = {"Gemma3ForConditionalGeneration"}
 
 
 def get_model_class(architectures: list[str] | None) -> type[nn.Module]:

@@ -49,7 +49,7 @@ class Worker:
         torch.manual_seed(mc.seed)
         resolved = ResolvedModel(path=mc.path, gguf_file=mc.gguf_file, hf_config=mc.hf_config)
         model = load_model(resolved, mc.load_format, TORCH_DTYPES[mc.dtype],
-                           self.device, seed=mc.seed)
+                           self.device, seed=mc.seed, max_model_len=mc.max_model_len)
         self.model_runner = ModelRunner(config, model, self.device)
         if self.device.type == "cuda" and precompile_available():
             precompile(self.model_runner.compile_dry_run, self.device, pc.world_size)
