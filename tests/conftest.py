@@ -77,6 +77,7 @@ def smollm2_tokenizer_dir(tmp_path_factory) -> str:
 
 
 TINY_ARCHS = ("llama", "qwen2", "qwen3")
+DENSE_ARCHS_16 = ("gemma2", "gemma3", "phi3")  # tests/engine/test_correctness_archs.py
 
 
 def _tiny_config(arch: str, vocab_size: int, **overrides):
@@ -95,6 +96,19 @@ def _tiny_config(arch: str, vocab_size: int, **overrides):
         cfg = transformers.Qwen2Config(**common, tie_word_embeddings=True, rope_theta=1e6)
     elif arch == "qwen3":
         cfg = transformers.Qwen3Config(**common, head_dim=32, tie_word_embeddings=True, rope_theta=1e6)
+    # Issue 16's dense families: windows of 12 tokens (prompts run past them), a local and a global
+    # layer each (Gemma), soft caps small enough to change scores.
+    elif arch == "gemma2":
+        cfg = transformers.Gemma2Config(**common, head_dim=16, query_pre_attn_scalar=16, sliding_window=12,
+                                        attn_logit_softcapping=5.0, final_logit_softcapping=30.0, pad_token_id=0)
+    elif arch == "gemma3":
+        cfg = transformers.Gemma3TextConfig(
+            **common, head_dim=16, query_pre_attn_scalar=16, sliding_window=12, sliding_window_pattern=2,
+            rope_local_base_freq=1000.0, rope_scaling={"rope_type": "linear", "factor": 2.0}, pad_token_id=0)
+    elif arch == "phi3":  # LongRoPE whose pretraining length is the model's: short factors, as HF picks
+        cfg = transformers.Phi3Config(**common, tie_word_embeddings=False, pad_token_id=0, rope_scaling={
+            "type": "longrope", "short_factor": [1.0 + i / 4 for i in range(8)], "long_factor": [4.0] * 8},
+            original_max_position_embeddings=512)
     else:
         raise ValueError(arch)
     for k, v in overrides.items():
