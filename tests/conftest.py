@@ -77,7 +77,7 @@ def smollm2_tokenizer_dir(tmp_path_factory) -> str:
 
 
 TINY_ARCHS = ("llama", "qwen2", "qwen3")
-DENSE_ARCHS_16 = ("gemma2", "gemma3", "phi3")  # tests/engine/test_correctness_archs.py
+DENSE_ARCHS_16 = ("gemma2", "gemma3", "phi3", "olmo", "olmo2")  # tests/engine/test_correctness_archs.py
 
 
 def _tiny_config(arch: str, vocab_size: int, **overrides):
@@ -109,6 +109,10 @@ def _tiny_config(arch: str, vocab_size: int, **overrides):
         cfg = transformers.Phi3Config(**common, tie_word_embeddings=False, pad_token_id=0, rope_scaling={
             "type": "longrope", "short_factor": [1.0 + i / 4 for i in range(8)], "long_factor": [4.0] * 8},
             original_max_position_embeddings=512)
+    elif arch == "olmo":
+        cfg = transformers.OlmoConfig(**common, tie_word_embeddings=False, clip_qkv=2.0, pad_token_id=0)
+    elif arch == "olmo2":
+        cfg = transformers.Olmo2Config(**common, tie_word_embeddings=False, pad_token_id=0)
     else:
         raise ValueError(arch)
     for k, v in overrides.items():

@@ -1,6 +1,7 @@
 """Tensor parallelism (CPU, gloo, two ranks) for issue 16's dense families: Phi-3's fused
 checkpoint tensors (``qkv_proj``, ``gate_up_proj``) are split into each rank's heads and rows,
-and Gemma 2 (soft caps, local/global layers) and Phi-3 give TP=1's greedy tokens."""
+and Gemma 2 (soft caps, local/global layers), Phi-3 and OLMo 2 (q/k norms over the whole
+projection: the mean square is all-reduced) give TP=1's greedy tokens."""
 from __future__ import annotations
 
 import pytest
@@ -15,10 +16,10 @@ from tests.engine.test_correctness import _hf_model, make_llm
 @pytest.fixture(scope="module")
 def tp_arch_models(tmp_path_factory, smollm2_tokenizer_dir) -> dict[str, str]:
     return {arch: build_tiny_model(arch, str(tmp_path_factory.mktemp(f"tp-{arch}")), smollm2_tokenizer_dir)
-            for arch in ("phi3", "gemma2")}
+            for arch in ("phi3", "gemma2", "olmo2")}
 
 
-@pytest.mark.parametrize("arch", ["phi3", "gemma2"])
+@pytest.mark.parametrize("arch", ["phi3", "gemma2", "olmo2"])
 def test_tp2_greedy_outputs_equal_tp1(tp_arch_models, module_llms, arch):
     model_dir = tp_arch_models[arch]
     ref_ids, ref_lps = generate_with_logprobs(make_llm(model_dir), PROMPTS)

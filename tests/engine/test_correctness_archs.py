@@ -1,4 +1,4 @@
-"""Gemma 2, Gemma 3 and Phi-3 (issue 16) match transformers in fp32 on CPU as the first three
+"""Gemma 2, Gemma 3, Phi-3, OLMo and OLMo 2 (issue 16) match transformers in fp32 on CPU as the first three
 families do: greedy tokens on a mixed-length batch (prompts far past the 12-token sliding
 windows) with default settings, every prefill chunked, preemption, prefix-cache hits; prompt
 logprobs within 1e-4. One tiny model per architecture for the module."""

@@ -48,6 +48,8 @@ CASES = {
         eos_token_id=2,
         rope_scaling={"type": "longrope", "short_factor": [1.0, 1.3, 1.9, 2.5], "long_factor": [2.0, 3.0, 5.0, 9.0]}),
         dict(max_model_len=64)),
+    "olmo_clip_qkv": (transformers.OlmoConfig, dict(tie_word_embeddings=False, clip_qkv=0.3, pad_token_id=0), {}),
+    "olmo2_full_qk_norm": (transformers.Olmo2Config, dict(tie_word_embeddings=False, pad_token_id=0), {}),
 }
 
 

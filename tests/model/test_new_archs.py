@@ -96,7 +96,8 @@ def test_longrope_factor_count_is_checked(tmp_path):
 def test_unsupported_architecture_lists_every_supported_one():
     with pytest.raises(ValueError, match="not supported") as e:
         get_model_class(["GPTNeoXForCausalLM"])
-    for name in ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration", "Phi3ForCausalLM"):
+    for name in ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration", "Phi3ForCausalLM",
+                 "OlmoForCausalLM", "Olmo2ForCausalLM"):
         assert name in SUPPORTED_ARCHITECTURES and name in str(e.value)
 
 

@@ -95,12 +95,12 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, config, layer_idx: int, rotary_emb: RotaryEmbedding, qkv_bias: bool, o_bias: bool,
-                 qk_norm: bool):
+                 qk_norm: bool, norm_cls: type[nn.Module] = RMSNorm, attn_cls: type[Attention] = Attention):
         super().__init__()
-        self.self_attn = Attention(config, layer_idx, rotary_emb, qkv_bias, o_bias, qk_norm)
+        self.self_attn = attn_cls(config, layer_idx, rotary_emb, qkv_bias, o_bias, qk_norm)
         self.mlp = MLP(config, bias=getattr(config, "mlp_bias", False))
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = norm_cls(config.hidden_size, getattr(config, "rms_norm_eps", 1e-6))
+        self.post_attention_layernorm = norm_cls(config.hidden_size, getattr(config, "rms_norm_eps", 1e-6))
 
     def forward(self, positions, hidden_states, residual, attn_metadata):
         # The residual stream is carried separately so each norm can fuse the add.
@@ -135,7 +135,7 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(
             make_layer(i) if self.start_layer <= i < self.end_layer else MissingLayer()
             for i in range(config.num_hidden_layers))
-        self.norm = norm_cls(config.hidden_size, config.rms_norm_eps) if self.is_last_stage else None
+        self.norm = norm_cls(config.hidden_size, getattr(config, "rms_norm_eps", 1e-6)) if self.is_last_stage else None
 
     def forward(self, input_ids, positions, attn_metadata, intermediate_tensors=None):
         if self.is_first_stage:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from pagedllm.model.olmo import Olmo2ForCausalLM, OlmoForCausalLM
 from pagedllm.model.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3ForConditionalGeneration
 from pagedllm.model.llama import (
     LlamaForCausalLM, MistralForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
@@ -17,6 +18,8 @@ SUPPORTED_ARCHITECTURES: dict[str, type[nn.Module]] = {
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    "OlmoForCausalLM": OlmoForCausalLM,
+    "Olmo2ForCausalLM": Olmo2ForCausalLM,
 }
 
 # Vision-language checkpoints served as their text model: the loader swaps in ``text_config``.
