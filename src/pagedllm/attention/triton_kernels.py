@@ -359,9 +359,8 @@ def unified_attention(
     ``max_query_len`` is only a hint that picks the launch shape (1: decode tiles, one
     program per token; otherwise short and long query runs in separate launches); any value
     gives correct results. ``num_kv_splits`` forces the split-KV path (None: a heuristic that
-    splits only decode batches too small to fill the GPU). ``logits_soft_cap``: scores become
-    ``cap * tanh(s / cap)`` before masking (a separate compiled variant; None compiles and runs
-    the kernels without it).
+    splits only decode batches too small to fill the GPU). ``logits_soft_cap``: scores
+    ``cap * tanh(s / cap)`` before masking (its own compiled variant; None: the kernels without it).
     """
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = seq_lens.shape[0]
@@ -376,19 +375,12 @@ def unified_attention(
     common = dict(
         NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=group_pad, BLOCK_SIZE=kv_cache.shape[2],
         HEAD_DIM=head_dim, DIM_PAD=dim_pad, USE_WINDOW=sliding_window is not None, IEEE=ieee,
-        SOFTCAP=logits_soft_cap is not None,
-    )
+        SOFTCAP=logits_soft_cap is not None)
     # K and V halves as two pointers: the distance between them (num_blocks x block bytes, past
     # 2**31 elements for large caches) would otherwise be an argument Triton types i32 or i64
     # by its value, one compiled variant per kind of cache size.
     args = [q, out, kv_cache[0], kv_cache[1], block_tables, seq_lens, query_start_loc]
-    if logits_soft_cap is None:
-        scale_log2, softcap_log2 = scale * LOG2_E, 0.0
-    else:
-        scale_log2, softcap_log2 = scale / logits_soft_cap, logits_soft_cap * LOG2_E
-    scalars = [scale_log2, num_seqs, sliding_window or 0, num_heads, softcap_log2,
-               q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-               kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_tables.stride(0)]
+    scalars = _scalar_args(q, out, kv_cache, block_tables, scale, num_seqs, sliding_window, logits_soft_cap)
 
     decode_only = max_query_len == 1
     short_cfg = _tile_config(False, decode_only, group_pad, head_dim, ieee)
@@ -425,6 +417,20 @@ def unified_attention(
     launch(short_cfg, 0, splits, parts)
     _merge_splits(out, parts, query_start_loc, num_seqs, dim_pad)
     return out
+
+
+def _scalar_args(q, out, kv_cache, block_tables, scale: float, num_seqs: int, sliding_window: int | None,
+                 logits_soft_cap: float | None) -> list:
+    """The attention kernel's scalar arguments. The score multipliers are in log2 units for exp2:
+    without a cap ``scale * log2(e)`` (the second unused); with one ``scale / cap`` before the
+    tanh and ``cap * log2(e)`` after it."""
+    if logits_soft_cap is None:
+        scale_log2, softcap_log2 = scale * LOG2_E, 0.0
+    else:
+        scale_log2, softcap_log2 = scale / logits_soft_cap, logits_soft_cap * LOG2_E
+    return [scale_log2, num_seqs, sliding_window or 0, q.shape[1], softcap_log2,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_tables.stride(0)]
 
 
 def _split_buffers(num_tokens: int, num_heads: int, splits: int, dim_pad: int,
