@@ -30,7 +30,7 @@ _PHASES = {
     "load_s": ("pagedllm.worker.worker", "load_model"),  # wrapped where the worker looks it up
     "precompile_s": ("pagedllm.worker.worker", "precompile"),
     "kv_sizing_s": ("pagedllm.worker.worker", "Worker.determine_num_blocks"),
-    "cuda_graphs_s": ("pagedllm.worker.model_runner", "ModelRunner.capture_cuda_graphs"),
+    "cuda_graphs_s": ("pagedllm.worker.cuda_graphs", "CudaGraphs.capture"),
 }
 
 

@@ -1,0 +1,164 @@
+"""CUDA graphs of decode steps, and the start-up forwards around them (kernel warm-up, compile dry run).
+
+A pure-decode step of up to ``max_num_seqs`` requests replays the graph of the smallest
+captured batch size that holds it, its inputs padded in the fixed device buffers (padding
+rows write to no slot: slot -1). Graphs are captured largest first, in one memory pool.
+
+``warm_up_kernels`` and ``compile_dry_run`` take the ModelRunner: they are start-up
+forwards of its model, which reach the kernel variants that steps later need.
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+
+import torch
+from torch import nn
+
+from pagedllm.attention.backend import AttentionMetadata
+from pagedllm.sample.sampler import SamplingMetadata
+from pagedllm.worker.device_buffers import DeviceBuffers
+
+logger = logging.getLogger("pagedllm")
+
+
+def cuda_graph_sizes(max_num_reqs: int, max_num_tokens: int) -> list[int]:
+    """The padded batch sizes captured: 1, 2, 4, 8, then every 16 up to max_num_seqs (or
+    the token budget, if smaller), which is always one."""
+    limit = min(max_num_reqs, max_num_tokens)
+    sizes = [b for b in (1, 2, 4, 8) if b < limit] + list(range(16, limit, 16)) + [limit]
+    return sorted(set(sizes))
+
+
+class CudaGraphs:
+    """The decode graphs of one runner, by padded batch size, over its device buffers."""
+
+    def __init__(self, buffers: DeviceBuffers, device: torch.device, graph_safe: bool, pp_size: int,
+                 max_num_reqs: int, max_num_tokens: int, max_model_len: int) -> None:
+        self.buffers = buffers
+        self.device = device
+        self.graph_safe = graph_safe  # the attention backend can be captured
+        self.pp_size = pp_size
+        self.max_model_len = max_model_len
+        self.candidate_sizes = cuda_graph_sizes(max_num_reqs, max_num_tokens)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.sizes: list[int] = []  # captured sizes, ascending (empty: every step runs eagerly)
+
+    def size_for(self, num_reqs: int) -> int | None:
+        """The captured batch size a decode step of ``num_reqs`` replays (None: run eagerly)."""
+        i = bisect.bisect_left(self.sizes, num_reqs)
+        return self.sizes[i] if i < len(self.sizes) else None
+
+    def replay(self, size: int, num_reqs: int) -> torch.Tensor:
+        """Replay the graph of ``size`` over the buffers as uploaded; the first ``num_reqs``
+        rows of its output are the step's hidden states."""
+        graph, out = self.graphs[size]
+        graph.replay()
+        return out[:num_reqs]
+
+    def metadata(self, bs: int) -> AttentionMetadata:
+        """The attention metadata a graph of ``bs`` decodes captures: views of the buffers."""
+        buf = self.buffers
+        return AttentionMetadata(
+            num_actual_tokens=bs, slot_mapping=buf.slot_mapping[:bs], block_tables=buf.block_tables[:bs],
+            query_start_loc=buf.graph_query_start_loc[:bs + 1], seq_lens=buf.seq_lens[:bs],
+            query_start_loc_cpu=list(range(bs + 1)), seq_lens_cpu=[1] * bs,
+            max_query_len=1, max_seq_len=self.max_model_len,
+        )
+
+    def reset_inputs(self) -> DeviceBuffers:
+        """The input buffers as graph capture (and its dry run) reads them: one context token
+        per request, nothing written to the cache."""
+        buf = self.buffers
+        buf.input_ids.zero_()
+        buf.positions.zero_()
+        buf.slot_mapping.fill_(-1)
+        buf.seq_lens.fill_(1)
+        buf.block_tables.zero_()
+        return buf
+
+    @torch.inference_mode()
+    def capture(self, model: nn.Module) -> None:
+        """Capture one graph of the model forward per decode batch size, largest first, in one
+        shared memory pool. A decode step then replays the smallest graph that holds it."""
+        if self.device.type != "cuda" or not self.graph_safe:
+            return
+        if self.pp_size > 1:
+            logger.info("Pipeline parallelism: steps run eagerly (no CUDA graphs)")
+            return
+        t0 = time.perf_counter()
+        sizes = self.candidate_sizes
+        pool = torch.cuda.graph_pool_handle()
+        # Our own capture stream: torch's default one is created once per process, on whichever
+        # device was current then, and capturing there would switch this engine to that device.
+        stream = torch.cuda.Stream(self.device)
+        buf = self.reset_inputs()
+        for bs in reversed(sizes):
+            args = (buf.input_ids[:bs], buf.positions[:bs], self.metadata(bs))
+            model(*args)  # warm-up: compiles kernels, settles allocator state
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                out = model(*args)
+            self.graphs[bs] = (graph, out)
+        torch.cuda.synchronize(self.device)
+        self.sizes = list(sizes)
+        logger.info("Captured %d CUDA graphs for decode batches of 1..%d in %.1f s",
+                    len(sizes), sizes[-1], time.perf_counter() - t0)
+
+    def release(self) -> None:
+        """Forget the captured graphs (and their memory pool); steps run eagerly until
+        ``capture`` runs again."""
+        self.graphs = {}
+        self.sizes = []
+
+
+@torch.inference_mode()
+def warm_up_kernels(runner) -> None:
+    """Compile, at start-up, the kernel variants that neither the profiling forward (one
+    long prefill) nor graph capture (pure decodes) reach: a mixed step of a decode and a
+    two-token chunk, the one-pass sampler, and the LM head's small-row GEMMs. Otherwise
+    the first such step of a run pays Triton's compile time. Nothing is written to the KV
+    cache (slots are -1)."""
+    dev, model = runner.device, runner.model
+    md = AttentionMetadata(
+        num_actual_tokens=3, slot_mapping=torch.full((3,), -1, dtype=torch.int64, device=dev),
+        block_tables=torch.zeros(2, 1, dtype=torch.int32, device=dev),
+        query_start_loc=torch.tensor([0, 1, 3], dtype=torch.int32, device=dev),
+        seq_lens=torch.tensor([1, 2], dtype=torch.int32, device=dev),
+        query_start_loc_cpu=[0, 1, 3], seq_lens_cpu=[1, 2], max_query_len=2, max_seq_len=2,
+    )
+    hidden = model(torch.zeros(3, dtype=torch.long, device=dev), torch.tensor([0, 0, 1], device=dev), md,
+                   runner.dummy_intermediate(3))
+    if runner.is_last_stage:
+        logits = model.compute_logits(hidden[1:])
+        runner.sampler(logits, SamplingMetadata(temperature=torch.tensor([1.0, 0.0], device=dev),
+                                                all_greedy=False, all_random=False))
+        # The LM head runs outside the decode graphs, on as many rows as sample: its
+        # small-row kernels have one variant for 1 row, one up to 16 and one up to 32.
+        for rows in sorted({1, min(17, runner.max_num_reqs)}):
+            model.compute_logits(torch.zeros(rows, hidden.shape[-1], dtype=hidden.dtype, device=dev))
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+@torch.inference_mode()
+def compile_dry_run(runner) -> None:
+    """Start-up's forwards in miniature, for ``pagedllm.ops.precompile`` to see which Triton
+    kernels they compile (its hook skips those launches): the profiling forward (at a
+    token count that Triton specializes alike: a multiple of 16 or not), the warm-up step,
+    and decode forwards at the graph sizes up to 32 and the largest (the sizes where the
+    launch choices change: one row, the small-row GEMM's 16- and 32-row tiles, split-KV
+    attention or not). Reads and writes only a 4-block scratch KV cache."""
+    n = runner.config.scheduler_config.max_num_batched_tokens
+    runner.profile_run(n if n <= 80 else 64 if n % 16 == 0 else 65)
+    graphs: CudaGraphs = runner.graphs
+    with runner.scratch_kv_cache(4):
+        warm_up_kernels(runner)
+        if runner.config.model_config.enforce_eager or graphs.pp_size > 1 or not graphs.graph_safe:
+            return
+        buf = graphs.reset_inputs()
+        sizes = graphs.candidate_sizes
+        for bs in [s for s in sizes if s <= 32] + [sizes[-1]]:
+            runner.model(buf.input_ids[:bs], buf.positions[:bs], graphs.metadata(bs))

@@ -1,0 +1,91 @@
+"""DeviceBuffers: fixed device tensors for one step's inputs, fed from pinned host staging buffers."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class DeviceBuffers:
+    """A step costs one host-to-device copy per array, and CUDA graphs replay over the same
+    addresses. On CPU the arrays are used in place (no copies at all).
+
+    Also the pinned host buffers the sampled tokens come back to (double-buffered: step N+1
+    copies into one while step N's tokens are read from the other).
+    """
+
+    _DTYPES = {"input_ids": torch.int64, "positions": torch.int64, "slot_mapping": torch.int64,
+               "seq_lens": torch.int32, "query_start_loc": torch.int32, "temperature": torch.float32,
+               "sample_index": torch.int64, "inflight_dst": torch.int64, "inflight_src": torch.int64}
+
+    def __init__(self, max_tokens: int, max_reqs: int, max_blocks: int, device: torch.device) -> None:
+        self.device = device
+        self.on_cpu = device.type == "cpu"
+        sizes = {"input_ids": max_tokens, "positions": max_tokens, "slot_mapping": max_tokens,
+                 "seq_lens": max_reqs, "query_start_loc": max_reqs + 1, "temperature": max_reqs,
+                 "sample_index": max_reqs, "inflight_dst": max_reqs, "inflight_src": max_reqs}
+        self.host: dict[str, torch.Tensor] = {}
+        self.dev: dict[str, torch.Tensor] = {}
+        if self.on_cpu:
+            return
+        for name, size in sizes.items():
+            self.host[name] = torch.zeros(size, dtype=self._DTYPES[name], pin_memory=True)
+            self.dev[name] = torch.zeros(size, dtype=self._DTYPES[name], device=device)
+        self.host["block_tables"] = torch.zeros(max_reqs * max_blocks, dtype=torch.int32, pin_memory=True)
+        self.dev["block_tables"] = torch.zeros(max_reqs, max_blocks, dtype=torch.int32, device=device)
+        self.graph_query_start_loc = torch.arange(max_reqs + 1, dtype=torch.int32, device=device)
+        # The pinned buffers are rewritten each step: wait until the last step's copies ran.
+        self._copied = torch.cuda.Event()
+        self._pending = False
+        self._sampled_host = [torch.zeros(max_reqs, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+        self._sampled_turn = 0
+
+    def __getattr__(self, name: str) -> torch.Tensor:  # buf.input_ids etc.: the device tensors
+        dev = self.__dict__.get("dev", {})
+        if name in dev:
+            return dev[name]
+        raise AttributeError(name)
+
+    def begin_step(self) -> None:
+        if not self.on_cpu and self._pending:
+            self._copied.synchronize()
+
+    def end_step(self) -> None:
+        if not self.on_cpu:
+            self._copied.record()
+            self._pending = True
+
+    def upload(self, name: str, values: np.ndarray, size: int | None = None, pad: int = 0) -> torch.Tensor:
+        """``values`` (padded with ``pad`` up to ``size``) on the device, as a view of the buffer."""
+        dtype = self._DTYPES[name]
+        n = len(values)
+        if self.on_cpu:
+            t = torch.from_numpy(np.ascontiguousarray(values)).to(dtype)
+            if size is not None and size > n:
+                t = torch.cat([t, torch.full((size - n,), pad, dtype=dtype)])
+            return t
+        size = n if size is None else size
+        host = self.host[name]
+        host.numpy()[:n] = values
+        if size > n:
+            host[n:size] = pad
+        dev = self.dev[name][:size]
+        dev.copy_(host[:size], non_blocking=True)
+        return dev
+
+    def upload_block_tables(self, table: np.ndarray) -> torch.Tensor:
+        rows, cols = table.shape
+        if self.on_cpu:
+            return torch.from_numpy(np.ascontiguousarray(table))
+        host = self.host["block_tables"][:rows * cols]
+        host.numpy().reshape(rows, cols)[:] = table
+        dev = self.dev["block_tables"][:rows, :cols]
+        dev.copy_(host.view(rows, cols), non_blocking=True)
+        return dev
+
+    def sampled_tokens_host(self, n: int) -> torch.Tensor | None:
+        """A pinned host buffer for ``n`` sampled tokens (the other half of the double buffer
+        from the last call); None on CPU, where the sampled tensor is read directly."""
+        if self.on_cpu:
+            return None
+        self._sampled_turn ^= 1
+        return self._sampled_host[self._sampled_turn][:n]
