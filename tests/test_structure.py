@@ -26,7 +26,6 @@ KERNEL_FILES = {
 # merges. The lead removes each entry when that split lands (the test fails while an entry here
 # already passes, so none outlives its split).
 PENDING_SPLIT = {
-    "worker/model_runner.py",  # split into input_batch / sample.metadata / cuda_graphs (runner-split branch)
     "entrypoints/openai/api_server.py",  # split by the hardening branch
 }
 

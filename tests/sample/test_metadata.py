@@ -143,7 +143,7 @@ def test_allowed_tokens_bans_and_processors_are_per_row():
     rows = Rows()
     p_allowed = SamplingParams(allowed_token_ids=[3, 5])
     p_min = SamplingParams(min_tokens=3, stop_token_ids=[9])
-    p_min._all_stop_token_ids = {9, 2}
+    p_min.update_from_generation_config({2})
     p_proc = SamplingParams(logits_processors=[proc])
     states = [State(p_allowed, [1], 1), State(p_min, [1, 4], 1), State(p_proc, [6, 7, 8], 2)]
     for row, s in enumerate(states):
@@ -159,9 +159,8 @@ def test_allowed_tokens_bans_and_processors_are_per_row():
 
 
 def test_banned_tokens_follow_min_tokens_and_bad_word_prefixes():
-    p = SamplingParams(min_tokens=2)
-    p._all_stop_token_ids = {0}
-    p._bad_words_token_ids = [[5], [6, 7], [1, 2, 3]]
+    p = SamplingParams(min_tokens=2, stop_token_ids=[0])
+    p._bad_words_token_ids = [[5], [6, 7], [1, 2, 3]]  # as update_from_tokenizer leaves them
     assert sorted(banned_tokens(p, [])) == [0, 5]
     assert sorted(banned_tokens(p, [6])) == [0, 5, 7]
     assert sorted(banned_tokens(p, [6, 1, 2])) == [3, 5]  # min_tokens reached: stop tokens allowed again

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from pagedllm.core.scheduler import CachedRequestData, NewRequestData, SchedulerOutput
+from pagedllm.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
 from pagedllm.sample.metadata import BIT, NO_LOGPROBS
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.input_batch import Column, InputBatch

@@ -4,8 +4,9 @@ A pure-decode step of up to ``max_num_seqs`` requests replays the graph of the s
 captured batch size that holds it, its inputs padded in the fixed device buffers (padding
 rows write to no slot: slot -1). Graphs are captured largest first, in one memory pool.
 
-``warm_up_kernels`` and ``compile_dry_run`` take the ModelRunner: they are start-up
-forwards of its model, which reach the kernel variants that steps later need.
+``profile_run``, ``warm_up_kernels`` and ``compile_dry_run`` take the ModelRunner: they are
+start-up forwards of its model (the memory profile, and the kernel variants that steps later
+need), on scratch inputs that leave its KV cache alone.
 """
 from __future__ import annotations
 
@@ -115,6 +116,32 @@ class CudaGraphs:
 
 
 @torch.inference_mode()
+def profile_run(runner, num_tokens: int) -> None:
+    """One forward + sample at the largest step size, to measure peak activation memory."""
+    dev, model = runner.device, runner.model
+    num_blocks = -(-num_tokens // runner.block_size)
+    with runner.scratch_kv_cache(num_blocks):
+        positions = torch.arange(num_tokens, device=dev)
+        md = AttentionMetadata(
+            num_actual_tokens=num_tokens, slot_mapping=positions.clone(),
+            block_tables=torch.arange(num_blocks, dtype=torch.int32, device=dev)[None],
+            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=dev),
+            query_start_loc_cpu=[0, num_tokens], seq_lens_cpu=[num_tokens],
+            max_query_len=num_tokens, max_seq_len=num_tokens,
+        )
+        hidden = model(torch.zeros(num_tokens, dtype=torch.long, device=dev), positions, md,
+                       runner.dummy_intermediate(num_tokens))
+        if not runner.is_last_stage:
+            return
+        num_rows = min(runner.max_num_reqs, num_tokens)
+        logits = model.compute_logits(hidden[:num_rows])
+        runner.sampler(logits, SamplingMetadata(
+            temperature=torch.ones(num_rows, device=dev), all_greedy=False, all_random=True,
+            top_p=torch.full((num_rows,), 0.9, device=dev)))
+
+
+@torch.inference_mode()
 def warm_up_kernels(runner) -> None:
     """Compile, at start-up, the kernel variants that neither the profiling forward (one
     long prefill) nor graph capture (pure decodes) reach: a mixed step of a decode and a
@@ -152,7 +179,7 @@ def compile_dry_run(runner) -> None:
     launch choices change: one row, the small-row GEMM's 16- and 32-row tiles, split-KV
     attention or not). Reads and writes only a 4-block scratch KV cache."""
     n = runner.config.scheduler_config.max_num_batched_tokens
-    runner.profile_run(n if n <= 80 else 64 if n % 16 == 0 else 65)
+    profile_run(runner, n if n <= 80 else 64 if n % 16 == 0 else 65)
     graphs: CudaGraphs = runner.graphs
     with runner.scratch_kv_cache(4):
         warm_up_kernels(runner)

@@ -130,29 +130,8 @@ class ModelRunner:
                 layer.kv_cache = cache
 
     # ---- start-up forwards and CUDA graphs (worker/cuda_graphs.py) ---------------------------
-    @torch.inference_mode()
     def profile_run(self, num_tokens: int) -> None:
-        """One forward + sample at the largest step size, to measure peak activation memory."""
-        num_blocks = -(-num_tokens // self.block_size)
-        with self.scratch_kv_cache(num_blocks):
-            positions = torch.arange(num_tokens, device=self.device)
-            md = AttentionMetadata(
-                num_actual_tokens=num_tokens, slot_mapping=positions.clone(),
-                block_tables=torch.arange(num_blocks, dtype=torch.int32, device=self.device)[None],
-                query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device),
-                seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=self.device),
-                query_start_loc_cpu=[0, num_tokens], seq_lens_cpu=[num_tokens],
-                max_query_len=num_tokens, max_seq_len=num_tokens,
-            )
-            hidden = self.model(torch.zeros(num_tokens, dtype=torch.long, device=self.device), positions, md,
-                                self.dummy_intermediate(num_tokens))
-            if not self.is_last_stage:
-                return
-            num_rows = min(self.max_num_reqs, num_tokens)
-            logits = self.model.compute_logits(hidden[:num_rows])
-            self.sampler(logits, SamplingMetadata(
-                temperature=torch.ones(num_rows, device=self.device), all_greedy=False, all_random=True,
-                top_p=torch.full((num_rows,), 0.9, device=self.device)))
+        cuda_graphs.profile_run(self, num_tokens)
 
     def compile_dry_run(self) -> None:
         cuda_graphs.compile_dry_run(self)
