@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from pagedllm.sample.metadata import (SAMPLING_COLUMNS, SamplingMetadataBuilder, banned_tokens, feature_bits,
-                                      sampling_features)
+from pagedllm.sample.metadata import (SAMPLING_COLUMNS, SamplingCounts, SamplingMetadataBuilder, banned_tokens,
+                                      feature_bits, sampling_features)
 from pagedllm.sampling_params import SamplingParams
 
 VOCAB = 40
@@ -36,12 +36,14 @@ class Rows:
         self.columns = {c.name: np.full(ROWS, c.default, dtype=c.dtype) for c in SAMPLING_COLUMNS}
         self.token_ids = np.zeros((ROWS, 64), dtype=np.int64)
         self.num_prompt = np.zeros(ROWS, dtype=np.int64)
-        self.builder = SamplingMetadataBuilder(self.columns, self.token_ids, self.num_prompt, VOCAB,
+        self.counts = SamplingCounts()
+        self.builder = SamplingMetadataBuilder(self.columns, self.counts, self.token_ids, self.num_prompt, VOCAB,
                                                torch.device("cpu"))
 
     def put(self, row: int, state: State) -> None:
         for c in SAMPLING_COLUMNS:
             self.columns[c.name][row] = c.value(state.sampling_params, VOCAB)
+        self.counts.add(self.columns, row)
         self.token_ids[row, :len(state.token_ids)] = state.token_ids
         self.num_prompt[row] = state.num_prompt_tokens
 
@@ -134,6 +136,20 @@ def test_plain_temperature_rows_build_nothing_else():
     assert not md.all_greedy and not md.all_random
     assert md.top_p is None and md.top_k is None and md.generators == {} and md.output_token_ids == []
     assert rows.build(states[:1], [0]).all_greedy and rows.build(states[1:], [1]).all_random
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_a_batch_of_one_kind_answers_from_its_counts(temperature):
+    """Every request greedy (or none): no column is gathered, and the answer is the same."""
+    rows = Rows()
+    states = [State(SamplingParams(temperature=temperature), [1, 2], 2) for _ in range(3)]
+    for row, s in enumerate(states):
+        rows.put(row, s)
+    assert (rows.counts.requests, rows.counts.greedy, rows.counts.featured) == (3, 3 * (temperature == 0), 0)
+    rows.columns["greedy"][:] = not rows.columns["greedy"][0]  # poisoned: a gather would see it
+    md = rows.build(states[1:], [1, 2])
+    assert (md.all_greedy, md.all_random) == (temperature == 0.0, temperature != 0.0)
+    assert rows.builder.needs_history(np.array([0, 1])) is None
 
 
 def test_allowed_tokens_bans_and_processors_are_per_row():

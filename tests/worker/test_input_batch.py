@@ -72,6 +72,15 @@ def test_dropped_rows_are_reused_and_object_columns_let_go():
     assert sorted(batch.free_rows) == [row_b]
 
 
+def test_sampling_counts_follow_adds_and_drops():
+    batch = make_batch()
+    batch.update(step(new=[new_req("g", temperature=0.0), new_req("p", presence_penalty=0.5), new_req("t", top_p=0.9)]))
+    counts = batch.sampling_counts
+    assert (counts.requests, counts.greedy, counts.featured, counts.history) == (3, 1, 2, 1)
+    batch.update(step(finished=["g", "p"], preempted=["t"]))
+    assert (counts.requests, counts.greedy, counts.featured, counts.history) == (0, 0, 0, 0)
+
+
 def test_preempted_seeded_request_resumes_with_its_rng_stream():
     batch = make_batch()
     batch.update(step(new=[new_req("a", seed=7), new_req("b")]))

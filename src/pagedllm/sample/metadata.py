@@ -91,6 +91,22 @@ SAMPLING_COLUMNS: tuple[SamplingColumn, ...] = (
 )
 
 
+class SamplingCounts:
+    """How many requests of the batch are greedy, use any optional feature, or read their
+    history: where no row (or every row) does, a step answers without gathering columns."""
+
+    def __init__(self) -> None:
+        self.requests = self.greedy = self.featured = self.history = 0
+
+    def add(self, columns: Mapping[str, np.ndarray], row: int, sign: int = 1) -> None:
+        """Count the request in ``row`` (``sign=-1``: uncount it, before the row is reused)."""
+        bits = int(columns["features"][row])
+        self.requests += sign
+        self.greedy += sign * bool(columns["greedy"][row])
+        self.featured += sign * (bits != 0)
+        self.history += sign * (bits & HISTORY_BITS != 0)
+
+
 class RequestView(Protocol):
     """What a step reads of a request state beyond the columns: its history so far."""
 
@@ -121,12 +137,14 @@ class SamplingMetadataBuilder:
 
     ``columns`` maps each SAMPLING_COLUMNS name to its per-row array; ``token_ids`` and
     ``num_prompt_tokens`` are the batch's per-row token array and prompt lengths (for
-    repetition penalties' prompt tokens). All are read, never written.
+    repetition penalties' prompt tokens); ``counts`` its running SamplingCounts. All are
+    read, never written.
     """
 
-    def __init__(self, columns: Mapping[str, np.ndarray], token_ids: np.ndarray, num_prompt_tokens: np.ndarray,
-                 vocab_size: int, device: torch.device) -> None:
+    def __init__(self, columns: Mapping[str, np.ndarray], counts: SamplingCounts, token_ids: np.ndarray,
+                 num_prompt_tokens: np.ndarray, vocab_size: int, device: torch.device) -> None:
         self.columns = columns
+        self.counts = counts
         self.token_ids = token_ids
         self.num_prompt_tokens = num_prompt_tokens
         self.vocab_size = vocab_size
@@ -136,15 +154,24 @@ class SamplingMetadataBuilder:
         """The rows' temperatures (float32), for the caller to upload with the step's inputs."""
         return self.columns["temperature"][rows]
 
-    def needs_history(self, rows: np.ndarray) -> np.ndarray:
-        """Per row: whether its sampling reads the exact output history."""
+    def needs_history(self, rows: np.ndarray) -> np.ndarray | None:
+        """Per row: whether its sampling reads the exact output history (None: no row does)."""
+        if not self.counts.history:
+            return None
         return (self.columns["features"][rows] & HISTORY_BITS) != 0
 
     def build(self, states: Sequence[RequestView], rows: np.ndarray, temperature: torch.Tensor) -> SamplingMetadata:
         """The metadata of ``states`` (held in ``rows``), ``temperature`` already on the device."""
-        cols = self.columns
-        greedy = cols["greedy"][rows]
-        md = SamplingMetadata(temperature=temperature, all_greedy=bool(greedy.all()), all_random=not greedy.any())
+        cols, counts = self.columns, self.counts
+        if counts.greedy in (0, counts.requests):  # the batch's requests (a superset of rows) all agree
+            all_greedy = counts.greedy > 0
+            all_random = not all_greedy
+        else:
+            greedy = cols["greedy"][rows]
+            all_greedy, all_random = bool(greedy.all()), not greedy.any()
+        md = SamplingMetadata(temperature=temperature, all_greedy=all_greedy, all_random=all_random)
+        if not counts.featured:
+            return md
         row_bits = cols["features"][rows]
         bits = int(np.bitwise_or.reduce(row_bits))
         if not bits:

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from pagedllm.core.sched_output import NewRequestData, SchedulerOutput
-from pagedllm.sample.metadata import SAMPLING_COLUMNS
+from pagedllm.sample.metadata import SAMPLING_COLUMNS, SamplingCounts
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -69,6 +69,7 @@ class InputBatch:
         self.block_table_cpu = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
         self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.sampling = {c.name: np.full(max_num_reqs, c.default, dtype=c.dtype) for c in SAMPLING_COLUMNS}
+        self.sampling_counts = SamplingCounts()
         self.columns: dict[str, np.ndarray] = {}
         self._extra_columns: list[Column] = []
         for column in columns:
@@ -128,6 +129,7 @@ class InputBatch:
         self.num_prompt_tokens[row] = len(new.prompt_token_ids)
         for c in SAMPLING_COLUMNS:
             self.sampling[c.name][row] = c.value(params, self.vocab_size)
+        self.sampling_counts.add(self.sampling, row)
         for c in self._extra_columns:
             self.columns[c.name][row] = c.value(new)
         state = CachedRequestState(
@@ -143,6 +145,7 @@ class InputBatch:
         state = self.requests.pop(req_id, None)
         if state is None:
             return None
+        self.sampling_counts.add(self.sampling, state.row, sign=-1)
         # Object columns would otherwise keep what a gone request held alive.
         for c in SAMPLING_COLUMNS:
             if c.dtype is object:

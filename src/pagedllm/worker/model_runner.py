@@ -76,8 +76,9 @@ class ModelRunner:
                                       device)
         self.requests = self.input_batch.requests  # the same dict: req_id -> CachedRequestState
         self._free_rows = self.input_batch.free_rows  # the same list (read by tests)
-        self.sampling_metadata = SamplingMetadataBuilder(self.input_batch.sampling, self.input_batch.token_ids_cpu,
-                                                self.input_batch.num_prompt_tokens, self.vocab_size, device)
+        ib = self.input_batch
+        self.sampling_metadata = SamplingMetadataBuilder(ib.sampling, ib.sampling_counts, ib.token_ids_cpu,
+                                                         ib.num_prompt_tokens, self.vocab_size, device)
         self._buffers = DeviceBuffers(self.max_num_tokens, self.max_num_reqs, max_blocks_per_req, device)
         self.graphs = CudaGraphs(self._buffers, device, getattr(self.attn_backend, "cuda_graph_safe", False),
                                  self.pp_size, self.max_num_reqs, self.max_num_tokens, sc.max_model_len)
@@ -229,7 +230,7 @@ class ModelRunner:
 
     def _needs_known_outputs(self, states: list[CachedRequestState], rows: np.ndarray) -> bool:
         history = self.sampling_metadata.needs_history(rows)
-        return bool(history.any()) and any(s.num_inflight for s, h in zip(states, history.tolist()) if h)
+        return history is not None and any(s.num_inflight for s, h in zip(states, history.tolist()) if h)
 
     def _prepare_inputs(self, states: list[CachedRequestState], rows: np.ndarray, num_scheduled: dict[str, int]
                         ) -> _Batch:
@@ -291,7 +292,7 @@ class ModelRunner:
         # a copy from pageable memory may wait for the stream, stalling the host while the
         # device drains.
         sample_rows = [i for i, c in enumerate(completes) if c]
-        sample_batch_rows = rows[sample_rows]
+        sample_batch_rows = rows if len(sample_rows) == num_reqs else rows[sample_rows]
         temperature = sample_index = None
         if sample_rows:
             temperature = buf.upload("temperature", self.sampling_metadata.temperature(sample_batch_rows))
