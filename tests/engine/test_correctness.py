@@ -28,9 +28,13 @@ def shared_prefix_prompts(seed: int = 1) -> list[list[int]]:
 
 @functools.lru_cache(maxsize=None)
 def _hf_model(model_dir: str):
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    kwargs = {}
+    if getattr(AutoConfig.from_pretrained(model_dir), "attn_logit_softcapping", None):
+        # SDPA has no soft cap: transformers versions that pick it for Gemma 2 (5.17 does) drop the cap.
+        kwargs["attn_implementation"] = "eager"
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **kwargs)
     # Like ignore_eos on our side: run to max_new_tokens without suppressing EOS.
     model.generation_config.eos_token_id = None
     return model.eval()

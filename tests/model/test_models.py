@@ -56,7 +56,9 @@ CASES = {
 def _save_tiny_checkpoint(folder: Path, config_cls, config_kwargs: dict, save_kwargs: dict):
     torch.manual_seed(0)
     config = config_cls(**TINY, **config_kwargs)
-    hf_model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    # Eager attention: SDPA has no soft cap, and transformers versions that pick it for Gemma 2 drop the cap.
+    hf_model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+                                                             attn_implementation="eager").eval()
     save_kwargs = {k: v for k, v in save_kwargs.items() if k != "max_model_len"}
     with torch.no_grad():  # non-trivial norms and biases, so a swapped or skipped one shows
         for name, p in hf_model.named_parameters():
