@@ -22,13 +22,6 @@ KERNEL_FILES = {
     "ops/triton_gemv.py",
     "sample/triton_sampler.py",
 }
-# TEMPORARY (issue 13): files another branch is splitting; exempt from the size checks until it
-# merges. The lead removes each entry when that split lands (the test fails while an entry here
-# already passes, so none outlives its split).
-PENDING_SPLIT = {
-    "entrypoints/openai/api_server.py",  # split by the hardening branch
-}
-
 # The rooms, highest first: a module may import its own room and any lower one, never a higher
 # one. Keys are module-name prefixes below ``pagedllm.`` (the longest matching prefix wins).
 ROOMS: dict[str, int] = {
@@ -164,7 +157,7 @@ def test_files_are_short():
         rel = _rel(module)
         with open(path) as f:
             n = sum(1 for _ in f)
-        if n > MAX_FILE_LINES and rel not in KERNEL_FILES | PENDING_SPLIT:
+        if n > MAX_FILE_LINES and rel not in KERNEL_FILES:
             too_long.append(f"{rel}: {n} lines")
     assert not too_long, f"files over {MAX_FILE_LINES} lines (split them by concern): {too_long}"
 
@@ -197,18 +190,8 @@ def _long_functions(module: str) -> list[str]:
 
 
 def test_functions_are_short():
-    too_long = [f for m in _modules() if _rel(m) not in PENDING_SPLIT for f in _long_functions(m)]
+    too_long = [f for m in _modules() for f in _long_functions(m)]
     assert not too_long, f"functions over {MAX_FUNCTION_LINES} lines (Triton kernels excepted): {too_long}"
-
-
-def test_pending_split_entries_still_need_the_exemption():
-    """Each PENDING_SPLIT file is still too long; once its split lands, remove it from the set."""
-    for rel in PENDING_SPLIT:
-        module = next(m for m in _modules() if _rel(m) == rel)
-        with open(_modules()[module]) as f:
-            n = sum(1 for _ in f)
-        assert n > MAX_FILE_LINES or _long_functions(module), \
-            f"{rel} now fits ({n} lines, no long function): remove it from PENDING_SPLIT"
 
 
 def _cycles() -> list[list[str]]:
