@@ -79,6 +79,11 @@ def test_chat_template_override_and_missing_template_error(tiny_models, tmp_path
     again = llm.chat([{"role": "user", "content": "abc"}], SamplingParams(max_tokens=1), chat_template=str(path),
                      add_generation_prompt=False, use_tqdm=False)[0]
     assert again.prompt_token_ids == out.prompt_token_ids
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    with_tools = llm.chat([{"role": "user", "content": "abc"}], SamplingParams(max_tokens=1), tools=[tool],
+                          chat_template="{% for t in tools %}[{{ t.function.name }}]{% endfor %}" + template,
+                          add_generation_prompt=False, use_tqdm=False)[0]
+    assert with_tools.prompt_token_ids == llm.get_tokenizer().encode("[get_weather]<<abc>>", add_special_tokens=False)
     with pytest.raises(ValueError, match="role"):
         llm.chat([{"role": "wizard", "content": "x"}], use_tqdm=False)
     with pytest.raises(ValueError, match="messages"):

@@ -102,10 +102,11 @@ class LLM:
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
         chat_template_content_format: str = "auto",
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to each conversation, then generate.
         `chat_template_content_format` (auto/string/openai) is vLLM's: how message content
-        reaches the template."""
+        reaches the template; `tools` (OpenAI tool definitions) go to the template as vLLM's do."""
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list of messages or of conversations")
         conversations = messages if isinstance(messages[0], list) else [messages]
@@ -114,7 +115,7 @@ class LLM:
             {"prompt_token_ids": apply_chat_template(
                 tokenizer, conv, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message, content_format=chat_template_content_format,
-                **(chat_template_kwargs or {}))}
+                **(chat_template_kwargs or {}), **({"tools": tools} if tools else {}))}
             for conv in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

@@ -60,7 +60,9 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], args: Optional[Fr
         request_logger=None if args.disable_log_requests else RequestLogger(args.max_log_len),
         enable_prompt_tokens_details=args.enable_prompt_tokens_details)
     # The chat handler also serves /tokenize and /detokenize (the base class's, chat template included).
-    serving = OpenAIServingChat(engine, served_model_names, args.chat_template, **serving_kwargs)
+    serving = OpenAIServingChat(engine, served_model_names, args.chat_template, **serving_kwargs,
+                                enable_auto_tool_choice=args.enable_auto_tool_choice,
+                                tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
     completion = OpenAIServingCompletion(engine, served_model_names, args.chat_template, **serving_kwargs)
     metrics_registry = ServerMetrics(served_model_names[0])
     engine.metrics = metrics_registry

@@ -63,7 +63,17 @@ class FrontendArgs:
         False, "report usage.prompt_tokens_details.cached_tokens (prompt tokens served from the prefix cache)",
         action="store_true")
 
+    enable_auto_tool_choice: bool = _opt(
+        False, "let the model decide to call tools (tool_choice 'auto'); needs --tool-call-parser", action="store_true")
+    tool_call_parser: Optional[str] = _opt(
+        None, "how the model writes tool calls: hermes, llama3_json, mistral, pythonic, qwen3_xml, qwen3_coder, "
+        "or a name registered by --tool-parser-plugin")
+    tool_parser_plugin: Optional[str] = _opt(None, "a Python file that registers more tool call parsers")
+    reasoning_parser: Optional[str] = _opt(
+        None, "split <think> reasoning into the message's reasoning_content: deepseek_r1 or qwen3")
+
     def __post_init__(self) -> None:
+        self._check_parsers()
         if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
             raise ValueError("--ssl-keyfile and --ssl-certfile go together: give both or neither")
         if self.max_log_len is not None and self.max_log_len < 0:
@@ -71,6 +81,20 @@ class FrontendArgs:
         if self.chat_template_content_format not in CONTENT_FORMATS:
             raise ValueError(f"chat_template_content_format must be one of {list(CONTENT_FORMATS)}, "
                              f"got {self.chat_template_content_format!r}")
+
+    def _check_parsers(self) -> None:
+        """Parser flags fail at start-up, before the model loads (the plugin file runs here)."""
+        from pagedllm.entrypoints.openai.reasoning import ReasoningParserManager
+        from pagedllm.entrypoints.openai.tool_parsers import ToolParserManager, import_tool_parser_plugin
+
+        if self.tool_parser_plugin is not None:
+            import_tool_parser_plugin(self.tool_parser_plugin)
+        if self.tool_call_parser is not None:
+            ToolParserManager.get_tool_parser(self.tool_call_parser)
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+        if self.reasoning_parser is not None:
+            ReasoningParserManager.get_reasoning_parser(self.reasoning_parser)
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> "FrontendArgs":

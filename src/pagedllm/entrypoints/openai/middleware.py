@@ -5,6 +5,7 @@ import logging
 import secrets
 import uuid
 from typing import Any
+
 from pagedllm.entrypoints.openai.serving_engine import error_response
 
 logger = logging.getLogger("pagedllm")

@@ -159,8 +159,24 @@ class ChatMessage(OpenAIModel):
     name: Optional[str] = None
 
 
+class ChatToolFunction(OpenAIModel):
+    name: str
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[bool] = None
+
+
+class ChatTool(OpenAIModel):
+    type: Literal["function"] = "function"
+    function: ChatToolFunction
+
+
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage]
+    tools: Optional[list[ChatTool]] = None
+    # "none" | "auto" | "required" | {"type": "function", "function": {"name": ...}}; None: "auto" with tools
+    tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    parallel_tool_calls: Optional[bool] = None
     max_tokens: Optional[int] = None
     max_completion_tokens: Optional[int] = None
     logprobs: bool = False
@@ -220,6 +236,9 @@ class ChatLogprobs(OpenAIModel):
 class ChatResponseMessage(OpenAIModel):
     role: str = "assistant"
     content: Optional[str] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None
+    reasoning_content: Optional[str] = None  # --reasoning-parser; `reasoning` is vLLM's newer name
+    reasoning: Optional[str] = None
 
 
 class ChatChoice(OpenAIModel):
@@ -242,6 +261,9 @@ class ChatCompletionResponse(OpenAIModel):
 class DeltaMessage(OpenAIModel):
     role: Optional[str] = None
     content: Optional[str] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None
+    reasoning_content: Optional[str] = None
+    reasoning: Optional[str] = None
 
 
 class ChatStreamChoice(OpenAIModel):
@@ -273,6 +295,7 @@ class TokenizeRequest(OpenAIModel):
     continue_final_message: bool = False
     chat_template: Optional[str] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    tools: Optional[list[ChatTool]] = None  # rendered by the chat template, as in a chat request
 
 
 class TokenizeResponse(OpenAIModel):

@@ -4,20 +4,93 @@ from __future__ import annotations
 import logging
 import time
 from typing import Any, AsyncIterator, Optional
+
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
+
 from pagedllm.entrypoints.openai.protocol import (
-    ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs,
+    BadParam, ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs,
     ChatResponseMessage, ChatStreamChoice, ChatTokenLogprob, ChatTopLogprob, DeltaMessage, UsageInfo,
 )
-from pagedllm.outputs import CompletionOutput
+from pagedllm.entrypoints.openai.reasoning import ReasoningParser, ReasoningParserManager
 from pagedllm.entrypoints.openai.serving_engine import OpenAIServing, _MIN_LOGPROB, _merge, _sse
+from pagedllm.entrypoints.openai.tool_parsers import ToolParser, ToolParserManager
+from pagedllm.outputs import CompletionOutput
 
 logger = logging.getLogger("pagedllm")
 
 
+class ChoiceParsers:
+    """One reply's reasoning and tool-call parsers: whole text, or streamed deltas."""
+
+    def __init__(self, reasoning_cls: Optional[type[ReasoningParser]], tool_cls: Optional[type[ToolParser]],
+                 tokenizer: Any, tools: Optional[list[dict]]) -> None:
+        self.reasoning = reasoning_cls(tokenizer) if reasoning_cls else None
+        self.tool = tool_cls(tokenizer) if tool_cls else None
+        self.tools = tools
+        self.content = ""  # the reply past the reasoning, so far (what the tool parser reads)
+        self.called = False
+
+    def whole(self, text: str, role: str, finish_reason: Optional[str]) -> tuple[ChatResponseMessage, Optional[str]]:
+        reasoning, content = self.reasoning.extract_reasoning_content(text) if self.reasoning else (None, text)
+        calls = None
+        if self.tool is not None and content:
+            info = self.tool.extract_tool_calls(content, self.tools)
+            if info.tools_called:
+                calls, content, finish_reason = [c.model_dump() for c in info.tool_calls], info.content, "tool_calls"
+        message = ChatResponseMessage(role=role, content=content, tool_calls=calls, reasoning_content=reasoning,
+                                      reasoning=reasoning)
+        return message, finish_reason
+
+    def delta(self, text_so_far: str, new_text: str, final: bool) -> DeltaMessage:
+        reasoning = None
+        content = new_text
+        if self.reasoning is not None:
+            step = self.reasoning.extract_reasoning_content_streaming(text_so_far, final)
+            reasoning, content = (step.reasoning_content, step.content) if step else (None, None)
+        if self.tool is None:
+            return DeltaMessage(content=content, reasoning_content=reasoning, reasoning=reasoning)
+        self.content += content or ""
+        step = self.tool.extract_tool_calls_streaming(self.content, self.tools, final)
+        calls = [c.model_dump(exclude_none=True) for c in step.tool_calls] if step and step.tool_calls else None
+        self.called |= calls is not None
+        return DeltaMessage(content=step.content if step else None, tool_calls=calls, reasoning_content=reasoning,
+                            reasoning=reasoning)
+
+
 class OpenAIServingChat(OpenAIServing):
     """The chat completions handler."""
+
+    def __init__(self, *args: Any, enable_auto_tool_choice: bool = False, tool_call_parser: Optional[str] = None,
+                 reasoning_parser: Optional[str] = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.enable_auto_tool_choice = enable_auto_tool_choice
+        self.tool_cls = ToolParserManager.get_tool_parser(tool_call_parser) if tool_call_parser else None
+        self.reasoning_cls = ReasoningParserManager.get_reasoning_parser(reasoning_parser) if reasoning_parser else None
+
+    def parsers(self, req: ChatCompletionRequest) -> ChoiceParsers:
+        """vLLM's tool_choice rules: tools without a tool_choice mean "auto", which needs the
+        server's --enable-auto-tool-choice; "none" leaves the reply as text."""
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        choice = req.tool_choice if req.tool_choice is not None else ("auto" if tools else "none")
+        if choice != "none" and not tools:
+            raise BadParam("tool_choice", "When using `tool_choice`, `tools` must be set.")
+        if isinstance(choice, dict):
+            name = (choice.get("function") or {}).get("name")
+            if choice.get("type") != "function" or name not in {t["function"]["name"] for t in tools}:
+                raise BadParam("tool_choice", f"tool_choice names function {str(name)[:64]!r}, which is not "
+                                              f"among the request's tools")
+        elif choice not in ("none", "auto", "required"):
+            raise BadParam("tool_choice", f"tool_choice must be 'none', 'auto', 'required' or a named function, "
+                                          f"got {str(choice)[:64]!r}")
+        if choice == "auto" and not self.enable_auto_tool_choice:
+            raise BadParam("tool_choice", '"auto" tool choice requires --enable-auto-tool-choice and '
+                                          '--tool-call-parser to be set')
+        if choice == "required" or isinstance(choice, dict):
+            raise BadParam("tool_choice", "tool_choice 'required' or a named function needs structured outputs, "
+                                          "which this server does not support yet; use 'auto'")
+        tool_cls = self.tool_cls if choice == "auto" else None
+        return ChoiceParsers(self.reasoning_cls, tool_cls, self.tokenizer, tools)
 
     def response_role_of(self, req: ChatCompletionRequest) -> str:
         """vLLM's rule: --response-role for a new reply, else the role of the message being continued."""
@@ -40,6 +113,7 @@ class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request) -> Any:
         model = self.model_name(req.model)
         params = req.to_sampling_params(self.defaults)
+        self.parsers(req)  # a bad tool_choice fails before the request is queued
         prompt = self.chat_prompt(req)
         request_id = self.request_id("chatcmpl", raw, req)
         ids, streams = self._add(request_id, [prompt], params, req.priority)
@@ -52,9 +126,12 @@ class OpenAIServingChat(OpenAIServing):
         ro = finals[0]
         top = req.top_logprobs or 0
         role = self.response_role_of(req)
-        choices = [ChatChoice(index=o.index, message=ChatResponseMessage(role=role, content=o.text),
-                              logprobs=self._chat_logprobs(o, top) if req.logprobs else None,
-                              finish_reason=o.finish_reason, stop_reason=o.stop_reason) for o in ro.outputs]
+        choices = []
+        for o in ro.outputs:
+            message, finish_reason = self.parsers(req).whole(o.text, role, o.finish_reason)
+            choices.append(ChatChoice(index=o.index, message=message, finish_reason=finish_reason,
+                                      logprobs=self._chat_logprobs(o, top) if req.logprobs else None,
+                                      stop_reason=o.stop_reason))
         usage = self.usage(len(ro.prompt_token_ids), sum(len(o.token_ids) for o in ro.outputs), ro.num_cached_tokens)
         return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
 
@@ -71,6 +148,8 @@ class OpenAIServingChat(OpenAIServing):
             return _sse(body)
 
         role = self.response_role_of(req)
+        parsers = [self.parsers(req) for _ in range(req.n)]
+        texts = [""] * req.n
         for i in range(req.n):  # the role comes first, once per choice
             yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role=role, content=""))])
         async for _, ro in _merge(streams):
@@ -79,9 +158,12 @@ class OpenAIServingChat(OpenAIServing):
                 completion_tokens += len(out.token_ids)
                 if not out.text and out.finish_reason is None and not out.token_ids:
                     continue
+                texts[out.index] += out.text
+                choice = parsers[out.index]
+                delta = choice.delta(texts[out.index], out.text, final=out.finish_reason is not None)
+                finish_reason = "tool_calls" if choice.called and out.finish_reason == "stop" else out.finish_reason
                 logprobs = self._chat_logprobs(out, req.top_logprobs or 0) if req.logprobs else None
-                yield chunk([ChatStreamChoice(index=out.index, delta=DeltaMessage(content=out.text),
-                                              logprobs=logprobs, finish_reason=out.finish_reason,
-                                              stop_reason=out.stop_reason)])
+                yield chunk([ChatStreamChoice(index=out.index, delta=delta, logprobs=logprobs,
+                                              finish_reason=finish_reason, stop_reason=out.stop_reason)])
         if req.stream_options and req.stream_options.include_usage:
             yield chunk([], self.usage(prompt_tokens, completion_tokens, cached_tokens))

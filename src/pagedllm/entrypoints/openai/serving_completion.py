@@ -4,14 +4,16 @@ from __future__ import annotations
 import logging
 import time
 from typing import Any, AsyncIterator, Optional
+
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
+
 from pagedllm.engine.detokenizer import decode_token
 from pagedllm.entrypoints.openai.protocol import (
     CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
 )
-from pagedllm.outputs import Logprob, RequestOutput
 from pagedllm.entrypoints.openai.serving_engine import APIError, OpenAIServing, _MIN_LOGPROB, _merge, _sse
+from pagedllm.outputs import Logprob, RequestOutput
 
 logger = logging.getLogger("pagedllm")
 

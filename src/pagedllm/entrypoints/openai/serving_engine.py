@@ -7,8 +7,10 @@ import json
 import logging
 import uuid
 from typing import Any, AsyncIterator, Optional
+
 from fastapi import Request
 from fastapi.responses import JSONResponse
+
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.core_client import EngineDeadError
 from pagedllm.entrypoints.chat_utils import load_chat_template, render_chat_template, resolve_content_format
@@ -188,11 +190,14 @@ class OpenAIServing:
 
     def chat_prompt(self, req: ChatCompletionRequest | TokenizeRequest) -> dict[str, Any]:
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        kwargs = dict(req.chat_template_kwargs or {})
+        if getattr(req, "tools", None):  # the template writes the tool definitions into the prompt
+            kwargs["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
         try:
             text = render_chat_template(
                 self.tokenizer, messages, chat_template=req.chat_template or self.chat_template,
                 add_generation_prompt=req.add_generation_prompt, continue_final_message=req.continue_final_message,
-                content_format=self.content_format, **(req.chat_template_kwargs or {}))
+                content_format=self.content_format, **kwargs)
         except ValueError:
             raise
         except Exception as e:  # noqa: BLE001 - a template error is the request's fault
