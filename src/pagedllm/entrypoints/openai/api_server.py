@@ -18,7 +18,7 @@ from pagedllm.engine.core_client import EngineDeadError
 from pagedllm.entrypoints.logger import RequestLogger
 from pagedllm.entrypoints.openai.cli_args import FrontendArgs
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
-from pagedllm.entrypoints.openai.middleware import APIKeyMiddleware, RequestIdMiddleware
+from pagedllm.entrypoints.openai.middleware import APIKeyMiddleware, BodyLimitMiddleware, RequestIdMiddleware
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
     TokenizeRequest, TokenizeResponse,
@@ -79,6 +79,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], args: Optional[Fr
         app.add_middleware(APIKeyMiddleware, api_key=args.api_key)
     if args.enable_request_id_headers:
         app.add_middleware(RequestIdMiddleware)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=args.max_request_body_bytes)
     app.add_middleware(CORSMiddleware, allow_origins=args.allowed_origins, allow_credentials=args.allow_credentials,
                        allow_methods=args.allowed_methods, allow_headers=args.allowed_headers)
 
@@ -150,11 +151,11 @@ def _add_routes(app: FastAPI, engine: AsyncLLM, served_model_names: list[str], s
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> TokenizeResponse:
-        return serving.tokenize(req)
+        return await serving.off_loop(serving.tokenize, req)
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest) -> DetokenizeResponse:
-        return serving.detokenize(req)
+        return await serving.off_loop(serving.detokenize, req)
 
     @app.get("/metrics")
     async def metrics() -> Response:

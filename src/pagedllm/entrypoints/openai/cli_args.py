@@ -63,6 +63,9 @@ class FrontendArgs:
         False, "report usage.prompt_tokens_details.cached_tokens (prompt tokens served from the prefix cache)",
         action="store_true")
 
+    max_request_body_bytes: int = _opt(
+        4 * 1024 * 1024, "request bodies larger than this get a 413 (the limit bounds what one client makes the "
+        "server read, parse and tokenize)", type=int)
     enable_auto_tool_choice: bool = _opt(
         False, "let the model decide to call tools (tool_choice 'auto'); needs --tool-call-parser", action="store_true")
     tool_call_parser: Optional[str] = _opt(
@@ -76,6 +79,8 @@ class FrontendArgs:
         self._check_parsers()
         if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
             raise ValueError("--ssl-keyfile and --ssl-certfile go together: give both or neither")
+        if self.max_request_body_bytes < 1:
+            raise ValueError(f"max_request_body_bytes must be >= 1, got {self.max_request_body_bytes}")
         if self.max_log_len is not None and self.max_log_len < 0:
             raise ValueError(f"max_log_len must be >= 0 or None, got {self.max_log_len}")
         if self.chat_template_content_format not in CONTENT_FORMATS:

@@ -1,4 +1,4 @@
-"""ASGI middleware of the server: the API key check and X-Request-Id headers."""
+"""ASGI middleware of the server: the request body limit, the API key check, X-Request-Id headers."""
 from __future__ import annotations
 
 import logging
@@ -9,6 +9,53 @@ from typing import Any
 from pagedllm.entrypoints.openai.serving_engine import error_response
 
 logger = logging.getLogger("pagedllm")
+
+
+class BodyLimitMiddleware:
+    """413 for a request body over ``max_bytes``: at once from Content-Length, else while a
+    chunked body arrives (it is read here, at most ``max_bytes`` of it, then handed on), so one
+    client cannot make the server read and parse an unbounded body."""
+
+    def __init__(self, app: Any, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await self._too_large(scope, receive, send, int(declared))
+            return
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left before the body was whole
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                await self._too_large(scope, receive, send, size)
+                return
+            if not message.get("more_body", False):
+                break
+        body, replayed = b"".join(chunks), False
+
+        async def replay() -> dict:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # after the body: the disconnect, when it comes
+
+        await self.app(scope, replay, send)
+
+    async def _too_large(self, scope: dict, receive: Any, send: Any, size: int) -> None:
+        response = error_response(413, f"the request body is larger than this server accepts ({size} > "
+                                       f"{self.max_bytes} bytes; --max-request-body-bytes)")
+        await response(scope, receive, send)
+
 
 class APIKeyMiddleware:
     """401 on /v1/* without 'Authorization: Bearer KEY'. Plain ASGI (not BaseHTTPMiddleware),

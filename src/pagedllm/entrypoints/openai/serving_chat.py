@@ -113,8 +113,10 @@ class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request) -> Any:
         model = self.model_name(req.model)
         params = req.to_sampling_params(self.defaults)
+        self.check_request(req, params)
         self.parsers(req)  # a bad tool_choice fails before the request is queued
-        prompt = self.chat_prompt(req)
+        prompt = await self.off_loop(self.chat_prompt, req)
+        self.check_context(prompt["prompt_token_ids"], params, "messages")
         request_id = self.request_id("chatcmpl", raw, req)
         ids, streams = self._add(request_id, [prompt], params, req.priority)
         if req.stream:

@@ -31,6 +31,8 @@ class OpenAIServingCompletion(OpenAIServing):
         if all(isinstance(t, int) for t in prompt):
             return [{"prompt_token_ids": prompt}]
         if all(isinstance(p, str) for p in prompt):
+            for p in prompt:
+                self.check_text_length(p, "prompt")
             encode = self.tokenizer.encode
             return [{"prompt": p, "prompt_token_ids": encode(p, add_special_tokens=req.add_special_tokens)}
                     for p in prompt]
@@ -66,7 +68,10 @@ class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, req: CompletionRequest, raw: Request) -> Any:
         model = self.model_name(req.model)
         params = req.to_sampling_params(self.defaults)
-        prompts = self.completion_prompts(req)
+        self.check_request(req, params)
+        prompts = await self.off_loop(self.completion_prompts, req)
+        for prompt in prompts:
+            self.check_context(prompt["prompt_token_ids"], params, "prompt")
         request_id = self.request_id("cmpl", raw, req)
         ids, streams = self._add(request_id, prompts, params, req.priority)
         if req.stream:

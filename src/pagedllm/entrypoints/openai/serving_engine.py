@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import uuid
-from typing import Any, AsyncIterator, Optional
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, AsyncIterator, Callable, Optional, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
@@ -16,19 +18,22 @@ from pagedllm.engine.core_client import EngineDeadError
 from pagedllm.entrypoints.chat_utils import load_chat_template, render_chat_template, resolve_content_format
 from pagedllm.entrypoints.logger import RequestLogger
 from pagedllm.entrypoints.openai.protocol import (
-    ChatCompletionRequest, DetokenizeRequest, DetokenizeResponse, ErrorInfo, ErrorResponse, PromptTokenUsageInfo,
-    SamplingRequest, TokenizeRequest, TokenizeResponse, UsageInfo,
+    BadParam, ChatCompletionRequest, DetokenizeRequest, DetokenizeResponse, ErrorInfo, ErrorResponse,
+    PromptTokenUsageInfo, SamplingRequest, TokenizeRequest, TokenizeResponse, UsageInfo,
 )
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedllm")
+T = TypeVar("T")
+# Bounded: two threads (the machine's cores) tokenize while the event loop serves everything else.
+_WORK_POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="pagedllm-tokenize")
 
 
 _DISCONNECT_POLL_S = 0.5
 _MIN_LOGPROB = -9999.0  # what OpenAI sends for -inf (JSON has no infinity)
 _ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-                405: "MethodNotAllowedError", 503: "ServiceUnavailableError"}
+                405: "MethodNotAllowedError", 413: "RequestTooLargeError", 503: "ServiceUnavailableError"}
 
 
 class APIError(Exception):
@@ -98,6 +103,43 @@ class OpenAIServing:
         self.enable_prompt_tokens_details = enable_prompt_tokens_details
         self.defaults = engine.model_config.default_sampling_overrides()
         self.tokenizer = engine.get_tokenizer()
+        self.max_model_len = engine.model_config.max_model_len
+        # One request holds at most max_num_seqs sequences (n, best_of): more would starve every other client.
+        self.max_n = engine.config.scheduler_config.max_num_seqs
+        # No vocabulary entry is longer than this many characters, so a text of more than
+        # max_model_len times it cannot fit: refused before tokenizing it.
+        self.max_token_chars = max(map(len, self.tokenizer.get_vocab()), default=1)
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """Work proportional to the input (tokenize, chat template, detokenize) runs in a small
+        thread pool, so /health and the streams keep their event loop (the fast tokenizers
+        release the GIL while they encode)."""
+        return await asyncio.get_running_loop().run_in_executor(_WORK_POOL, functools.partial(fn, *args))
+
+    def check_text_length(self, text: str, param: str) -> None:
+        if len(text) > self.max_model_len * self.max_token_chars:
+            raise BadParam(param, f"the {param} has {len(text)} characters, more than max_model_len="
+                                  f"{self.max_model_len} tokens can hold (at most {self.max_token_chars} characters "
+                                  f"per token)")
+
+    def check_request(self, req: SamplingRequest, params: SamplingParams) -> None:
+        """Bounds one request's share of the engine: n (and best_of) at most max_num_seqs."""
+        for name in ("n", "best_of"):
+            value = getattr(req, name, None)
+            if value is not None and value > self.max_n:
+                raise BadParam(name, f"{name}={value} is more than this server allows in one request "
+                                     f"(max_num_seqs={self.max_n})")
+
+    def check_context(self, prompt_token_ids: list[int], params: SamplingParams, kind: str) -> None:
+        """vLLM's 400 when the prompt plus the requested completion cannot fit the context."""
+        n_prompt = len(prompt_token_ids)
+        if n_prompt >= self.max_model_len:
+            return  # the prompt alone does not fit: the engine's own error names max_model_len
+        if params.max_tokens is not None and n_prompt + params.max_tokens > self.max_model_len:
+            raise BadParam("max_tokens", f"This model's maximum context length is {self.max_model_len} tokens. "
+                                         f"However, you requested {n_prompt + params.max_tokens} tokens ({n_prompt} "
+                                         f"in the {kind}, {params.max_tokens} in the completion). Please reduce "
+                                         f"the length of the {kind} or completion.")
 
     @staticmethod
     def request_id(prefix: str, raw: Request, req: SamplingRequest) -> str:
@@ -177,7 +219,7 @@ class OpenAIServing:
             raise APIError(400, "give exactly one of `prompt` or `messages`", param="prompt")
         if req.messages is not None:
             ids = self.chat_prompt(req)["prompt_token_ids"]
-        else:
+        else:  # no length bound: counting a text longer than the context is what /tokenize is for
             ids = self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         return TokenizeResponse(count=len(ids), max_model_len=self.engine.model_config.max_model_len, tokens=ids)
 
@@ -202,5 +244,6 @@ class OpenAIServing:
             raise
         except Exception as e:  # noqa: BLE001 - a template error is the request's fault
             raise ValueError(f"could not apply the chat template: {type(e).__name__}: {e}") from e
+        self.check_text_length(text, "messages")
         # The template writes any BOS itself: tokenizing must not add another.
         return {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}

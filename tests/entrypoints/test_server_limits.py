@@ -1,0 +1,96 @@
+"""What bounds one client's impact on a real `pagedllm serve`: the request body limit (413 at
+once, /health unaffected), tokenization off the event loop, `n` at most max_num_seqs, and vLLM's
+400 for a completion that cannot fit the context."""
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.entrypoints.test_openai_server import MODEL_NAME, _serve
+
+BODY_LIMIT = 1_000_000
+MAX_NUM_SEQS = 8
+
+
+@pytest.fixture(scope="module")
+def url(tiny_models, tmp_path_factory):
+    log_path = tmp_path_factory.mktemp("limits-server") / "server.log"
+    args = ["--served-model-name", MODEL_NAME, "--disable-log-stats", "--max-request-body-bytes", str(BODY_LIMIT),
+            "--max-num-seqs", str(MAX_NUM_SEQS), "--max-model-len", "256"]
+    yield from _serve(tiny_models["llama"], log_path, args, {"PAGEDLLM_API_KEY": ""})
+
+
+def _health_latencies(url: str, stop: threading.Event, out: list[float]) -> None:
+    with httpx.Client(timeout=10) as c:
+        while not stop.is_set():
+            t0 = time.monotonic()
+            assert c.get(f"{url}/health").status_code == 200
+            out.append(time.monotonic() - t0)
+            time.sleep(0.02)
+
+
+def _while_probing_health(url: str, work) -> tuple[object, list[float]]:
+    stop, latencies = threading.Event(), []
+    prober = threading.Thread(target=_health_latencies, args=(url, stop, latencies))
+    prober.start()
+    time.sleep(0.2)
+    try:
+        result = work()
+    finally:
+        time.sleep(0.1)
+        stop.set()
+        prober.join()
+    return result, latencies
+
+
+def test_a_20mb_body_is_refused_with_413_at_once_and_health_stays_fast(url):
+    big = b'{"prompt": "' + b"a" * 20_000_000 + b'", "max_tokens": 1}'
+
+    def post():
+        t0 = time.monotonic()
+        r = httpx.post(f"{url}/v1/completions", content=big, headers={"Content-Type": "application/json"}, timeout=30)
+        return r, time.monotonic() - t0
+
+    (r, elapsed), latencies = _while_probing_health(url, post)
+    assert r.status_code == 413 and r.json()["error"]["code"] == 413 and "--max-request-body-bytes" in r.text
+    assert elapsed < 1.0 and latencies and max(latencies) < 0.5
+
+
+def test_a_chunked_body_over_the_limit_is_refused_too(url):
+    def chunks():
+        for _ in range(30):
+            yield b"x" * 100_000
+
+    r = httpx.post(f"{url}/v1/completions", content=chunks(), headers={"Content-Type": "application/json"})
+    assert r.status_code == 413
+
+
+def test_tokenizing_a_megabyte_does_not_stall_health(url):
+    text = "The quick brown fox jumps over the lazy dog. " * 21_000  # just under the body limit
+
+    def tokenize():
+        return httpx.post(f"{url}/tokenize", json={"prompt": text}, timeout=60)
+
+    r, latencies = _while_probing_health(url, tokenize)
+    assert r.status_code == 200 and r.json()["count"] > 100_000
+    assert len(latencies) >= 3 and max(latencies) < 0.5, max(latencies)
+
+
+def test_n_above_max_num_seqs_and_a_completion_past_the_context_are_400(url):
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.BadRequestError, match=f"n=1000 .*max_num_seqs={MAX_NUM_SEQS}") as info:
+        client.completions.create(model=MODEL_NAME, prompt="hi", n=1000, max_tokens=1)
+    assert info.value.body["param"] == "n"
+    with pytest.raises(openai.BadRequestError, match="best_of"):
+        client.completions.create(model=MODEL_NAME, prompt="hi", n=2, best_of=MAX_NUM_SEQS + 1, max_tokens=1)
+    with pytest.raises(openai.BadRequestError, match=r"maximum context length is 256 tokens\. However, you "
+                                                     r"requested 1000000\d+ tokens \(\d+ in the messages, "
+                                                     r"1000000000 in the completion\)") as info:
+        client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}],
+                                       max_tokens=10**9)
+    assert info.value.body["param"] == "max_tokens"
+    assert client.completions.create(model=MODEL_NAME, prompt="hi", n=MAX_NUM_SEQS, max_tokens=2).choices
