@@ -17,8 +17,12 @@ MAX_NUM_SEQS = 8
 
 
 @pytest.fixture(scope="module")
-def url(tiny_models, tmp_path_factory):
-    log_path = tmp_path_factory.mktemp("limits-server") / "server.log"
+def log_path(tmp_path_factory):
+    return tmp_path_factory.mktemp("limits-server") / "server.log"
+
+
+@pytest.fixture(scope="module")
+def url(tiny_models, log_path):
     args = ["--served-model-name", MODEL_NAME, "--disable-log-stats", "--max-request-body-bytes", str(BODY_LIMIT),
             "--max-num-seqs", str(MAX_NUM_SEQS), "--max-model-len", "256"]
     yield from _serve(tiny_models["llama"], log_path, args, {"PAGEDLLM_API_KEY": ""})
@@ -94,3 +98,33 @@ def test_n_above_max_num_seqs_and_a_completion_past_the_context_are_400(url):
                                        max_tokens=10**9)
     assert info.value.body["param"] == "max_tokens"
     assert client.completions.create(model=MODEL_NAME, prompt="hi", n=MAX_NUM_SEQS, max_tokens=2).choices
+
+
+@pytest.mark.parametrize("field, value", [
+    ("response_format", {"type": "json_object"}), ("guided_json", {"type": "object"}), ("guided_regex", "a+"),
+    ("guided_choice", ["a", "b"]), ("guided_grammar", "root ::= 'a'"), ("structured_outputs", {"choice": ["a"]}),
+    ("functions", [{"name": "f"}]),
+])
+def test_fields_not_implemented_are_400_naming_them(url, field, value):
+    for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+                       ("/v1/completions", {"prompt": "hi"})):
+        r = httpx.post(f"{url}{path}", json=body | {"max_tokens": 2, field: value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+        assert f"{field} is not supported by this server yet" in r.json()["error"]["message"]
+
+
+def test_unknown_fields_are_accepted_and_logged_once_per_name(url, log_path):
+    for _ in range(3):
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 1, "my_custom_knob": 7})
+        assert r.status_code == 200
+    deadline = time.monotonic() + 5
+    while "'my_custom_knob'" not in log_path.read_text() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert log_path.read_text().count("'my_custom_knob' is not known to this server") == 1
+
+
+def test_an_image_part_error_does_not_echo_the_payload(url):
+    payload = "data:image/png;base64," + "A" * 200_000
+    content = [{"type": "image_url", "image_url": {"url": payload}}]
+    r = httpx.post(f"{url}/v1/chat/completions", json={"messages": [{"role": "user", "content": content}]})
+    assert r.status_code == 400 and "text only" in r.text and len(r.text) < 1000

@@ -13,6 +13,12 @@ _ROLES = ("system", "user", "assistant", "tool", "developer")
 CONTENT_FORMATS = ("auto", "string", "openai")
 
 
+def _short(value: Any, limit: int = 80) -> str:
+    """A user's value in an error message, cut short (an image_url part may hold megabytes of base64)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "...(truncated)"
+
+
 def load_chat_template(chat_template: str | None) -> str | None:
     """A chat template given inline or as a path to a file (vLLM's --chat-template)."""
     if chat_template is None:
@@ -74,7 +80,8 @@ def _text_parts(content: Union[str, list, None], i: int) -> list[str]:
         parts = []
         for part in content:
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ValueError(f"messages[{i}].content parts must be {{'type': 'text', 'text': str}}, got {part!r}")
+                raise ValueError(f"messages[{i}].content parts must be {{'type': 'text', 'text': str}} (this server "
+                                 f"takes text only), got {_short(part)}")
             parts.append(part["text"])
         return parts
     raise ValueError(f"messages[{i}].content must be a string or a list of text parts")

@@ -63,8 +63,28 @@ class ModelList(OpenAIModel):
     data: list[ModelCard]
 
 
+# Fields a client may send that this server does not implement yet: a 400 naming the field, never
+# a silent 200 that ignores what the client asked for. (Other unknown fields are accepted and
+# logged once per name, as vLLM does.)
+UNSUPPORTED_FIELDS = {
+    "response_format": "structured outputs",
+    "structured_outputs": "structured outputs",
+    "guided_json": "structured outputs",
+    "guided_regex": "structured outputs",
+    "guided_choice": "structured outputs",
+    "guided_grammar": "structured outputs",
+    "guided_whitespace_pattern": "structured outputs",
+    "guided_decoding_backend": "structured outputs",
+    "functions": "the legacy functions API (use tools)",
+    "function_call": "the legacy functions API (use tool_choice)",
+    "logits_processors": "per-request logits processors",
+}
+
+
 class SamplingRequest(OpenAIModel):
     """Fields both endpoints share; None means "the model's default"."""
+
+    model_config = ConfigDict(extra="allow")  # unknown fields: checked and logged by the handler
 
     model: Optional[str] = None
     n: int = 1

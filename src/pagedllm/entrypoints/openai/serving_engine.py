@@ -19,7 +19,7 @@ from pagedllm.entrypoints.chat_utils import load_chat_template, render_chat_temp
 from pagedllm.entrypoints.logger import RequestLogger
 from pagedllm.entrypoints.openai.protocol import (
     BadParam, ChatCompletionRequest, DetokenizeRequest, DetokenizeResponse, ErrorInfo, ErrorResponse,
-    PromptTokenUsageInfo, SamplingRequest, TokenizeRequest, TokenizeResponse, UsageInfo,
+    PromptTokenUsageInfo, SamplingRequest, UNSUPPORTED_FIELDS, TokenizeRequest, TokenizeResponse, UsageInfo,
 )
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -27,6 +27,7 @@ from pagedllm.sampling_params import SamplingParams
 logger = logging.getLogger("pagedllm")
 T = TypeVar("T")
 # Bounded: two threads (the machine's cores) tokenize while the event loop serves everything else.
+_LOGGED_EXTRA_FIELDS: set[str] = set()
 _WORK_POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="pagedllm-tokenize")
 
 
@@ -123,7 +124,15 @@ class OpenAIServing:
                                   f"per token)")
 
     def check_request(self, req: SamplingRequest, params: SamplingParams) -> None:
-        """Bounds one request's share of the engine: n (and best_of) at most max_num_seqs."""
+        """Bounds one request's share of the engine: n (and best_of) at most max_num_seqs;
+        fields this server does not implement are a 400, other unknown ones logged once."""
+        for name in req.model_extra or {}:
+            if name in UNSUPPORTED_FIELDS:
+                raise BadParam(name, f"{name} is not supported by this server yet ({UNSUPPORTED_FIELDS[name]})")
+            if name not in _LOGGED_EXTRA_FIELDS and len(_LOGGED_EXTRA_FIELDS) < 1000:
+                _LOGGED_EXTRA_FIELDS.add(name)
+                logger.warning("The request field %r is not known to this server and was ignored (logged once "
+                               "per field name)", name[:64])
         for name in ("n", "best_of"):
             value = getattr(req, name, None)
             if value is not None and value > self.max_n:
