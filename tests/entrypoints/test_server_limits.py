@@ -3,6 +3,7 @@ once, /health unaffected), tokenization off the event loop, `n` at most max_num_
 400 for a completion that cannot fit the context."""
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -128,3 +129,39 @@ def test_an_image_part_error_does_not_echo_the_payload(url):
     content = [{"type": "image_url", "image_url": {"url": payload}}]
     r = httpx.post(f"{url}/v1/chat/completions", json={"messages": [{"role": "user", "content": content}]})
     assert r.status_code == 400 and "text only" in r.text and len(r.text) < 1000
+
+
+def _gauge(url: str, name: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
+        for sample in family.samples:
+            if sample.name == name:
+                return sample.value
+    raise KeyError(name)
+
+
+def test_after_cancelled_streams_the_gauges_read_idle_within_a_second(url):
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+    async def start_and_cancel() -> None:
+        stream = await client.completions.create(model=MODEL_NAME, prompt="count with me", max_tokens=200,
+                                                 stream=True, extra_body={"ignore_eos": True})
+        async for _ in stream:
+            break  # one token, then the client goes away
+        await stream.close()
+
+    async def main() -> None:
+        await asyncio.gather(*(start_and_cancel() for _ in range(16)))
+
+    asyncio.run(main())
+    deadline = time.monotonic() + 1.0
+    while True:
+        stats = httpx.get(f"{url}/internal/stats").json()
+        if stats["num_running"] == 0 and stats["num_free_blocks"] == stats["num_blocks"] or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    time.sleep(0.2)
+    assert _gauge(url, "pagedllm:num_requests_running") == 0
+    assert _gauge(url, "pagedllm:num_requests_waiting") == 0
+    assert _gauge(url, "pagedllm:kv_cache_usage_perc") == 0.0

@@ -159,6 +159,9 @@ def _add_routes(app: FastAPI, engine: AsyncLLM, served_model_names: list[str], s
 
     @app.get("/metrics")
     async def metrics() -> Response:
+        with contextlib.suppress(EngineDeadError):  # a dead engine: the last values, /health says why
+            stats = await engine.get_stats()
+            metrics_registry.set_queue_gauges(stats["num_running"], stats["num_waiting"], stats["kv_cache_usage"])
         return Response(metrics_registry.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/internal/stats")

@@ -91,6 +91,13 @@ class ServerMetrics:
         if num_requests:
             self.finished.labels(**self.labels, finished_reason="abort").inc(num_requests)
 
+    def set_queue_gauges(self, num_running: int, num_waiting: int, kv_cache_usage: float) -> None:
+        """Fresh values read from the engine core at scrape time: after aborts the engine may
+        take no further step, and the per-step values would stay stale while it idles."""
+        self.running.labels(**self.labels).set(num_running)
+        self.waiting.labels(**self.labels).set(num_waiting)
+        self.kv_usage.labels(**self.labels).set(kv_cache_usage)
+
     def render(self) -> Any:
         from prometheus_client import generate_latest
 
