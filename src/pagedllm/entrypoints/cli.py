@@ -133,9 +133,12 @@ def serve(ns: argparse.Namespace) -> None:
     engine = AsyncLLM.from_engine_args(engine_args)
     try:
         app = build_app(engine, names, args)
-        uvicorn.Server(uvicorn.Config(app, **uvicorn_kwargs(args))).run()  # returns on SIGINT / SIGTERM
+        app.state.uvicorn_server = uvicorn.Server(uvicorn.Config(app, **uvicorn_kwargs(args)))
+        app.state.uvicorn_server.run()  # returns on SIGINT / SIGTERM, or when the engine core dies
     finally:
         engine.shutdown()
+    if app.state.engine_dead_reason is not None:
+        raise RuntimeError(f"the engine core died: {app.state.engine_dead_reason}")  # exit status 1
 
 
 def _generate_prompt(ns: argparse.Namespace) -> str:

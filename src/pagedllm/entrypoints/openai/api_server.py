@@ -4,6 +4,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import signal
 from typing import Any, AsyncIterator, Optional
 
 from fastapi import FastAPI, Request
@@ -31,8 +33,34 @@ from pagedllm.version import __version__
 logger = logging.getLogger("pagedllm")
 
 
-def _lifespan(engine: AsyncLLM):
-    """The periodic stats line while the server runs; the engine shut down when it stops."""
+_ENGINE_WATCH_S = 0.5
+
+
+async def _watch_engine(app: FastAPI, engine: AsyncLLM, exit_on_death: bool) -> None:
+    """vLLM's rule: when the engine core dies the server goes too (non-zero exit, cause logged),
+    so a supervisor restarts it; in-flight requests get their error first."""
+    while True:
+        await asyncio.sleep(_ENGINE_WATCH_S)
+        try:
+            await engine.check_health()
+        except EngineDeadError as e:
+            app.state.engine_dead_reason = str(e)
+            if not exit_on_death:
+                logger.error("The engine core died (%s); answering 503 from now on (--keep-serving-without-engine)", e)
+                return
+            logger.error("The engine core died (%s); shutting the server down", e)
+            await asyncio.sleep(1.0)  # the output loop hands each in-flight request its error
+            server = getattr(app.state, "uvicorn_server", None)  # set by `pagedllm serve`
+            if server is not None:
+                server.should_exit = True  # uvicorn's graceful shutdown; the CLI then exits 1
+            else:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return
+
+
+def _lifespan(engine: AsyncLLM, exit_on_death: bool = True):
+    """The periodic stats line and the engine watch while the server runs; the engine shut
+    down when it stops."""
 
     async def log_stats_forever() -> None:
         while True:
@@ -42,7 +70,9 @@ def _lifespan(engine: AsyncLLM):
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         stats_task = asyncio.ensure_future(log_stats_forever()) if engine.log_stats else None
+        watch_task = asyncio.ensure_future(_watch_engine(app, engine, exit_on_death))
         yield
+        watch_task.cancel()
         if stats_task is not None:
             stats_task.cancel()
         engine.shutdown()
@@ -68,9 +98,10 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], args: Optional[Fr
     engine.metrics = metrics_registry
 
     docs = {} if not args.disable_fastapi_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
-    app = FastAPI(title="pagedllm OpenAI-compatible server", version=__version__, lifespan=_lifespan(engine), **docs)
+    app = FastAPI(title="pagedllm OpenAI-compatible server", version=__version__, lifespan=_lifespan(engine, not args.keep_serving_without_engine), **docs)
     # As vLLM does (the constructor's root_path is deprecated): routes match with or without the prefix.
     app.root_path = args.root_path or ""
+    app.state.engine_dead_reason = None
     app.state.serving = serving
 
     # The last middleware added runs first: CORS, then X-Request-Id, then the API key check, so

@@ -66,6 +66,9 @@ class FrontendArgs:
     max_request_body_bytes: int = _opt(
         4 * 1024 * 1024, "request bodies larger than this get a 413 (the limit bounds what one client makes the "
         "server read, parse and tokenize)", type=int)
+    keep_serving_without_engine: bool = _opt(
+        False, "when the engine core dies, keep answering 503 instead of exiting (vLLM exits, so that a supervisor "
+        "restarts the server)", action="store_true")
     enable_auto_tool_choice: bool = _opt(
         False, "let the model decide to call tools (tool_choice 'auto'); needs --tool-call-parser", action="store_true")
     tool_call_parser: Optional[str] = _opt(
