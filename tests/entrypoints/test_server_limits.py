@@ -165,3 +165,29 @@ def test_after_cancelled_streams_the_gauges_read_idle_within_a_second(url):
     assert _gauge(url, "pagedllm:num_requests_running") == 0
     assert _gauge(url, "pagedllm:num_requests_waiting") == 0
     assert _gauge(url, "pagedllm:kv_cache_usage_perc") == 0.0
+
+
+def _counter(url: str, name: str, reason: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
+        for sample in family.samples:
+            if sample.name == name and sample.labels.get("finished_reason") == reason:
+                return sample.value
+    return 0.0
+
+
+def test_a_non_streaming_request_whose_client_leaves_is_aborted_and_frees_its_blocks(url):
+    aborted = _counter(url, "pagedllm:request_success_total", "abort")
+    body = {"prompt": "hi", "n": MAX_NUM_SEQS, "max_tokens": 250, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{url}/v1/completions", json=body, timeout=0.5)
+    t_left = time.monotonic()
+    while True:
+        stats = httpx.get(f"{url}/internal/stats").json()
+        if stats["num_running"] == 0 and stats["num_free_blocks"] == stats["num_blocks"]:
+            break
+        assert time.monotonic() - t_left < 3.0, stats
+        time.sleep(0.05)
+    # Aborted (not run to its end): all n sequences counted with finish reason "abort".
+    assert _counter(url, "pagedllm:request_success_total", "abort") - aborted == 1
