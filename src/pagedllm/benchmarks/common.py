@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from pagedllm import envs
 
-# ../shared/BENCHMARKS.md model shapes, as config.json files written on the fly (dummy weights).
+# docs/benchmarks.md model shapes, as config.json files written on the fly (dummy weights).
 SHAPES = {
     "qwen3-0.6b": dict(
         architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=1024, num_hidden_layers=28,

@@ -1,4 +1,4 @@
-"""Workload 2: decode latency (../shared/BENCHMARKS.md).
+"""Workload 2: decode latency (docs/benchmarks.md).
 
 Dummy weights (bf16 on GPU), batch 1 and batch 32, prompt 128 random token ids, 256 output
 tokens, temperature 0, ignore_eos. After a warm-up generate, each batch size is timed over

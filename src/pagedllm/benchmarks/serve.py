@@ -1,4 +1,4 @@
-"""Workload 3: serving — a client against an OpenAI-compatible server (../shared/BENCHMARKS.md).
+"""Workload 3: serving — a client against an OpenAI-compatible server (docs/benchmarks.md).
 
 For each --request-rate (4 and 16 by default, one after the other), a fresh random.Random(1)
 draws per request a prompt of randint(100, 1024) token ids from randint(100, 40000) and a

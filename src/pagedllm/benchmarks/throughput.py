@@ -1,4 +1,4 @@
-"""Workload 1: offline throughput (../shared/BENCHMARKS.md).
+"""Workload 1: offline throughput (docs/benchmarks.md).
 
 256 requests, random.seed(0): prompts of randint(100, 1024) token ids from randint(0, 10000),
 then max_tokens of randint(100, 1024); temperature 0.6, ignore_eos. One short warm-up, then
