@@ -139,8 +139,9 @@ class GuidanceBackend:
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
         import llguidance.hf
 
-        self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=stop_token_ids[0]
-                                                       if stop_token_ids else None)
+        self._stops = frozenset(stop_token_ids)
+        self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=list(stop_token_ids)
+                                                       or None)
 
     def compile(self, params: StructuredOutputsParams) -> Any:
         # llguidance compiles lazily inside the matcher; building one here does the parse (and
@@ -153,17 +154,22 @@ class GuidanceBackend:
         return matcher
 
     def matcher(self, compiled: Any) -> Matcher:
-        return _GuidanceMatcher(compiled.deep_copy())
+        return _GuidanceMatcher(compiled.deep_copy(), self._stops)
 
 
 class _GuidanceMatcher:
-    def __init__(self, m: Any) -> None:
+    def __init__(self, m: Any, stop_token_ids: frozenset[int]) -> None:
         import llguidance.numpy as lln
 
         self._fill = lln.fill_next_token_bitmask
-        self._m = m
+        self._m, self._stops = m, stop_token_ids
 
     def accept_token(self, token_id: int) -> bool:
+        # Checked first: consuming a refused token would leave llguidance's matcher in its error
+        # state for good (xgrammar's simply stays where it was).
+        # (validate_tokens counts grammar tokens only: a stop token is valid where the grammar accepts.)
+        if self._m.validate_tokens([token_id]) != 1 and not (token_id in self._stops and self._m.is_accepting()):
+            return False
         return self._m.consume_token(token_id) and not self._m.is_error()
 
     def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:

@@ -20,10 +20,11 @@ def _apply_bitmask_kernel(logits_ptr, logits_stride, bitmask_ptr, bitmask_stride
     tl.store(logits_ptr + row * logits_stride + offs, float("-inf"), mask=in_vocab & ~allowed)
 
 
-def apply_bitmask_triton(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+def apply_bitmask_triton(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor,
+                         block: int = _BLOCK) -> None:
     """``logits`` [B, V] (row stride any, unit column stride), ``bitmask`` [R, >= V/32] int32 and
     ``rows`` [R] int64 on the same device; edits ``logits`` in place."""
     assert logits.stride(-1) == 1 and bitmask.dtype == torch.int32 and bitmask.stride(-1) == 1
     vocab = logits.shape[-1]
-    grid = (rows.shape[0], triton.cdiv(vocab, _BLOCK))
-    _apply_bitmask_kernel[grid](logits, logits.stride(0), bitmask, bitmask.stride(0), rows, vocab, BLOCK=_BLOCK)
+    grid = (rows.shape[0], triton.cdiv(vocab, block))
+    _apply_bitmask_kernel[grid](logits, logits.stride(0), bitmask, bitmask.stride(0), rows, vocab, BLOCK=block)
