@@ -37,6 +37,7 @@ ROOMS: dict[str, int] = {
     # 3: scheduling (plain Python) and the device workers
     "core": 3,
     "worker": 3,
+    "structured_output": 3,  # grammars and matchers beside the scheduler; the logits bitmask
     # 2: tensor code
     "model": 2,
     "attention": 2,
@@ -46,6 +47,7 @@ ROOMS: dict[str, int] = {
     # 1: the shared vocabulary every room may read (no torch here)
     "config": 1,
     "sampling_params": 1,
+    "structured_params": 1,
     "outputs": 1,
     "inputs": 1,
     "utils": 1,

@@ -16,6 +16,8 @@ _LAZY = {
     "EngineArgs": "pagedllm.engine.arg_utils",
     "SamplingParams": "pagedllm.sampling_params",
     "RequestOutputKind": "pagedllm.sampling_params",
+    "StructuredOutputsParams": "pagedllm.sampling_params",
+    "GuidedDecodingParams": "pagedllm.sampling_params",
     "RequestOutput": "pagedllm.outputs",
     "CompletionOutput": "pagedllm.outputs",
     "Logprob": "pagedllm.outputs",
@@ -38,4 +40,5 @@ if TYPE_CHECKING:
     from pagedllm.entrypoints.llm import LLM
     from pagedllm.inputs import TextPrompt, TokensPrompt
     from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
-    from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+    from pagedllm.sampling_params import (GuidedDecodingParams, RequestOutputKind, SamplingParams,
+                                          StructuredOutputsParams)

@@ -136,6 +136,44 @@ class ParallelConfig:
         return (self.pipeline_parallel_size - 1) * self.tensor_parallel_size
 
 
+_STRUCTURED_BACKENDS = ("auto", "xgrammar", "guidance")
+
+
+@dataclass
+class StructuredOutputsConfig:
+    """How constrained requests compile (vLLM's ``structured_outputs_config``, plus the safety
+    limits vLLM lacks: a hostile schema must fail its request, never stall the engine)."""
+
+    backend: str = "auto"  # "auto": xgrammar, or llguidance where xgrammar refuses the constraint
+    compile_timeout_s: float = 5.0  # a compile that takes longer fails its request
+    max_spec_bytes: int = 64 << 10  # a schema / regex / grammar larger than this is refused
+    max_nesting_depth: int = 32  # a JSON schema nested deeper than this is refused
+    max_compile_threads: int = 2  # the compile pool's threads
+    disable_fallback: bool = False  # "auto" never falls back to llguidance
+
+    def __post_init__(self) -> None:
+        if self.backend not in _STRUCTURED_BACKENDS:
+            raise ValueError(f"structured_outputs_config backend must be one of {list(_STRUCTURED_BACKENDS)}, "
+                             f"got {self.backend!r}")
+        if isinstance(self.compile_timeout_s, bool) or not isinstance(self.compile_timeout_s, (int, float)) \
+                or not self.compile_timeout_s > 0:
+            raise ValueError(f"structured_outputs_config compile_timeout_s must be a number > 0, got "
+                             f"{self.compile_timeout_s!r}")
+        for name in ("max_spec_bytes", "max_nesting_depth", "max_compile_threads"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"structured_outputs_config {name} must be a positive integer, got {v!r}")
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any] | None) -> "StructuredOutputsConfig":
+        values = dict(values or {})
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown structured_outputs_config key(s) {unknown}; known: {sorted(known)}")
+        return cls(**values)
+
+
 @dataclass
 class EngineConfig:
     model_config: ModelConfig
@@ -144,3 +182,4 @@ class EngineConfig:
     device: str  # "cpu" | "cuda" | "cuda:N"
     log_stats: bool = False
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)

@@ -6,6 +6,10 @@ import enum
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable
 
+from pagedllm.structured_params import GuidedDecodingParams, StructuredOutputsParams
+
+__all__ = ["GuidedDecodingParams", "RequestOutputKind", "SamplingParams", "StructuredOutputsParams"]
+
 _SAMPLING_EPS = 1e-5
 _FLOAT_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p", "min_p")
 _BOOL_FIELDS = ("ignore_eos", "detokenize", "skip_special_tokens", "spaces_between_special_tokens",
@@ -56,6 +60,10 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     allowed_token_ids: list[int] | None = None
     logit_bias: dict[int, float] | None = None
+    # A constraint on the output (JSON schema, regex, choice, grammar...); ``guided_decoding``
+    # is vLLM's older name for it, moved here.
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_decoding: GuidedDecodingParams | None = None
     # Filled in by the engine (update_from_generation_config / update_from_tokenizer), read through
     # the properties below; not the user's to set.
     _all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
@@ -77,6 +85,7 @@ class SamplingParams:
         if 0 < self.temperature < _SAMPLING_EPS:
             self.temperature = 0.0
         self._verify()
+        self._take_guided_decoding()
         if self.temperature == 0.0:  # greedy: the other sampling knobs do nothing
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
         self._all_stop_token_ids = set(self.stop_token_ids)
@@ -131,6 +140,17 @@ class SamplingParams:
             self.logits_processors = procs
         new.logits_processors = procs
         return new
+
+    def _take_guided_decoding(self) -> None:
+        """The old name's value moves to ``structured_outputs`` (one constraint, one place)."""
+        for name in ("structured_outputs", "guided_decoding"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, StructuredOutputsParams):
+                raise ValueError(f"{name} must be StructuredOutputsParams or None, got {_short(v)}.")
+        if self.guided_decoding is not None:
+            if self.structured_outputs is not None:
+                raise ValueError("set structured_outputs or guided_decoding (its older name), not both.")
+            self.structured_outputs, self.guided_decoding = self.guided_decoding, None
 
     def _verify_types(self) -> None:
         """A wrong type names its field (not a bare "'<' not supported" from a range check)."""

@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import LLM, SamplingParams, StructuredOutputsParams
 from tests.conftest import TEST_KV_BYTES
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -58,3 +58,26 @@ def test_continue_final_message(llm):
     out = llm.chat(conv, SamplingParams(temperature=0, max_tokens=5), add_generation_prompt=False,
                    continue_final_message=True, use_tqdm=False)[0]
     assert "Paris" in out.outputs[0].text
+
+
+def test_structured_outputs_choice_and_pydantic_schema(llm):
+    """Issue 15's check: the sentiment choice returns one of its members; a pydantic schema
+    through the chat template returns a valid object."""
+    pydantic = pytest.importorskip("pydantic")
+
+    class Review(pydantic.BaseModel):
+        sentiment: str = pydantic.Field(pattern="^(positive|negative)$")
+        score: int = pydantic.Field(ge=1, le=5)
+
+    messages = [{"role": "user", "content": "Classify this sentiment: vLLM is wonderful!"}]
+    choice = SamplingParams(temperature=0, max_tokens=10,
+                            structured_outputs=StructuredOutputsParams(choice=["positive", "negative"]))
+    out = llm.chat(messages, choice, use_tqdm=False)[0].outputs[0]
+    assert out.text in ("positive", "negative") and out.finish_reason == "stop"
+    schema = SamplingParams(temperature=0, max_tokens=60,
+                            structured_outputs=StructuredOutputsParams(json=Review, disable_any_whitespace=True))
+    out = llm.chat([{"role": "user", "content": "Review vLLM as JSON with a sentiment and a 1-5 score."}], schema,
+                   use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop"
+    Review.model_validate_json(out.text)
+

@@ -31,6 +31,9 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     first_scheduled_time: float | None = None
+    # The request failed in the core (e.g. its grammar did not compile): finish_reason "abort" and
+    # the message of the ValueError its caller gets.
+    error: str | None = None
 
     @property
     def finished(self) -> bool:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 from pagedllm.core.messages import EngineCoreRequest
 from pagedllm.sampling_params import SamplingParams
@@ -53,6 +54,10 @@ class Request:
         self.first_scheduled_time: float | None = None
         # Content hashes of this request's full blocks, extended as tokens are appended.
         self.block_hashes: list[bytes] = []
+        # Structured outputs: the request's grammar (structured_output.manager.GrammarRequest),
+        # attached by the engine core. The scheduler reads it through is_ready / accept_tokens /
+        # is_terminated / free only, so this room needs no grammar library.
+        self.structured_output: Any = None
 
     @classmethod
     def from_engine_core_request(cls, r: EngineCoreRequest) -> "Request":

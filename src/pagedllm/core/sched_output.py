@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedllm.core.messages import PositionLogprobs
 from pagedllm.sampling_params import SamplingParams
@@ -44,6 +45,10 @@ class SchedulerOutput:
     finished_req_ids: set[str] = field(default_factory=set)
     # Preempted this step: the worker drops their state (they come back as new requests).
     preempted_req_ids: set[str] = field(default_factory=set)
+    # Structured outputs: the masks of the constrained requests that sample this step, a
+    # structured_output.manager.GrammarBitmask (``req_ids`` and an int32 ``bitmask`` with one
+    # row each); None when no sampling request is constrained.
+    grammar: Any = None
 
 
 @dataclass

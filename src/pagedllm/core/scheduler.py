@@ -96,6 +96,9 @@ class Scheduler:
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
         self.kv.free(request)
+        if request.structured_output is not None:
+            request.structured_output.free()
+            request.structured_output = None
         del self.requests[request.request_id]
         self._finished_req_ids.add(request.request_id)
 
@@ -190,10 +193,14 @@ class Scheduler:
         cfg = self.config
         new_reqs: list[NewRequestData] = []
         now = time.time()
+        compiling: list[Request] = []  # their grammar is not ready: they wait, the others go ahead
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs and len(num_scheduled) < max_reqs:
             request = self.waiting.peek()
             if request.num_output_placeholders:  # preempted with a token still in flight
                 break
+            if request.structured_output is not None and not request.structured_output.is_ready():
+                compiling.append(self.waiting.pop())
+                continue
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit_tokens
             if not cfg.enable_chunked_prefill and num_new > budget:
@@ -216,6 +223,8 @@ class Scheduler:
             ))
             num_scheduled[request.request_id] = num_new
             budget -= num_new
+        for request in reversed(compiling):  # back in their places
+            self.waiting.add(request, front=True)
         return new_reqs
 
     def _reaches_limit(self, request: Request) -> bool:
@@ -264,6 +273,8 @@ class Scheduler:
                 request.append_output_token(token_id)
                 new_token_ids.append(token_id)
                 status = self._check_stop(request, token_id)
+                if request.structured_output is not None:
+                    status = self._advance_grammar(request, token_id, status)
                 if status is not None:
                     if request.status == RequestStatus.RUNNING:
                         self.running.remove(request)
@@ -282,6 +293,19 @@ class Scheduler:
                 first_scheduled_time=request.first_scheduled_time,
             ))
         return outputs
+
+    @staticmethod
+    def _advance_grammar(request: Request, token_id: int, status: RequestStatus | None) -> RequestStatus | None:
+        """The grammar follows the sampled token; it ends the request when it terminates."""
+        grammar = request.structured_output
+        if not grammar.accept_tokens([token_id]):
+            # The mask allowed nothing this row could use (e.g. allowed_token_ids outside the grammar).
+            logger.error("request %s: its grammar refused sampled token %d; finishing it", request.request_id,
+                         token_id)
+            return status or RequestStatus.FINISHED_ABORTED
+        if status is None and grammar.is_terminated():
+            return RequestStatus.FINISHED_STOPPED
+        return status
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params

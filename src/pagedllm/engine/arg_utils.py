@@ -7,7 +7,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from pagedllm.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from pagedllm.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig,
+                             StructuredOutputsConfig)
 
 _DTYPES = {
     "auto": "auto", "half": "float16", "float16": "float16", "fp16": "float16",
@@ -84,6 +85,11 @@ class EngineArgs:
     # The GPUs of ranks 0..world_size-1, as indices among the visible ones (an RL framework's
     # device_mapping); None: GPU r for rank r (one rank: the current GPU).
     device_ids: list[int] | None = None
+    # Structured outputs: {"backend": "auto"|"xgrammar"|"guidance", "compile_timeout_s", "max_spec_bytes",
+    # "max_nesting_depth", ...} (config.StructuredOutputsConfig); guided_decoding_backend is
+    # vLLM's older flag for the backend alone.
+    structured_outputs_config: dict[str, Any] | StructuredOutputsConfig | None = None
+    guided_decoding_backend: str | None = None
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -150,6 +156,21 @@ class EngineArgs:
             raise ValueError(f"distributed_executor_backend='uni' runs one process, but tensor_parallel_size x "
                              f"pipeline_parallel_size = {world_size}; use 'mp' (the default on one host) or 'ray'")
 
+    def _structured_outputs_config(self) -> StructuredOutputsConfig:
+        cfg = self.structured_outputs_config
+        if isinstance(cfg, StructuredOutputsConfig):
+            values = dataclasses.asdict(cfg)
+        elif cfg is None or isinstance(cfg, dict):
+            values = dict(cfg or {})
+        else:
+            raise ValueError(f"structured_outputs_config must be a dict or None, got {type(cfg).__name__}")
+        if self.guided_decoding_backend is not None:
+            if "backend" in values and values["backend"] != self.guided_decoding_backend:
+                raise ValueError("guided_decoding_backend (the older name) and structured_outputs_config's backend "
+                                 "disagree; set one")
+            values["backend"] = self.guided_decoding_backend
+        return StructuredOutputsConfig.from_dict(values)
+
     def resolve_device(self) -> str:
         import torch
 
@@ -165,6 +186,7 @@ class EngineArgs:
         from pagedllm.model.loader import resolve_model
 
         self._validate()
+        structured = self._structured_outputs_config()
         device = self.resolve_device()
         resolved = resolve_model(self.model or default_model(), revision=self.revision,
                                  trust_remote_code=self.trust_remote_code, hf_overrides=self.hf_overrides)
@@ -212,7 +234,8 @@ class EngineArgs:
             max_concurrent_batches=self.pipeline_parallel_size,
         )
         return EngineConfig(model_config, cache_config, scheduler_config, device,
-                            log_stats=not self.disable_log_stats, parallel_config=parallel_config)
+                            log_stats=not self.disable_log_stats, parallel_config=parallel_config,
+                            structured_outputs_config=structured)
 
     def _parallel_config(self, hf_config: Any, device: str) -> ParallelConfig:
         tp = self.tensor_parallel_size

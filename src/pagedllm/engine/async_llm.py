@@ -131,7 +131,11 @@ class AsyncLLM(EngineFrontend):
                 return
 
     def _process_core_outputs(self, core_outputs: EngineCoreOutputs) -> None:
-        outputs, to_abort = self.output_processor.process_outputs(core_outputs.outputs)
+        for out in core_outputs.outputs:
+            if out.error is not None:  # failed in the core (a grammar that did not compile)
+                self._fail_engine_request(out.request_id, ValueError(out.error))
+        outputs, to_abort = self.output_processor.process_outputs(
+            [o for o in core_outputs.outputs if o.error is None])
         if to_abort:
             self.engine_core.abort_requests(to_abort)
         for ro in outputs:

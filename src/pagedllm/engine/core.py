@@ -7,9 +7,12 @@ from typing import Any
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
-from pagedllm.core.messages import EngineCoreOutputs, EngineCoreRequest
+from pagedllm.core.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from pagedllm.core.request import Request
+from pagedllm.core.sched_output import SchedulerOutput
 from pagedllm.core.scheduler import Scheduler
+from pagedllm.structured_output.manager import StructuredOutputManager
+from pagedllm.tokenizer import get_tokenizer
 from pagedllm.utils import freeze_gc_heap
 from pagedllm.worker.executor import create_executor
 from pagedllm.worker.executor_base import WorkerMethod
@@ -17,6 +20,7 @@ from pagedllm.worker.executor_base import WorkerMethod
 logger = logging.getLogger("pagedllm")
 
 _WEIGHT_UPDATE_METHODS = ("load_weights",)
+_GRAMMAR_WAIT_S = 0.05  # an idle engine waiting for a grammar compile checks back this often
 
 
 class EngineCore:
@@ -51,6 +55,9 @@ class EngineCore:
         self._max_in_flight = sc.max_concurrent_batches if sc.max_concurrent_batches > 1 \
             else 2 if sc.async_scheduling else 1
         self.sleeping_tags: set[str] = set()  # sleep mode: what is freed now ("weights", "kv_cache")
+        mc = config.model_config
+        self.structured_output = StructuredOutputManager(
+            config.structured_outputs_config, mc.vocab_size, lambda: get_tokenizer(mc), mc.generation_eos_token_ids())
         freeze_gc_heap()
 
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -58,7 +65,11 @@ class EngineCore:
             raise ValueError(
                 f"the engine is sleeping ({', '.join(sorted(self.sleeping_tags))} freed); call wake_up() before "
                 f"submitting request {request.request_id!r}")
-        self.scheduler.add_request(Request.from_engine_core_request(request))
+        req = Request.from_engine_core_request(request)
+        params = request.sampling_params.structured_outputs
+        self.scheduler.add_request(req)
+        if params is not None:
+            req.structured_output = self.structured_output.add_request(request.request_id, params)
 
     def abort_requests(self, request_ids: list[str]) -> EngineCoreOutputs:
         return EngineCoreOutputs(self.scheduler.abort_requests(request_ids))
@@ -70,12 +81,41 @@ class EngineCore:
             except BaseException:
                 self._batch_queue.clear()  # a failed step (a worker died): none in flight will land
                 raise
+        failed = self._fail_grammars()
         if not self.scheduler.has_unfinished_requests():
-            return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats())
-        sched = self.scheduler.schedule()
+            return EngineCoreOutputs(failed, scheduler_stats=self.scheduler.make_stats())
+        sched = self._schedule()
         result = self.executor.execute_model(sched)
         outputs = self.scheduler.update_from_output(sched, result)
-        return EngineCoreOutputs(outputs, self.scheduler.make_stats())
+        self._wait_for_grammars(sched)
+        return EngineCoreOutputs(failed + outputs, self.scheduler.make_stats())
+
+    # ---- structured outputs ---------------------------------------------------------------------
+    def _fail_grammars(self) -> list[EngineCoreOutput]:
+        """Requests whose grammar failed to compile (or timed out) end now, with the error."""
+        outputs = []
+        for grammar in self.structured_output.poll():
+            for out in self.scheduler.abort_requests([grammar.request_id]):
+                out.error = grammar.error
+                outputs.append(out)
+        return outputs
+
+    def _schedule(self) -> SchedulerOutput:
+        """The scheduler's step, with the masks of the constrained requests that sample in it."""
+        sched = self.scheduler.schedule()
+        if self.structured_output.live:  # else: no constrained request, no extra work
+            handles = []
+            for req_id in sched.num_scheduled_tokens:
+                request = self.scheduler.requests[req_id]
+                if request.structured_output is not None and request.num_computed_tokens >= request.num_tokens:
+                    handles.append(request.structured_output)
+            sched.grammar = self.structured_output.bitmask(handles)
+        return sched
+
+    def _wait_for_grammars(self, sched: SchedulerOutput) -> None:
+        """Nothing ran and only compiles are left: sleep until one finishes, do not spin."""
+        if not sched.total_num_scheduled_tokens and not self._batch_queue and self.structured_output.pending:
+            self.structured_output.wait(_GRAMMAR_WAIT_S)
 
     def _step_with_batch_queue(self) -> EngineCoreOutputs:
         """Keep up to ``_max_in_flight`` steps in flight: launch a new step while one fits and
@@ -84,18 +124,24 @@ class EngineCore:
         work of one step (scheduling, inputs, outputs) overlaps the device work of the other;
         with pipeline stages every stage has a micro-batch."""
         launched = False
-        if len(self._batch_queue) < self._max_in_flight and self.scheduler.has_unfinished_requests():
-            sched = self.scheduler.schedule()
+        failed = self._fail_grammars()
+        # A constrained request's next mask needs the token in flight: a step with constrained
+        # rows lands before the next one is scheduled (async scheduling's overlap pauses).
+        masked_in_flight = bool(self._batch_queue) and self._batch_queue[-1][0].grammar is not None
+        if len(self._batch_queue) < self._max_in_flight and self.scheduler.has_unfinished_requests() \
+                and not masked_in_flight:
+            sched = self._schedule()
             if sched.total_num_scheduled_tokens:
                 self._batch_queue.append((sched, self.executor.execute_model(sched, non_block=True)))
                 launched = True
             else:  # nothing runnable now: the workers hear of finished/preempted requests next time
                 self.scheduler.defer_notices(sched)
+                self._wait_for_grammars(sched)
         outputs = []
         if self._batch_queue and (not launched or len(self._batch_queue) == self._max_in_flight):
             sched, pending = self._batch_queue.popleft()
             outputs = self.scheduler.update_from_output(sched, pending.result())
-        return EngineCoreOutputs(outputs, self.scheduler.make_stats())
+        return EngineCoreOutputs(failed + outputs, self.scheduler.make_stats())
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self._batch_queue)
@@ -160,4 +206,5 @@ class EngineCore:
                 "num_waiting": stats.num_waiting_reqs}
 
     def shutdown(self) -> None:
+        self.structured_output.shutdown()
         self.executor.shutdown()

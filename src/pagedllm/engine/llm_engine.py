@@ -22,6 +22,7 @@ class LLMEngine(EngineFrontend):
         self.log_stats = config.log_stats
         self.last_stats: SchedulerStats | None = None
         self.stat_logger = LoggingStatLogger(device=config.device) if config.log_stats else None
+        self._held_outputs: list[RequestOutput] = []  # a step's outputs held back by a request's error
         freeze_gc_heap()  # the frontend's objects too (tokenizer, processors)
 
     def add_request(
@@ -47,6 +48,8 @@ class LLMEngine(EngineFrontend):
     def abort_request(self, request_ids: str | list[str]) -> None:
         if isinstance(request_ids, str):
             request_ids = [request_ids]
+        if self._held_outputs:
+            self._held_outputs = [ro for ro in self._held_outputs if ro.request_id not in set(request_ids)]
         engine_ids = []
         for rid in request_ids:
             parent = self.parents.pop(rid, None)
@@ -56,8 +59,16 @@ class LLMEngine(EngineFrontend):
         self.engine_core.abort_requests(engine_ids)
 
     def step(self) -> list[RequestOutput]:
+        """One engine step's outputs. A request that failed in the core (its grammar did not
+        compile) is aborted with its other samples and raises ValueError here; the step's other
+        outputs come with the next call."""
+        if self._held_outputs:
+            held, self._held_outputs = self._held_outputs, []
+            return held
         core_out = self.engine_core.step()
-        outputs, to_abort = self.output_processor.process_outputs(core_out.outputs)
+        errors = [o for o in core_out.outputs if o.error is not None]
+        outputs, to_abort = self.output_processor.process_outputs(
+            [o for o in core_out.outputs if o.error is None] if errors else core_out.outputs)
         if to_abort:
             self.engine_core.abort_requests(to_abort)
         for ro in outputs:
@@ -68,10 +79,24 @@ class LLMEngine(EngineFrontend):
             op = self.output_processor
             self.stat_logger.record(core_out.scheduler_stats, op.num_prompt_tokens, op.num_generation_tokens)
             self.stat_logger.maybe_log()
+        if errors:
+            failed = self._fail(errors)
+            self._held_outputs = [ro for ro in outputs if ro.request_id not in failed]
+            raise ValueError(errors[0].error)
         return outputs
 
+    def _fail(self, errors: list) -> set[str]:
+        """Abort the parents of the engine requests that failed in the core; returns their ids."""
+        parents = set()
+        for out in errors:
+            state = self.output_processor.states.get(out.request_id)
+            if state is not None:
+                parents.add(state.parent.request_id)
+        self.abort_request(sorted(parents))
+        return parents
+
     def has_unfinished_requests(self) -> bool:
-        return bool(self.parents) or self.engine_core.has_unfinished_requests()
+        return bool(self.parents or self._held_outputs) or self.engine_core.has_unfinished_requests()
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.parents)

@@ -4,16 +4,18 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from pagedllm.config import ModelConfig
+from pagedllm.config import ModelConfig, StructuredOutputsConfig
 from pagedllm.core.messages import EngineCoreRequest
 from pagedllm.inputs import PromptType
 from pagedllm.sampling_params import SamplingParams
 
 
 class Processor:
-    def __init__(self, model_config: ModelConfig, tokenizer: Any | None) -> None:
+    def __init__(self, model_config: ModelConfig, tokenizer: Any | None,
+                 structured_config: StructuredOutputsConfig | None = None) -> None:
         self.model_config = model_config
         self.tokenizer = tokenizer
+        self.structured_config = structured_config or StructuredOutputsConfig()
         self.generation_eos_ids = model_config.generation_eos_token_ids()
         eos = tokenizer.eos_token_id if tokenizer is not None else None
         if eos is None:
@@ -68,9 +70,24 @@ class Processor:
         if self.tokenizer is None and params.detokenize:
             raise ValueError("detokenize=True needs a tokenizer; with skip_tokenizer_init=True set detokenize=False")
         params = params.clone()
+        if params.structured_outputs is not None:
+            self._check_structured_outputs(params)
         params.update_from_generation_config(self.generation_eos_ids)
         params.update_from_tokenizer(self.tokenizer)
         eos = None if params.ignore_eos else self.eos_token_id
         if params.max_tokens is None:
             params.max_tokens = mc.max_model_len - len(token_ids)
         return text, EngineCoreRequest(request_id, token_ids, params, eos, arrival_time or time.time(), priority)
+
+    def _check_structured_outputs(self, params: SamplingParams) -> None:
+        """Limits, then which backend takes the constraint (checked without the tokenizer, cheaply:
+        an invalid or unsupported one is refused here, naming its field). The compile itself runs
+        in the engine core, off its loop."""
+        from pagedllm.structured_output.backends import choose_backend
+
+        so, cfg = params.structured_outputs, self.structured_config
+        if self.tokenizer is None:
+            raise ValueError("structured_outputs needs a tokenizer (skip_tokenizer_init=True has none)")
+        so.check_limits(cfg.max_spec_bytes, cfg.max_nesting_depth)
+        backend = getattr(so, "backend", None) or cfg.backend  # GuidedDecodingParams may name one
+        so._backend = choose_backend(so, backend, cfg.disable_fallback)

@@ -24,6 +24,7 @@ from pagedllm.distributed import get_pp_size, is_first_pp_rank, is_last_pp_rank,
 from pagedllm.model.loader import TORCH_DTYPES
 from pagedllm.sample.metadata import SamplingMetadataBuilder
 from pagedllm.sample.sampler import Sampler, SamplingMetadata, compute_logprobs_with_ranks
+from pagedllm.structured_output.bitmask import apply_grammar
 from pagedllm.worker import cuda_graphs
 from pagedllm.worker.cuda_graphs import CudaGraphs
 from pagedllm.worker.device_buffers import DeviceBuffers
@@ -208,6 +209,8 @@ class ModelRunner:
             sampling = [states[i] for i in sample_rows]
             last_hidden = hidden[:batch.num_tokens] if batch.sample_index is None else hidden[batch.sample_index]
             logits = self.model.compute_logits(last_hidden)
+            if sched.grammar is not None:  # structured outputs: constrained rows keep allowed tokens only
+                apply_grammar(logits, sched.grammar, [s.req_id for s in sampling])
             md = self.sampling_metadata.build(sampling, batch.sample_batch_rows, batch.temperature)
             out = self.sampler(logits, md)
             pending.launch_copy(sampling, out, self._buffers.sampled_tokens_host(len(sampling)))
