@@ -29,7 +29,7 @@ bench() {  # name, then the command; JSON lines go to $RES, the rest to $OUT/NAM
 stage startup && bench startup python -m pagedllm.benchmarks.startup --shape llama3-8b --num-runs 2
 if stage tests; then
   echo "== tests"
-  python -m pytest -q -rfE -p no:cacheprovider tests/attention tests/ops tests/sample tests/gpu tests/worker tests/engine/test_correctness.py tests/engine/test_correctness_archs.py \
+  python -m pytest -q -rfE -p no:cacheprovider tests/attention tests/ops tests/sample tests/gpu tests/worker tests/engine/test_correctness.py tests/engine/test_correctness_archs.py tests/structured_output tests/engine/test_structured_outputs.py \
     tests/engine/test_async_scheduling.py tests/engine/test_gc_freeze.py tests/engine/test_engine_defaults.py > "$OUT/tests.log" 2>&1
   echo "   tests rc=$?"; tail -15 "$OUT/tests.log" | cut -c1-300
 fi
