@@ -4,7 +4,7 @@
 # STAGES is a comma list of: tests, throughput, throughput8b, latency, startup (default: all).
 # Needs the SmolLM2 tokenizer saved under .gpu/tokenizer (carried with the call).
 set -uo pipefail
-export PYTHONPATH=src:. PAGEDLLM_TEST_TOKENIZER_DIR=.gpu/tokenizer HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export PYTHONPATH=src:.${PYTHONPATH:+:$PYTHONPATH} PAGEDLLM_TEST_TOKENIZER_DIR=.gpu/tokenizer HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 # The device copy has no git history: the caller writes the commit to .gpu/commit.
 [ -f .gpu/commit ] && export PAGEDLLM_COMMIT=$(cat .gpu/commit)
 OUT=${OUT:-/tmp/pagedllm-out}
