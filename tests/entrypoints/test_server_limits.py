@@ -4,6 +4,8 @@ once, /health unaffected), tokenization off the event loop, `n` at most max_num_
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 import threading
 import time
 
@@ -102,9 +104,8 @@ def test_n_above_max_num_seqs_and_a_completion_past_the_context_are_400(url):
 
 
 @pytest.mark.parametrize("field, value", [
-    ("response_format", {"type": "json_object"}), ("guided_json", {"type": "object"}), ("guided_regex", "a+"),
-    ("guided_choice", ["a", "b"]), ("guided_grammar", "root ::= 'a'"), ("structured_outputs", {"choice": ["a"]}),
-    ("functions", [{"name": "f"}]),
+    ("functions", [{"name": "f"}]), ("function_call", "auto"), ("guided_decoding_backend", "outlines"),
+    ("logits_processors", ["x"]),
 ])
 def test_fields_not_implemented_are_400_naming_them(url, field, value):
     for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
@@ -191,3 +192,53 @@ def test_a_non_streaming_request_whose_client_leaves_is_aborted_and_frees_its_bl
         time.sleep(0.05)
     # Aborted (not run to its end): all n sequences counted with finish reason "abort".
     assert _counter(url, "pagedllm:request_success_total", "abort") - aborted == 1
+
+
+SCHEMA = {"type": "object", "properties": {"mood": {"type": "string", "enum": ["happy", "sad"]},
+                                           "score": {"type": "integer", "minimum": 0, "maximum": 9}},
+          "required": ["mood", "score"], "additionalProperties": False}
+
+
+def test_structured_outputs_by_every_name_constrain_the_noise(url):
+    """The tiny model's free output is noise: a parse that validates means the constraint worked."""
+    import jsonschema
+
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    chat = [{"role": "user", "content": "How do you feel?"}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "mood", "schema": SCHEMA, "strict": True}}
+    # Without a whitespace bound the language is infinite (noise may pick newlines until max_tokens):
+    # every reply that the grammar ended validates. With disable_any_whitespace every reply must.
+    for extra, finite in (({"response_format": fmt}, False), ({"extra_body": {"guided_json": SCHEMA}}, False),
+                          ({"extra_body": {"structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True}}},
+                           True)):
+        reply = client.chat.completions.create(model=MODEL_NAME, messages=chat, max_tokens=60, n=2, **extra)
+        for choice in reply.choices:
+            assert choice.finish_reason == "stop" or not finite
+            if choice.finish_reason == "stop":
+                jsonschema.validate(json.loads(choice.message.content), SCHEMA)
+    reply = client.completions.create(model=MODEL_NAME, prompt="Pick:", max_tokens=10,
+                                      extra_body={"guided_choice": ["left", "right"]})
+    assert reply.choices[0].text in ("left", "right")
+    reply = client.completions.create(model=MODEL_NAME, prompt="Code:", max_tokens=12,
+                                      extra_body={"guided_regex": "[A-Z]{3}-[0-9]{3}"})
+    assert re.fullmatch("[A-Z]{3}-[0-9]{3}", reply.choices[0].text)
+    reply = client.chat.completions.create(model=MODEL_NAME, messages=chat, max_tokens=40,
+                                           response_format={"type": "json_object"})
+    assert isinstance(json.loads(reply.choices[0].message.content), dict)
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"response_format": {"type": "json_object"}, "guided_json": {"type": "object"}}, "guided_json"),
+    ({"guided_regex": "(unclosed"}, "guided_regex"),
+    ({"guided_json": {"type": "object", "properties": {"a": {"type": "nonsense-type"}}}}, "guided_json"),
+    ({"response_format": {"type": "yaml"}}, "response_format"),
+])
+def test_bad_constraints_are_400_and_the_server_serves_on(url, extra, param):
+    r = httpx.post(f"{url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                        "max_tokens": 5, **extra})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] in (param, None) and len(r.text) < 2000
+    ok = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+    assert ok.status_code == 200
+    stats = httpx.get(f"{url}/internal/stats").json()
+    assert stats["num_running"] == 0 and stats["num_free_blocks"] == stats["num_blocks"]

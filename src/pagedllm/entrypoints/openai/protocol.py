@@ -7,6 +7,7 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+from pagedllm.structured_params import StructuredOutputsParams
 
 
 class BadParam(ValueError):
@@ -67,18 +68,29 @@ class ModelList(OpenAIModel):
 # a silent 200 that ignores what the client asked for. (Other unknown fields are accepted and
 # logged once per name, as vLLM does.)
 UNSUPPORTED_FIELDS = {
-    "response_format": "structured outputs",
-    "structured_outputs": "structured outputs",
-    "guided_json": "structured outputs",
-    "guided_regex": "structured outputs",
-    "guided_choice": "structured outputs",
-    "guided_grammar": "structured outputs",
-    "guided_whitespace_pattern": "structured outputs",
-    "guided_decoding_backend": "structured outputs",
+    "guided_decoding_backend": "a per-request structured-outputs backend (the server's is set by "
+                               "--structured-outputs-config)",
     "functions": "the legacy functions API (use tools)",
     "function_call": "the legacy functions API (use tool_choice)",
     "logits_processors": "per-request logits processors",
 }
+
+
+_CONSTRAINT_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                      "guided_grammar")
+
+
+def _response_format_constraint(fmt: dict[str, Any]) -> dict[str, Any]:
+    kind = fmt.get("type")
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        spec = fmt.get("json_schema") or {}
+        schema = spec.get("schema", spec.get("json_schema"))
+        if not isinstance(schema, dict):
+            raise ValueError("json_schema.schema must be a JSON schema object")
+        return {"json": schema}
+    raise ValueError(f"type must be 'text', 'json_object' or 'json_schema', got {str(kind)[:40]!r}")
 
 
 class SamplingRequest(OpenAIModel):
@@ -115,6 +127,37 @@ class SamplingRequest(OpenAIModel):
     priority: int = Field(0, ge=-(2 ** 63), lt=2 ** 63)
     # The engine request's id (after the endpoint's prefix); an X-Request-Id header wins.
     request_id: Optional[str] = Field(None, min_length=1, max_length=256)
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs, and the older guided_* extras.
+    response_format: Optional[dict[str, Any]] = None
+    structured_outputs: Optional[dict[str, Any]] = None
+    guided_json: Optional[Union[str, dict[str, Any]]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
+    guided_whitespace_pattern: Optional[str] = None
+
+    def _structured(self) -> Optional[StructuredOutputsParams]:
+        """The one constraint the request asks for, by whichever name; two at once is a 400."""
+        given = [n for n in _CONSTRAINT_FIELDS if getattr(self, n) is not None]
+        if self.response_format is not None and self.response_format.get("type") == "text":
+            given.remove("response_format")  # OpenAI's default: no constraint
+        if len(given) > 1:
+            raise BadParam(given[1], f"give one structured-output constraint, got {given}")
+        if not given:
+            return None
+        name = given[0]
+        try:
+            if name == "response_format":
+                kwargs = _response_format_constraint(self.response_format)
+            elif name == "structured_outputs":
+                kwargs = dict(self.structured_outputs)
+            else:
+                kwargs = {name.removeprefix("guided_"): getattr(self, name)}
+            if self.guided_whitespace_pattern is not None:
+                kwargs["whitespace_pattern"] = self.guided_whitespace_pattern
+            return StructuredOutputsParams(**kwargs)
+        except (TypeError, ValueError) as e:
+            raise BadParam(name, f"{name}: {str(e)[:300]}") from None
 
     def _sampling_params(self, defaults: dict[str, Any], max_tokens: Optional[int], logprobs: Optional[int],
                          prompt_logprobs: Optional[int] = None) -> SamplingParams:
@@ -144,6 +187,7 @@ class SamplingRequest(OpenAIModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             truncate_prompt_tokens=self.truncate_prompt_tokens, logit_bias=logit_bias,
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
+            structured_outputs=self._structured(),
         )
 
 
