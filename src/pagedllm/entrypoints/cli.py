@@ -202,8 +202,21 @@ def bench(ns: argparse.Namespace) -> None:
     module.main(ns.bench_args)
 
 
+def _skip_triton_without_gpu() -> None:
+    """triton's extension prints a long `nanobind: leaked ...` list when a process that loaded it
+    exits, which reads like a crash. Without a GPU nothing here runs a Triton kernel (torch and
+    transformers import triton only to probe for it, xgrammar only for its GPU kernels), so a
+    CPU process of the CLI does not load it."""
+    import torch
+
+    if not torch.cuda.is_available() and "triton" not in sys.modules:
+        sys.modules["triton"] = None  # `import triton` raises ImportError: "not installed"
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     ns = make_parser().parse_args(argv)
+    if argv is None and ns.command in ("serve", "generate"):  # a process of its own, not a caller's
+        _skip_triton_without_gpu()
     command = {"serve": serve, "generate": generate, "bench": bench}[ns.command]
     try:
         command(ns)
