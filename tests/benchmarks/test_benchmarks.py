@@ -57,7 +57,8 @@ def test_latency_reports_each_batch_size_and_the_roofline_at_batch_1(capsys):
     for r in rows:
         assert r["benchmark"] == "latency" and r["output_len"] == 4 and r["ttft_ms"] > 0
         assert r["ms_per_step"] == pytest.approx((r["e2e_s"] * 1e3 - r["ttft_ms"]) / 3, abs=0.05)
-        assert r["decode_tok_s"] == pytest.approx(r["batch_size"] * 1e3 / r["ms_per_step"], rel=1e-2)
+        # decode_tok_s is reported to 0.1 (on a slow or loaded machine a few tok/s, where 0.05 is > 1%).
+        assert r["decode_tok_s"] == pytest.approx(r["batch_size"] * 1e3 / r["ms_per_step"], rel=1e-2, abs=0.05)
     one, two = rows
     assert one["weight_bytes"] == common.weight_bytes(common.SHAPES["tiny-llama"], itemsize=4)
     assert one["copy_bandwidth_gb_s"] > 0
