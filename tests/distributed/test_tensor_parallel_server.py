@@ -16,7 +16,10 @@ from tests.entrypoints.test_openai_server import _serve
 def test_tp2_server_serves_then_reports_a_dead_worker(tiny_models, tmp_path):
     log_path = tmp_path / "server.log"
     for base_url in _serve(tiny_models["llama"], log_path, ["--tensor-parallel-size", "2", "--served-model-name", "m",
-                                                            "--disable-log-stats"], {"PAGEDLLM_API_KEY": ""}):
+                                                            "--disable-log-stats",
+                                                            # answer 503 rather than exit (the default
+                                                            # since issue 14), so /health can be read
+                                                            "--keep-serving-without-engine"], {"PAGEDLLM_API_KEY": ""}):
         client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0, timeout=30)
         out = client.completions.create(model="m", prompt="Hello", max_tokens=4, temperature=0)
         assert out.usage.completion_tokens == 4
