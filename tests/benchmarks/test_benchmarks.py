@@ -12,7 +12,7 @@ import threading
 import pytest
 import torch
 
-from pagedllm.benchmarks import common, cpu_vs_hf, latency, serve, startup, throughput
+from pagedllm.benchmarks import common, cpu_vs_hf, latency, serve, startup, structured, throughput
 from tests.conftest import TEST_KV_BYTES, build_tiny_model
 
 KV = f"kv_cache_memory_bytes={TEST_KV_BYTES}"
@@ -46,6 +46,19 @@ def test_throughput_counts_every_drawn_output_token(capsys):
     assert row["benchmark"] == "throughput" and row["num_prompts"] == 3
     assert row["output_tokens"] == 3 * 4  # max_tokens drawn from randint(4, 4), ignore_eos
     assert row["total_tok_s"] > row["output_tok_s"] > 0
+
+
+def test_structured_compares_json_with_unconstrained_in_one_run(capsys, smollm2_tokenizer_dir):
+    structured.main(["--shape", "tiny-llama", "--num-prompts", "2", "--max-input-len", "16", "--max-output-len", "24",
+                     "--dtype", "float32", "--repeats", "1", "--tokenizer", smollm2_tokenizer_dir,
+                     "--engine-args", KV])
+    (row,) = _json_lines(capsys)
+    assert row["benchmark"] == "structured" and row["backend"] == "auto"
+    assert row["ratio"] == pytest.approx(row["json_output_tok_s"] / row["unconstrained_output_tok_s"], abs=2e-3)
+    assert 0 < row["json_output_tokens"] <= 2 * 24 and row["json_valid"].endswith("/2")
+    # Every request whose grammar ended is a valid record (compile errors would have raised).
+    assert int(row["json_valid"].split("/")[0]) >= int(row["json_stopped"].split("/")[0])
+    assert row["first_request_cold_schema_s"] > 0 and row["first_request_cached_schema_s"] > 0
 
 
 def test_latency_reports_each_batch_size_and_the_roofline_at_batch_1(capsys):
