@@ -179,3 +179,20 @@ def _deep_schema(depth: int) -> dict:
     for _ in range(depth):
         schema = {"type": "object", "properties": {"x": schema}}
     return schema
+
+
+def test_abort_while_compiling_and_while_running_frees_the_matcher(llm, monkeypatch):
+    original = XgrammarBackend.compile
+    monkeypatch.setattr(XgrammarBackend, "compile", lambda self, p: time.sleep(0.5) or original(self, p))
+    engine, manager = llm.llm_engine, llm.llm_engine.engine_core.structured_output
+    engine.add_request("compiling", PROMPTS[0], _constrained(StructuredOutputsParams(regex=r"abort-[0-9]{3}"), 1))
+    engine.step()
+    assert "compiling" in manager.pending
+    engine.abort_request("compiling")
+    assert manager.live == {} and manager.pending == {}
+    engine.add_request("running", PROMPTS[1], _constrained(StructuredOutputsParams(json=SCHEMAS[0]), 2))
+    while not engine.engine_core.scheduler.requests["running"].output_token_ids:
+        engine.step()
+    assert manager.live["running"].is_ready()
+    engine.abort_request("running")
+    assert manager.live == {}

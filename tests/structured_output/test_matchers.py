@@ -154,3 +154,18 @@ def test_cache_compiles_each_spec_once_and_failures_fail_their_request(manager, 
     for h in (a, b, c, handle):
         h.free()
     assert manager.live == {} and manager.pending == {}
+
+
+def test_structural_tag_constrains_the_tagged_region(manager, tokenizer):
+    tag = {"type": "structural_tag", "structures": [{"begin": "<f>", "schema": SCHEMA, "end": "</f>"}],
+           "triggers": ["<f>"]}
+    handle = _ready(manager, "tag", StructuredOutputsParams(structural_tag=tag), "xgrammar")
+    assert handle.matcher is not None
+    ok = tokenizer.encode('hi <f>{"a": 1, "b": "x"}</f>', add_special_tokens=False)
+    assert handle.accept_tokens(ok)
+    # Inside the tag the schema rules: "b" must be "x" or "y".
+    bad = _ready(manager, "tag2", StructuredOutputsParams(structural_tag=tag), "xgrammar")
+    assert not bad.accept_tokens(tokenizer.encode('<f>{"a": 1, "b": "z"}', add_special_tokens=False))
+    handle.free()
+    bad.free()
+    assert manager.live == {}
