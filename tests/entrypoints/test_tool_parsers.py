@@ -75,7 +75,10 @@ def test_whole_text_parse(name, text, content, calls):
     assert info.tools_called
     assert [(c.function.name, json.loads(c.function.arguments)) for c in info.tool_calls] == calls
     assert (info.content or "") == content
-    assert all(c.id.startswith("call_") and c.type == "function" for c in info.tool_calls)
+    if name == "mistral":  # its templates take back only 9-character alphanumeric ids
+        assert all(len(c.id) == 9 and c.id.isalnum() for c in info.tool_calls)
+    else:
+        assert all(c.id.startswith("call_") and c.type == "function" for c in info.tool_calls)
     assert len({c.id for c in info.tool_calls}) == len(calls)
 
 
@@ -90,7 +93,7 @@ def test_every_split_and_random_chunkings_reassemble_to_the_whole_parse(name, te
         got_content, got_calls = streamed(name, chunks)
         assert got_content == content, chunks
         assert [(n, a) for n, a, _ in got_calls] == calls, chunks
-        assert all(i.startswith("call_") for _, _, i in got_calls)
+        assert all(i.startswith("call_") or (name == "mistral" and len(i) == 9) for _, _, i in got_calls)
 
 
 @pytest.mark.parametrize("name", sorted({c[0] for c in CASES}))

@@ -114,6 +114,11 @@ class ToolParser:
         self._sent_content = 0
         self._sent: list[dict[str, Any]] = []  # per call: id, whether the name went out, args sent
 
+    @staticmethod
+    def make_id() -> str:
+        """A new tool call's id (the family's chat template must accept it back)."""
+        return make_tool_call_id()
+
     def parse(self, text: str, tools: Optional[list[dict]] = None, final: bool = True) -> ParsedText:
         """``final``: the text is the whole output (nothing is held back for text still to come)."""
         raise NotImplementedError
@@ -127,7 +132,7 @@ class ToolParser:
             args = normalize_arguments(call.args_text) if call.complete else None
             if call.name is None or args is None:
                 return ExtractedToolCallInformation(tools_called=False, content=model_output)
-            calls.append(ToolCall(function=FunctionCall(name=call.name, arguments=args)))
+            calls.append(ToolCall(id=self.make_id(), function=FunctionCall(name=call.name, arguments=args)))
         if parsed.malformed or not calls:
             return ExtractedToolCallInformation(tools_called=False, content=model_output)
         return ExtractedToolCallInformation(tools_called=True, tool_calls=calls, content=parsed.content or None)
@@ -147,7 +152,7 @@ class ToolParser:
             if index == len(self._sent):
                 if call.name is None:
                     break  # its name is not whole yet: nothing of it goes out
-                self._sent.append({"id": make_tool_call_id(), "args": 0})
+                self._sent.append({"id": self.make_id(), "args": 0})
                 deltas.append(DeltaToolCall(index=index, id=self._sent[index]["id"], type="function",
                                             function=DeltaFunctionCall(name=call.name, arguments="")))
             sent = self._sent[index]

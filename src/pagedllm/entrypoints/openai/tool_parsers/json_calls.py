@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
+import string
 from typing import Optional
 
 from pagedllm.entrypoints.openai.tool_parsers.base import (
@@ -106,6 +108,11 @@ class MistralToolParser(ToolParser):
     newer ``[TOOL_CALLS]name[ARGS]{...}`` per call (Mistral Small 3.2, Magistral)."""
 
     marker, args_marker = "[TOOL_CALLS]", "[ARGS]"
+
+    @staticmethod
+    def make_id() -> str:
+        """Mistral's templates accept only 9-character alphanumeric tool call ids."""
+        return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
 
     def parse(self, text: str, tools: Optional[list[dict]] = None, final: bool = True) -> ParsedText:
         first = text.find(self.marker)
