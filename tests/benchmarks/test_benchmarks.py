@@ -54,7 +54,8 @@ def test_structured_compares_json_with_unconstrained_in_one_run(capsys, smollm2_
                      "--engine-args", KV])
     (row,) = _json_lines(capsys)
     assert row["benchmark"] == "structured" and row["backend"] == "auto"
-    assert row["ratio"] == pytest.approx(row["json_output_tok_s"] / row["unconstrained_output_tok_s"], abs=2e-3)
+    # The two rates are reported to 0.1 tok/s, a few tok/s on a loaded 2-core machine: a few % of rounding.
+    assert row["ratio"] == pytest.approx(row["json_output_tok_s"] / row["unconstrained_output_tok_s"], rel=0.03)
     assert 0 < row["json_output_tokens"] <= 2 * 24 and row["json_valid"].endswith("/2")
     # Every request whose grammar ended is a valid record (compile errors would have raised).
     assert int(row["json_valid"].split("/")[0]) >= int(row["json_stopped"].split("/")[0])
@@ -103,7 +104,8 @@ def test_cpu_vs_hf_reports_both_engines_on_the_same_prompts(smollm2_tokenizer_di
     (row,) = _json_lines(capsys)
     assert row["benchmark"] == "cpu_vs_hf" and row["num_requests"] == 3 and row["model"] == model
     for engine in ("pagedllm", "hf"):  # elapsed_s is rounded to 10 ms
-        assert 3 * 4 / row[f"{engine}_output_tok_s"] == pytest.approx(row[f"{engine}_elapsed_s"], abs=0.006)
+        # output_tok_s is reported to 0.1: a few tok/s on a loaded machine, so allow its rounding (2%).
+        assert 3 * 4 / row[f"{engine}_output_tok_s"] == pytest.approx(row[f"{engine}_elapsed_s"], abs=0.006, rel=0.02)
     assert row["speedup"] == pytest.approx(row["pagedllm_output_tok_s"] / row["hf_output_tok_s"], rel=0.02)
 
 
