@@ -142,7 +142,7 @@ def test_serve_launches_a_server_and_measures_every_streamed_token(smollm2_token
     for metric in ("ttft", "tpot", "itl"):
         p50, p90, p99 = (row[f"{metric}_ms_p{q}"] for q in serve.PERCENTILES)
         assert 0 < p50 <= p90 <= p99
-    assert row["output_tokens"] / row["output_tok_s"] == pytest.approx(row["duration_s"], abs=0.006)
+    assert row["output_tokens"] / row["output_tok_s"] == pytest.approx(row["duration_s"], abs=0.006, rel=0.02)
 
 
 class _FakeCompletions(http.server.BaseHTTPRequestHandler):
