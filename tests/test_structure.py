@@ -37,6 +37,7 @@ ROOMS: dict[str, int] = {
     # 3: scheduling (plain Python) and the device workers
     "core": 3,
     "worker": 3,
+    "reasoning": 3,  # <think> parsers: the server splits replies; constraints start after the reasoning
     "structured_output": 3,  # grammars and matchers beside the scheduler; the logits bitmask
     # 2: tensor code
     "model": 2,

@@ -150,6 +150,10 @@ class StructuredOutputsConfig:
     max_nesting_depth: int = 32  # a JSON schema nested deeper than this is refused
     max_compile_threads: int = 2  # the compile pool's threads
     disable_fallback: bool = False  # "auto" never falls back to llguidance
+    # With a reasoning parser (vLLM's field; ``serve --reasoning-parser`` sets it) a constraint
+    # applies to the answer: from the token that ends the reasoning on, unless enable_in_reasoning.
+    reasoning_parser: str | None = None
+    enable_in_reasoning: bool = False
 
     def __post_init__(self) -> None:
         if self.backend not in _STRUCTURED_BACKENDS:

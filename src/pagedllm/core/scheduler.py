@@ -298,6 +298,9 @@ class Scheduler:
     def _advance_grammar(request: Request, token_id: int, status: RequestStatus | None) -> RequestStatus | None:
         """The grammar follows the sampled token; it ends the request when it terminates."""
         grammar = request.structured_output
+        if not grammar.reasoning_ended:  # the reasoning runs unconstrained; its end tag starts the grammar
+            grammar.see_reasoning_token(token_id)
+            return status
         if not grammar.accept_tokens([token_id]):
             # The mask allowed nothing this row could use (e.g. allowed_token_ids outside the grammar).
             logger.error("request %s: its grammar refused sampled token %d; finishing it", request.request_id,

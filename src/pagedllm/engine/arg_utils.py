@@ -90,6 +90,9 @@ class EngineArgs:
     # vLLM's older flag for the backend alone.
     structured_outputs_config: dict[str, Any] | StructuredOutputsConfig | None = None
     guided_decoding_backend: str | None = None
+    # vLLM's engine arg: with it, a structured-output constraint applies after the reasoning
+    # (``structured_outputs_config.reasoning_parser``); ``serve --reasoning-parser`` sets both.
+    reasoning_parser: str | None = None
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -169,6 +172,11 @@ class EngineArgs:
                 raise ValueError("guided_decoding_backend (the older name) and structured_outputs_config's backend "
                                  "disagree; set one")
             values["backend"] = self.guided_decoding_backend
+        if self.reasoning_parser is not None:
+            from pagedllm.reasoning import ReasoningParserManager
+
+            ReasoningParserManager.get_reasoning_parser(self.reasoning_parser)  # an unknown name fails here
+            values["reasoning_parser"] = self.reasoning_parser
         return StructuredOutputsConfig.from_dict(values)
 
     def resolve_device(self) -> str:

@@ -69,7 +69,8 @@ class EngineCore:
         params = request.sampling_params.structured_outputs
         self.scheduler.add_request(req)
         if params is not None:
-            req.structured_output = self.structured_output.add_request(request.request_id, params)
+            req.structured_output = self.structured_output.add_request(request.request_id, params,
+                                                                       request.prompt_token_ids)
 
     def abort_requests(self, request_ids: list[str]) -> EngineCoreOutputs:
         return EngineCoreOutputs(self.scheduler.abort_requests(request_ids))
@@ -107,10 +108,16 @@ class EngineCore:
             handles = []
             for req_id in sched.num_scheduled_tokens:
                 request = self.scheduler.requests[req_id]
-                if request.structured_output is not None and request.num_computed_tokens >= request.num_tokens:
-                    handles.append(request.structured_output)
+                grammar = request.structured_output
+                if grammar is not None and grammar.reasoning_ended and request.num_computed_tokens >= request.num_tokens:
+                    handles.append(grammar)
             sched.grammar = self.structured_output.bitmask(handles)
         return sched
+
+    def _holds_grammar(self, sched: SchedulerOutput) -> bool:
+        """The step runs a constrained request (masked now, or reasoning: its end tag may land)."""
+        live = self.structured_output.live
+        return bool(live) and any(req_id in live for req_id in sched.num_scheduled_tokens)
 
     def _wait_for_grammars(self, sched: SchedulerOutput) -> None:
         """Nothing ran and only compiles are left: sleep until one finishes, do not spin."""
@@ -127,7 +134,7 @@ class EngineCore:
         failed = self._fail_grammars()
         # A constrained request's next mask needs the token in flight: a step with constrained
         # rows lands before the next one is scheduled (async scheduling's overlap pauses).
-        masked_in_flight = bool(self._batch_queue) and self._batch_queue[-1][0].grammar is not None
+        masked_in_flight = bool(self._batch_queue) and self._holds_grammar(self._batch_queue[-1][0])
         if len(self._batch_queue) < self._max_in_flight and self.scheduler.has_unfinished_requests() \
                 and not masked_in_flight:
             sched = self._schedule()

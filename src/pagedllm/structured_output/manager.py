@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterable
 import numpy as np
 
 from pagedllm.config import StructuredOutputsConfig
+from pagedllm.reasoning import ReasoningParserManager
 from pagedllm.structured_output.backends import BACKEND_CLASSES, Matcher, _first_line
 from pagedllm.structured_params import StructuredOutputsParams
 
@@ -40,13 +41,16 @@ class GrammarRequest:
     """One request's grammar: compiling, then ready (a matcher), or failed (``error``)."""
 
     def __init__(self, manager: "StructuredOutputManager", request_id: str, params: StructuredOutputsParams,
-                 future: concurrent.futures.Future) -> None:
+                 future: concurrent.futures.Future, prompt_token_ids: list[int] | None = None) -> None:
         self.manager, self.request_id, self.params = manager, request_id, params
         self.future = future
         self.submitted_at = time.monotonic()
         self.matcher: Matcher | None = None
         self.error: str | None = None
         self.num_accepted = 0
+        # Under a reasoning parser the constraint waits for the reasoning's end (set when ready).
+        self._prompt_token_ids = prompt_token_ids
+        self.reasoning_ended = True
 
     def is_ready(self) -> bool:
         return self.matcher is not None
@@ -60,6 +64,10 @@ class GrammarRequest:
                 self.error = f"{field} could not be compiled: {_first_line(exc)}"
             else:
                 self.matcher = self.manager.backend(self.params._backend).matcher(self.future.result())
+                reasoner = self.manager.reasoner
+                if reasoner is not None:
+                    self.reasoning_ended = reasoner.prompt_ends_reasoning(self._prompt_token_ids or [])
+                self._prompt_token_ids = None
             return True
         timeout = self.manager.config.compile_timeout_s
         if now - self.submitted_at > timeout:
@@ -67,6 +75,11 @@ class GrammarRequest:
                           "or raise structured_outputs_config's compile_timeout_s")
             return True
         return False
+
+    def see_reasoning_token(self, token_id: int) -> None:
+        """A token sampled while the reasoning runs (unconstrained): the end tag starts the constraint."""
+        if token_id == self.manager.reasoner.end_token_id:
+            self.reasoning_ended = True
 
     def accept_tokens(self, token_ids: Iterable[int]) -> bool:
         """Advance over tokens the request sampled; False if the grammar refuses one."""
@@ -107,6 +120,10 @@ class StructuredOutputManager:
         self._tokenizer_factory = tokenizer_factory
         self._stop_token_ids = sorted(set(stop_token_ids))
         self._backends: dict[str, Any] = {}
+        # The reasoning parser whose end tag starts each constraint (None: constraints start at once).
+        self._reasoner_cls = (ReasoningParserManager.get_reasoning_parser(config.reasoning_parser)
+                              if config.reasoning_parser and not config.enable_in_reasoning else None)
+        self.reasoner: Any = None
         self._lock = threading.Lock()
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._cache: OrderedDict[tuple, concurrent.futures.Future] = OrderedDict()
@@ -127,6 +144,12 @@ class StructuredOutputManager:
                 # allowed); a tokenizer with more ids than the model's logits gets a wider mask, of
                 # which the runner reads the logits' width.
                 vocab = max(self.vocab_size, len(tokenizer))
+                if self._reasoner_cls is not None and self.reasoner is None:
+                    reasoner = self._reasoner_cls(tokenizer)
+                    if reasoner.end_token_id is None:
+                        raise ValueError(f"reasoning parser {self.config.reasoning_parser!r}: the tokenizer has no "
+                                         f"{reasoner.end_tag!r} token, so a constraint could never start")
+                    self.reasoner = reasoner
                 self._backends[name] = BACKEND_CLASSES[name](tokenizer, vocab, stops)
                 self.words = -(-vocab // 32)
             return self._backends[name]
@@ -134,7 +157,8 @@ class StructuredOutputManager:
     def _compile(self, params: StructuredOutputsParams) -> Any:
         return self.backend(params._backend).compile(params)
 
-    def add_request(self, request_id: str, params: StructuredOutputsParams) -> GrammarRequest:
+    def add_request(self, request_id: str, params: StructuredOutputsParams,
+                    prompt_token_ids: list[int] | None = None) -> GrammarRequest:
         """Start (or join, or reuse) the compile of the request's grammar; returns its handle."""
         key = (params._backend, params.kind, params.spec_text(), params.options())
         future = self._cache.get(key)
@@ -148,7 +172,8 @@ class StructuredOutputManager:
                 self._cache.popitem(last=False)
         else:
             self._cache.move_to_end(key)
-        handle = GrammarRequest(self, request_id, params, future)
+        prompt = list(prompt_token_ids or []) if self._reasoner_cls is not None else None
+        handle = GrammarRequest(self, request_id, params, future, prompt)
         self.live[request_id] = handle
         self.pending[request_id] = handle
         return handle

@@ -76,7 +76,8 @@ class FrontendArgs:
         "or a name registered by --tool-parser-plugin")
     tool_parser_plugin: Optional[str] = _opt(None, "a Python file that registers more tool call parsers")
     reasoning_parser: Optional[str] = _opt(
-        None, "split <think> reasoning into the message's reasoning_content: deepseek_r1 or qwen3")
+        None, "split <think> reasoning into the message's reasoning_content: deepseek_r1 or qwen3; a "
+        "structured-output constraint (tool_choice required/named too) then applies to the answer after it")
 
     def __post_init__(self) -> None:
         self._check_parsers()
@@ -92,7 +93,7 @@ class FrontendArgs:
 
     def _check_parsers(self) -> None:
         """Parser flags fail at start-up, before the model loads (the plugin file runs here)."""
-        from pagedllm.entrypoints.openai.reasoning import ReasoningParserManager
+        from pagedllm.reasoning import ReasoningParserManager
         from pagedllm.entrypoints.openai.tool_parsers import ToolParserManager, import_tool_parser_plugin
 
         if self.tool_parser_plugin is not None:
