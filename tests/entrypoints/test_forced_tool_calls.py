@@ -126,6 +126,29 @@ def test_bad_forced_calls_are_400_and_the_server_serves_on(url, extra, param, ma
     assert httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
 
 
+CONVERSATION_TEMPLATE = (
+    "{% for m in messages %}{{ m.role }}:{% if m.tool_calls %}{% for c in m.tool_calls %} call {{ c.id }} "
+    "{{ c.function.name }}({{ c.function.arguments }}){% endfor %}{% endif %}"
+    "{% if m.tool_call_id %} result of {{ m.tool_call_id }}:{% endif %} {{ m.content or '' }}\n{% endfor %}assistant:")
+
+
+def test_tool_results_go_back_through_the_template(client, url):
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    reply = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, tool_choice=named,
+                                           max_tokens=FINITE_MAX_TOKENS, seed=5)
+    (call,) = reply.choices[0].message.tool_calls
+    conversation = MESSAGES + [reply.choices[0].message.model_dump(exclude_none=True),
+                               {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}]
+    answer = client.chat.completions.create(model=MODEL_NAME, messages=conversation, tools=TOOLS, tool_choice="none",
+                                            max_tokens=3)
+    assert answer.choices[0].finish_reason == "length"
+    body = {"messages": conversation, "tools": TOOLS, "chat_template": CONVERSATION_TEMPLATE}
+    prompt = httpx.post(f"{url}/detokenize", json={"tokens": httpx.post(f"{url}/tokenize", json=body).json()[
+        "tokens"]}).json()["prompt"]
+    assert f"assistant: call {call.id} get_weather({call.function.arguments})" in prompt
+    assert f"tool: result of {call.id}: sunny, 21 C" in prompt
+
+
 REQUIRED_TEXT = ('[{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}, '
                  '{"name": "add", "parameters": {"a": -2, "b": 3}}]')
 
