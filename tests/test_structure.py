@@ -38,6 +38,7 @@ ROOMS: dict[str, int] = {
     "core": 3,
     "worker": 3,
     "reasoning": 3,  # <think> parsers: the server splits replies; constraints start after the reasoning
+    "spec_decode": 3,  # proposers on the host beside the scheduler (verification: sample/rejection.py)
     "structured_output": 3,  # grammars and matchers beside the scheduler; the logits bitmask
     # 2: tensor code
     "model": 2,

@@ -136,6 +136,52 @@ class ParallelConfig:
         return (self.pipeline_parallel_size - 1) * self.tensor_parallel_size
 
 
+_SPEC_METHODS = ("ngram",)
+_SPEC_METHODS_PLANNED = ("draft_model", "eagle", "eagle3", "medusa", "mtp")
+
+
+@dataclass
+class SpeculativeConfig:
+    """vLLM's ``speculative_config``: a proposer guesses the next k tokens, one target step
+    verifies them (exact greedy; rejection sampling keeps the target distribution)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 3
+    prompt_lookup_min: int = 1  # n-gram: the shortest suffix looked up in the request's tokens
+    prompt_lookup_max: int = 3  # n-gram: the longest (tried first)
+    disable_by_batch_size: int | None = None  # steps with more running requests do not speculate
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "SpeculativeConfig":
+        values = dict(values)
+        if values.get("model") in ("[ngram]", "ngram"):  # vLLM's older spelling of the method
+            values.pop("model")
+            values.setdefault("method", "ngram")
+        method = values.get("method", "ngram" if "model" not in values else "draft_model")
+        if method in _SPEC_METHODS_PLANNED:
+            raise ValueError(f"speculative_config method {method!r} is not supported yet; supported: "
+                             f"{list(_SPEC_METHODS)}")
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown speculative_config key(s) {unknown}; known: {sorted(known)}")
+        return cls(**values)
+
+    def __post_init__(self) -> None:
+        if self.method not in _SPEC_METHODS:
+            raise ValueError(f"speculative_config method must be one of {list(_SPEC_METHODS)}, got {self.method!r}")
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"speculative_config {name} must be a positive integer, got {v!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative_config prompt_lookup_min={self.prompt_lookup_min} is more than "
+                             f"prompt_lookup_max={self.prompt_lookup_max}")
+        v = self.disable_by_batch_size
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ValueError(f"speculative_config disable_by_batch_size must be a positive integer or None, got {v!r}")
+
+
 _STRUCTURED_BACKENDS = ("auto", "xgrammar", "guidance")
 
 
@@ -187,3 +233,4 @@ class EngineConfig:
     log_stats: bool = False
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    speculative_config: SpeculativeConfig | None = None

@@ -58,6 +58,8 @@ class Request:
         # attached by the engine core. The scheduler reads it through is_ready / accept_tokens /
         # is_terminated / free only, so this room needs no grammar library.
         self.structured_output: Any = None
+        # Speculative decoding: tokens proposed for the next step (consumed when it is scheduled).
+        self.spec_token_ids: list[int] = []
 
     @classmethod
     def from_engine_core_request(cls, r: EngineCoreRequest) -> "Request":

@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from pagedllm.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig,
-                             StructuredOutputsConfig)
+                             SpeculativeConfig, StructuredOutputsConfig)
 
 _DTYPES = {
     "auto": "auto", "half": "float16", "float16": "float16", "fp16": "float16",
@@ -93,6 +94,15 @@ class EngineArgs:
     # vLLM's engine arg: with it, a structured-output constraint applies after the reasoning
     # (``structured_outputs_config.reasoning_parser``); ``serve --reasoning-parser`` sets both.
     reasoning_parser: str | None = None
+    # Speculative decoding (config.SpeculativeConfig): {"method": "ngram", "num_speculative_tokens",
+    # "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"}, a dict or JSON text. The
+    # flat flags below are vLLM's older spelling of the same.
+    speculative_config: dict[str, Any] | str | None = None
+    speculative_model: str | None = None
+    num_speculative_tokens: int | None = None
+    ngram_prompt_lookup_max: int | None = None
+    ngram_prompt_lookup_min: int | None = None
+    speculative_disable_by_batch_size: int | None = None
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -179,6 +189,37 @@ class EngineArgs:
             values["reasoning_parser"] = self.reasoning_parser
         return StructuredOutputsConfig.from_dict(values)
 
+    _SPEC_FLAT = {"speculative_model": "model", "num_speculative_tokens": "num_speculative_tokens",
+                  "ngram_prompt_lookup_max": "prompt_lookup_max", "ngram_prompt_lookup_min": "prompt_lookup_min",
+                  "speculative_disable_by_batch_size": "disable_by_batch_size"}
+
+    def _speculative_config(self) -> SpeculativeConfig | None:
+        cfg = self.speculative_config
+        if isinstance(cfg, str):
+            try:
+                cfg = json.loads(cfg)
+            except ValueError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if cfg is not None and not isinstance(cfg, dict):
+            raise ValueError(f"speculative_config must be a dict, JSON text or None, got {type(cfg).__name__}")
+        values = dict(cfg or {})
+        for flat, key in self._SPEC_FLAT.items():
+            v = getattr(self, flat)
+            if v is None:
+                continue
+            if key in values and values[key] != v:
+                raise ValueError(f"{flat} (the older flag) and speculative_config's {key} disagree; set one")
+            values[key] = v
+        if not values:
+            return None
+        spec = SpeculativeConfig.from_dict(values)
+        if self.pipeline_parallel_size > 1:
+            raise ValueError("speculative_config cannot be combined with pipeline_parallel_size > 1")
+        if self.async_scheduling:
+            raise ValueError("speculative_config cannot be combined with async_scheduling=True: the proposer reads "
+                             "each step's tokens before the next step is scheduled (leave async_scheduling unset)")
+        return spec
+
     def resolve_device(self) -> str:
         import torch
 
@@ -195,6 +236,7 @@ class EngineArgs:
 
         self._validate()
         structured = self._structured_outputs_config()
+        speculative = self._speculative_config()
         device = self.resolve_device()
         resolved = resolve_model(self.model or default_model(), revision=self.revision,
                                  trust_remote_code=self.trust_remote_code, hf_overrides=self.hf_overrides)
@@ -237,13 +279,13 @@ class EngineArgs:
         scheduler_config = SchedulerConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched, max_model_len=max_model_len,
             enable_chunked_prefill=enable_chunked, policy=self.scheduling_policy,
-            async_scheduling=(device != "cpu" and self.pipeline_parallel_size == 1) if self.async_scheduling is None
-            else self.async_scheduling,
+            async_scheduling=(device != "cpu" and self.pipeline_parallel_size == 1 and speculative is None)
+            if self.async_scheduling is None else self.async_scheduling,
             max_concurrent_batches=self.pipeline_parallel_size,
         )
         return EngineConfig(model_config, cache_config, scheduler_config, device,
                             log_stats=not self.disable_log_stats, parallel_config=parallel_config,
-                            structured_outputs_config=structured)
+                            structured_outputs_config=structured, speculative_config=speculative)
 
     def _parallel_config(self, hf_config: Any, device: str) -> ParallelConfig:
         tp = self.tensor_parallel_size

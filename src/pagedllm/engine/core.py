@@ -11,6 +11,7 @@ from pagedllm.core.messages import EngineCoreOutput, EngineCoreOutputs, EngineCo
 from pagedllm.core.request import Request
 from pagedllm.core.sched_output import SchedulerOutput
 from pagedllm.core.scheduler import Scheduler
+from pagedllm.spec_decode.ngram import NgramProposer, can_speculate
 from pagedllm.structured_output.manager import StructuredOutputManager
 from pagedllm.tokenizer import get_tokenizer
 from pagedllm.utils import freeze_gc_heap
@@ -58,6 +59,8 @@ class EngineCore:
         mc = config.model_config
         self.structured_output = StructuredOutputManager(
             config.structured_outputs_config, mc.vocab_size, lambda: get_tokenizer(mc), mc.generation_eos_token_ids())
+        spec = config.speculative_config
+        self.proposer = NgramProposer(spec) if spec is not None else None
         freeze_gc_heap()
 
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -88,6 +91,8 @@ class EngineCore:
         sched = self._schedule()
         result = self.executor.execute_model(sched)
         outputs = self.scheduler.update_from_output(sched, result)
+        if self.proposer is not None:
+            self._propose_drafts()
         self._wait_for_grammars(sched)
         return EngineCoreOutputs(failed + outputs, self.scheduler.make_stats())
 
@@ -113,6 +118,23 @@ class EngineCore:
                     handles.append(grammar)
             sched.grammar = self.structured_output.bitmask(handles)
         return sched
+
+    # ---- speculative decoding -------------------------------------------------------------------
+    def _propose_drafts(self) -> None:
+        """Each decoding request that may speculate gets the proposer's guess of its next tokens,
+        as many as can still be emitted (max_tokens) and fit (max_model_len)."""
+        spec, running = self.config.speculative_config, self.scheduler.running
+        if spec.disable_by_batch_size is not None and len(running) > spec.disable_by_batch_size:
+            return
+        max_len = self.config.scheduler_config.max_model_len
+        for r in running:
+            if r.structured_output is not None or r.num_computed_tokens != r.num_tokens - 1 \
+                    or not can_speculate(r.sampling_params):
+                continue
+            room = max_len - r.num_tokens
+            if r.max_tokens is not None:
+                room = min(room, r.max_tokens - r.num_output_tokens - 1)
+            r.spec_token_ids = self.proposer.propose(r.all_token_ids, room)
 
     def _holds_grammar(self, sched: SchedulerOutput) -> bool:
         """The step runs a constrained request (masked now, or reasoning: its end tag may land)."""

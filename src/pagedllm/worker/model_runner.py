@@ -29,6 +29,7 @@ from pagedllm.worker import cuda_graphs
 from pagedllm.worker.cuda_graphs import CudaGraphs
 from pagedllm.worker.device_buffers import DeviceBuffers
 from pagedllm.worker.input_batch import CachedRequestState, InputBatch
+from pagedllm.worker.spec_verify import verify_drafts
 
 logger = logging.getLogger("pagedllm")
 
@@ -47,7 +48,8 @@ class _Batch:
     sample_rows: list[int]  # the requests that reach their last known token this step: they sample
     sample_batch_rows: np.ndarray  # their rows in the input batch
     sample_index: torch.Tensor | None  # their last tokens' rows of the flat batch (None: all, a decode)
-    temperature: torch.Tensor | None  # their temperatures, on the device
+    temperature: torch.Tensor | None  # their temperatures, on the device (one per logits row)
+    num_drafts: list[int] | None = None  # per sampling request: its proposed tokens (None: no drafts)
 
 
 class ModelRunner:
@@ -194,7 +196,7 @@ class ModelRunner:
         rows = self.input_batch.rows_of(states)
         if self._pending is not None and self._needs_known_outputs(states, rows):
             self._pending.result()  # penalties / bad words / processors read the exact history
-        batch = self._prepare_inputs(states, rows, sched.num_scheduled_tokens)
+        batch = self._prepare_inputs(states, rows, sched.num_scheduled_tokens, sched.scheduled_spec_decode_tokens)
         if batch.graph_size is not None:
             hidden = self.graphs.replay(batch.graph_size, len(req_ids))
         else:
@@ -209,15 +211,21 @@ class ModelRunner:
             sampling = [states[i] for i in sample_rows]
             last_hidden = hidden[:batch.num_tokens] if batch.sample_index is None else hidden[batch.sample_index]
             logits = self.model.compute_logits(last_hidden)
-            if sched.grammar is not None:  # structured outputs: constrained rows keep allowed tokens only
-                apply_grammar(logits, sched.grammar, [s.req_id for s in sampling])
-            md = self.sampling_metadata.build(sampling, batch.sample_batch_rows, batch.temperature)
-            out = self.sampler(logits, md)
-            pending.launch_copy(sampling, out, self._buffers.sampled_tokens_host(len(sampling)))
-            for state in sampling:
-                state.num_inflight += 1
-            self._prev_sampled = out.sampled_token_ids
-            self._prev_index = {state.req_id: j for j, state in enumerate(sampling)}
+            if batch.num_drafts is not None:  # speculative decoding: drafted requests verify theirs
+                for state in sampling:
+                    state.num_inflight += 1
+                sampling, logits, md = verify_drafts(self, sched, states, batch, logits, pending)
+            else:
+                if sched.grammar is not None:  # structured outputs: constrained rows keep allowed tokens only
+                    apply_grammar(logits, sched.grammar, [s.req_id for s in sampling])
+                md = self.sampling_metadata.build(sampling, batch.sample_batch_rows, batch.temperature)
+                for state in sampling:
+                    state.num_inflight += 1
+            if sampling:
+                out = self.sampler(logits, md)
+                pending.launch_copy(sampling, out, self._buffers.sampled_tokens_host(len(sampling)))
+                self._prev_sampled = out.sampled_token_ids
+                self._prev_index = {state.req_id: j for j, state in enumerate(sampling)}
         pending.prompt_logprobs = self._prompt_logprobs(states, batch, hidden)
         if non_block:
             self._pending = pending
@@ -235,8 +243,8 @@ class ModelRunner:
         history = self.sampling_metadata.needs_history(rows)
         return history is not None and any(s.num_inflight for s, h in zip(states, history.tolist()) if h)
 
-    def _prepare_inputs(self, states: list[CachedRequestState], rows: np.ndarray, num_scheduled: dict[str, int]
-                        ) -> _Batch:
+    def _prepare_inputs(self, states: list[CachedRequestState], rows: np.ndarray, num_scheduled: dict[str, int],
+                        drafts: dict[str, list[int]]) -> _Batch:
         """The flat batch, built with vectorized gathers from the input batch's rows."""
         bs, ib = self.block_size, self.input_batch
         num_reqs = len(states)
@@ -256,7 +264,9 @@ class ModelRunner:
         slots = ib.block_table_cpu[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
         num_blocks = -(-int(seq_lens.max()) // bs)
         block_tables = ib.block_table_cpu[rows, :num_blocks]
-        completes = [end == len(s.token_ids) + s.num_inflight for end, s in zip(seq_lens.tolist(), states)]
+        num_drafts = [len(drafts.get(s.req_id, ())) for s in states] if drafts else [0] * num_reqs
+        completes = [end == len(s.token_ids) + s.num_inflight + k
+                     for end, s, k in zip(seq_lens.tolist(), states, num_drafts)]
         # Inputs still in flight (async scheduling): the previous step's samples, on the device.
         inflight = [(int(qsl[i]) + len(s.token_ids) - starts[i], self._prev_index[s.req_id])
                     for i, s in enumerate(states) if s.num_inflight]
@@ -296,14 +306,21 @@ class ModelRunner:
         # device drains.
         sample_rows = [i for i, c in enumerate(completes) if c]
         sample_batch_rows = rows if len(sample_rows) == num_reqs else rows[sample_rows]
-        temperature = sample_index = None
-        if sample_rows:
+        temperature = sample_index = spec_counts = None
+        if sample_rows and drafts:  # every verified position samples: k + 1 rows for k drafts
+            spec_counts = [num_drafts[i] for i in sample_rows]
+            ends = qsl[np.asarray(sample_rows) + 1]
+            index = np.concatenate([np.arange(e - 1 - k, e) for e, k in zip(ends.tolist(), spec_counts)])
+            temperature = buf.upload("temperature", self.sampling_metadata.temperature(
+                np.repeat(sample_batch_rows, np.asarray(spec_counts) + 1)))
+            sample_index = buf.upload("sample_index", index)
+        elif sample_rows:
             temperature = buf.upload("temperature", self.sampling_metadata.temperature(sample_batch_rows))
             if len(sample_rows) != total:
                 sample_index = buf.upload("sample_index", qsl[np.asarray(sample_rows) + 1] - 1)
         buf.end_step()
         return _Batch(ids_d, pos_d, md, total, qsl_list, starts, graph_size, sample_rows, sample_batch_rows,
-                      sample_index, temperature)
+                      sample_index, temperature, spec_counts)
 
     def _prompt_logprobs(self, states: list[CachedRequestState], batch: _Batch, hidden: torch.Tensor
                          ) -> dict[str, list[PositionLogprobs]]:
@@ -335,6 +352,8 @@ class _PendingOutput:
         self.host_tokens: torch.Tensor | None = None
         self.event = None
         self.prompt_logprobs: dict[str, list[PositionLogprobs]] = {}
+        # Speculative decoding: (row in req_ids, state, emitted tokens) of the drafted requests.
+        self.spec: list[tuple[int, CachedRequestState, list[int]]] = []
         self._result: ModelRunnerOutput | None = None
 
     @classmethod
@@ -375,8 +394,11 @@ class _PendingOutput:
                 if k is not None:
                     n = len(lp_ids[j]) if k < 0 else 1 + k
                     logprobs[state.req_id] = (lp_ids[j][:n], lps[j][:n], ranks[j][:n])
+        for row, _, emitted in self.spec:
+            sampled_lists[row] = emitted
         if self.runner is not None:
-            self.runner.land_sampled(self, self.states, tokens)
+            self.runner.land_sampled(self, self.states + [s for _, s, _ in self.spec],
+                                     tokens + [t for _, _, t in self.spec])
         self._result = ModelRunnerOutput(self.req_ids, sampled_lists, logprobs, self.prompt_logprobs)
         self.runner = self.states = self.sampler_output = None
         return self._result
