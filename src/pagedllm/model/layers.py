@@ -18,11 +18,14 @@ from pagedllm.distributed import (
 )
 from pagedllm.model.rotary import RotaryEmbedding, rope_params  # noqa: F401  (re-exported)
 from pagedllm.ops import triton_ops_for
+from pagedllm.ops.cpu_linear import cpu_linear
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear``, or on CUDA the Triton ops' version (small decode batches on the small-row
-    kernels)."""
+    """``F.linear``; on CUDA the Triton ops' version (small decode batches on the small-row
+    kernels), on CPU oneDNN's (pagedllm.ops.cpu_linear: MKL sgemm is several times slower)."""
+    if x.device.type == "cpu":
+        return cpu_linear(x, weight, bias)
     ops = triton_ops_for(x)
     return F.linear(x, weight, bias) if ops is None else ops.linear(x, weight, bias)
 
