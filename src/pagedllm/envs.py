@@ -60,6 +60,8 @@ _VARS = [
     EnvVar("PAGEDLLM_API_KEY", "str", None, "API key the server requires on `/v1/*` when `--api-key` is not given."),
     EnvVar("PAGEDLLM_ATTENTION_BACKEND", "`torch` or `triton`", None,
            "Force an attention backend (default: triton on CUDA, torch elsewhere).", _stripped_lower),
+    EnvVar("PAGEDLLM_CPU_ONEDNN_LINEAR", "bool (0 = off)", True,
+           "0 runs CPU linears through `F.linear` (MKL) instead of oneDNN (docs/cpu_performance.md).", _not_zero),
     EnvVar("PAGEDLLM_DISABLE_TRITON_OPS", "bool (1 = on)", False,
            "1 runs the torch reference of the fused ops (RMSNorm, SiLU-and-mul, rotary, GEMV) on CUDA too.",
            _is_one),

@@ -9,10 +9,10 @@ float32 math mode is left strict).
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
+
+from pagedllm import envs
 
 DISABLE_ENV = "PAGEDLLM_CPU_ONEDNN_LINEAR"  # "0": plain F.linear on CPU
 
@@ -24,7 +24,7 @@ _ENABLED: bool | None = None
 def onednn_enabled() -> bool:
     global _ENABLED
     if _ENABLED is None:
-        _ENABLED = (os.environ.get(DISABLE_ENV, "1") != "0" and torch.backends.mkldnn.is_available()
+        _ENABLED = (envs.PAGEDLLM_CPU_ONEDNN_LINEAR and torch.backends.mkldnn.is_available()
                     and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
     return _ENABLED
 
