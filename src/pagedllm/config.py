@@ -48,6 +48,20 @@ class ModelConfig:
         return self.hf_config.vocab_size
 
     @property
+    def uniform_sliding_window(self) -> int | None:
+        """The window every attention layer has (the rule of ``model.llama._sliding_window``:
+        ``layer_types`` where the config lists them, else ``use_sliding_window``), or None when
+        some layer attends to the whole context."""
+        c = self.hf_config
+        window = getattr(c, "sliding_window", None)
+        if not window:
+            return None
+        layer_types = getattr(c, "layer_types", None)
+        if layer_types is not None:
+            return window if all(t == "sliding_attention" for t in layer_types) else None
+        return window if getattr(c, "use_sliding_window", True) else None
+
+    @property
     def architecture(self) -> str:
         return (getattr(self.hf_config, "architectures", None) or ["?"])[0]
 

@@ -167,6 +167,7 @@ class Scheduler:
             if num_new <= 0 or self._reaches_limit(request):
                 i += 1  # its last token is in flight and ends it: nothing to run
                 continue
+            self.kv.free_outside_window(request)
             drafts, request.spec_token_ids = request.spec_token_ids[:budget - num_new], []
             if drafts and request.num_tokens - request.num_computed_tokens == num_new == 1:
                 spec_tokens[request.request_id] = drafts

@@ -48,7 +48,8 @@ class EngineCore:
             "per request: %.2fx", num_blocks, cc.block_size, tokens, num_blocks * per_block / 2**30,
             sc.max_model_len, tokens / sc.max_model_len,
         )
-        self.kv_cache_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
+        self.kv_cache_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching,
+                                               config.model_config.uniform_sliding_window)
         self.scheduler = Scheduler(sc, self.kv_cache_manager)
         # Steps in flight, oldest first: one per pipeline stage, or with async scheduling the one
         # the device runs while the next is scheduled and launched.
