@@ -46,6 +46,7 @@ ROOMS: dict[str, int] = {
     "sample": 2,
     "ops": 2,
     "distributed": 2,
+    "lora": 2,  # adapters: requests, PEFT loading, slots on the linears, the runner's manager
     # 1: the shared vocabulary every room may read (no torch here)
     "config": 1,
     "sampling_params": 1,

@@ -117,6 +117,8 @@ class SchedulerConfig:
     # Pipeline parallelism: up to this many steps in flight at once (one per stage). A request
     # whose token is in flight sits out until it lands; the others fill the next step.
     max_concurrent_batches: int = 1
+    # LoRA: the distinct adapters one step may run (the runner's device slots); None: no LoRA.
+    max_loras: int | None = None
 
     def __post_init__(self) -> None:
         if self.policy not in ("fcfs", "priority"):
@@ -196,6 +198,30 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config disable_by_batch_size must be a positive integer or None, got {v!r}")
 
 
+@dataclass
+class LoRAConfig:
+    """``enable_lora`` engines: device slots, the largest rank, the host cache (vLLM's names)."""
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # None: max_loras
+    lora_dtype: str = "auto"  # "auto": the model's dtype
+
+    def __post_init__(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        if isinstance(self.max_cpu_loras, bool) or not isinstance(self.max_cpu_loras, int) \
+                or self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras must be an integer >= max_loras ({self.max_loras}), got "
+                             f"{self.max_cpu_loras!r}")
+        if self.lora_dtype not in ("auto", "float32", "float16", "bfloat16"):
+            raise ValueError(f"lora_dtype must be 'auto', 'float32', 'float16' or 'bfloat16', got {self.lora_dtype!r}")
+
+
 _STRUCTURED_BACKENDS = ("auto", "xgrammar", "guidance")
 
 
@@ -248,3 +274,4 @@ class EngineConfig:
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     speculative_config: SpeculativeConfig | None = None
+    lora_config: LoRAConfig | None = None

@@ -144,9 +144,11 @@ class KVCacheManager:
     def _update_block_hashes(self, request: Request) -> None:
         hashes, bs = request.block_hashes, self.block_size
         tokens = request.all_token_ids
+        # Two adapters never share KV: a request with one seeds its chain with the adapter's id.
+        seed = f"lora:{request.lora_int_id}".encode() if getattr(request, "lora_int_id", 0) else None
         while len(hashes) < len(tokens) // bs:
             i = len(hashes)
-            hashes.append(hash_block_tokens(hashes[-1] if hashes else None, tokens[i * bs:(i + 1) * bs]))
+            hashes.append(hash_block_tokens(hashes[-1] if hashes else seed, tokens[i * bs:(i + 1) * bs]))
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Longest run of cached full blocks at the start of the request's tokens.

@@ -19,6 +19,7 @@ class EngineCoreRequest:
     eos_token_id: int | None
     arrival_time: float
     priority: int = 0
+    lora_request: Any = None  # pagedllm.lora.LoRARequest, checked by the processor
 
 
 @dataclass

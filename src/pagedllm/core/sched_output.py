@@ -18,6 +18,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    lora_request: Any = None  # the request's LoRA adapter (pagedllm.lora.LoRARequest), if any
 
 
 @dataclass

@@ -68,6 +68,7 @@ class Scheduler:
         self._pending_preempted_req_ids: set[str] = set()
         self.num_preemptions = 0
         self.spec_stats = SchedulerStats()  # only its spec_* counters are kept here
+        self._step_loras: set[int] = set()  # the adapters of the step being scheduled
 
     # ---- requests in and out -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -125,6 +126,7 @@ class Scheduler:
         max_reqs = -(-len(self.requests) // cfg.max_concurrent_batches) if cfg.max_concurrent_batches > 1 \
             else cfg.max_num_seqs
         spec_tokens: dict[str, list[int]] = {}
+        self._step_loras: set[int] = set()
         cached_reqs, preempted_ids, budget = self._schedule_running(cfg.max_num_batched_tokens, max_reqs,
                                                                     num_scheduled, spec_tokens)
         # New work only when nothing was preempted this step, so a preempted request is
@@ -166,6 +168,9 @@ class Scheduler:
             num_new = min(request.num_tokens + ahead - request.num_computed_tokens, budget)
             if num_new <= 0 or self._reaches_limit(request):
                 i += 1  # its last token is in flight and ends it: nothing to run
+                continue
+            if not self._lora_fits(request):
+                i += 1  # its adapter would exceed max_loras this step: it runs in a later one
                 continue
             self.kv.free_outside_window(request)
             drafts, request.spec_token_ids = request.spec_token_ids[:budget - num_new], []
@@ -210,6 +215,8 @@ class Scheduler:
             if request.structured_output is not None and not request.structured_output.is_ready():
                 compiling.append(self.waiting.pop())
                 continue
+            if not self._lora_fits(request):
+                break
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit_tokens
             if not cfg.enable_chunked_prefill and num_new > budget:
@@ -229,12 +236,24 @@ class Scheduler:
             new_reqs.append(NewRequestData(
                 request.request_id, request.prompt_token_ids, list(request.output_token_ids),
                 request.sampling_params, self.kv.get_block_ids(request.request_id), num_hit_tokens,
+                request.lora_request,
             ))
             num_scheduled[request.request_id] = num_new
             budget -= num_new
         for request in reversed(compiling):  # back in their places
             self.waiting.add(request, front=True)
         return new_reqs
+
+    def _lora_fits(self, request: Request) -> bool:
+        """Whether the request's adapter can join this step (at most max_loras distinct ones);
+        if so it is counted in."""
+        lora_id, max_loras = request.lora_int_id, self.config.max_loras
+        if not lora_id or max_loras is None or lora_id in self._step_loras:
+            return True
+        if len(self._step_loras) >= max_loras:
+            return False
+        self._step_loras.add(lora_id)
+        return True
 
     def _reaches_limit(self, request: Request) -> bool:
         """Async scheduling: the tokens in flight already reach max_tokens / max_model_len."""

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from pagedllm.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig,
-                             SpeculativeConfig, StructuredOutputsConfig)
+                             LoRAConfig, SpeculativeConfig, StructuredOutputsConfig)
 
 _DTYPES = {
     "auto": "auto", "half": "float16", "float16": "float16", "fp16": "float16",
@@ -103,6 +103,12 @@ class EngineArgs:
     ngram_prompt_lookup_max: int | None = None
     ngram_prompt_lookup_min: int | None = None
     speculative_disable_by_batch_size: int | None = None
+    # LoRA adapters (config.LoRAConfig): requests name one with lora_request=LoRARequest(...).
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    lora_dtype: str = "auto"
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -220,6 +226,13 @@ class EngineArgs:
                              "each step's tokens before the next step is scheduled (leave async_scheduling unset)")
         return spec
 
+    def _lora_config(self) -> LoRAConfig | None:
+        if not self.enable_lora:
+            return None
+        if self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1:
+            raise ValueError("enable_lora is not supported with tensor or pipeline parallelism yet")
+        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras, self.lora_dtype)
+
     def resolve_device(self) -> str:
         import torch
 
@@ -237,6 +250,7 @@ class EngineArgs:
         self._validate()
         structured = self._structured_outputs_config()
         speculative = self._speculative_config()
+        lora = self._lora_config()
         device = self.resolve_device()
         resolved = resolve_model(self.model or default_model(), revision=self.revision,
                                  trust_remote_code=self.trust_remote_code, hf_overrides=self.hf_overrides)
@@ -282,10 +296,12 @@ class EngineArgs:
             async_scheduling=(device != "cpu" and self.pipeline_parallel_size == 1 and speculative is None)
             if self.async_scheduling is None else self.async_scheduling,
             max_concurrent_batches=self.pipeline_parallel_size,
+            max_loras=lora.max_loras if lora is not None else None,
         )
         return EngineConfig(model_config, cache_config, scheduler_config, device,
                             log_stats=not self.disable_log_stats, parallel_config=parallel_config,
-                            structured_outputs_config=structured, speculative_config=speculative)
+                            structured_outputs_config=structured, speculative_config=speculative,
+                            lora_config=lora)
 
     def _parallel_config(self, hf_config: Any, device: str) -> ParallelConfig:
         tp = self.tensor_parallel_size

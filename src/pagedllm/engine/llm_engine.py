@@ -27,13 +27,13 @@ class LLMEngine(EngineFrontend):
 
     def add_request(
         self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
-        arrival_time: float | None = None, priority: int = 0,
+        arrival_time: float | None = None, priority: int = 0, lora_request: Any = None,
     ) -> None:
         if request_id in self.parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
         params = params if params is not None else self.get_default_sampling_params()
         parent, core_reqs = register_request(self.processor, self.output_processor, request_id, prompt, params,
-                                             arrival_time, priority)
+                                             arrival_time, priority, lora_request)
         added: list[str] = []
         try:
             for core_req in core_reqs:

@@ -28,7 +28,7 @@ from pagedllm.structured_output.bitmask import apply_grammar
 from pagedllm.worker import cuda_graphs
 from pagedllm.worker.cuda_graphs import CudaGraphs
 from pagedllm.worker.device_buffers import DeviceBuffers
-from pagedllm.worker.input_batch import CachedRequestState, InputBatch
+from pagedllm.worker.input_batch import CachedRequestState, Column, InputBatch
 from pagedllm.worker.spec_verify import verify_drafts
 
 logger = logging.getLogger("pagedllm")
@@ -85,10 +85,23 @@ class ModelRunner:
         self._buffers = DeviceBuffers(self.max_num_tokens, self.max_num_reqs, max_blocks_per_req, device)
         self.graphs = CudaGraphs(self._buffers, device, getattr(self.attn_backend, "cuda_graph_safe", False),
                                  self.pp_size, self.max_num_reqs, self.max_num_tokens, sc.max_model_len)
+        self.lora = self._lora_manager(config, model, device)
         # Async scheduling: the last step's sampled tokens, still on the device.
         self._pending: _PendingOutput | None = None
         self._prev_sampled: torch.Tensor | None = None
         self._prev_index: dict[str, int] = {}
+
+    def _lora_manager(self, config: EngineConfig, model: nn.Module, device: torch.device):
+        """With enable_lora: LoRA slots on the projections, and each request's adapter id as a column."""
+        if config.lora_config is None:
+            return None
+        from pagedllm.lora.manager import LoRAManager
+
+        lc = config.lora_config
+        dtype = self.dtype if lc.lora_dtype == "auto" else TORCH_DTYPES[lc.lora_dtype]
+        self.input_batch.add_column(Column("lora_id", np.int64, 0, lambda new: new.lora_request.lora_int_id
+                                           if new.lora_request is not None else 0))
+        return LoRAManager(model, lc, config.model_config.hf_config, device, dtype)
 
     # ---- KV cache ---------------------------------------------------------------------------
     def kv_cache_bytes_per_block(self) -> int:
@@ -196,11 +209,15 @@ class ModelRunner:
         rows = self.input_batch.rows_of(states)
         if self._pending is not None and self._needs_known_outputs(states, rows):
             self._pending.result()  # penalties / bad words / processors read the exact history
-        batch = self._prepare_inputs(states, rows, sched.num_scheduled_tokens, sched.scheduled_spec_decode_tokens)
+        with_lora = self.lora is not None and self._prepare_lora(sched, states, rows)
+        batch = self._prepare_inputs(states, rows, sched.num_scheduled_tokens, sched.scheduled_spec_decode_tokens,
+                                     eager=with_lora)
         if batch.graph_size is not None:
             hidden = self.graphs.replay(batch.graph_size, len(req_ids))
         else:
             hidden = self._run_model(batch.input_ids, batch.positions, batch.attn_metadata)
+        if with_lora:
+            self.lora.prepare_step(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))  # mapping cleared
         if not self.is_last_stage:  # the last stage samples; the engine reads its output
             output = ModelRunnerOutput(req_ids, [[] for _ in req_ids])
             return _PendingOutput.done(output) if non_block else output
@@ -239,12 +256,22 @@ class ModelRunner:
         if self._pending is pending:
             self._pending = None
 
+    def _prepare_lora(self, sched: SchedulerOutput, states: list[CachedRequestState], rows: np.ndarray) -> bool:
+        """The step's adapters into device slots and its tokens mapped to them; True if any runs
+        (the step then runs eagerly: decode graphs are captured without adapters)."""
+        for new in sched.scheduled_new_reqs:
+            if new.lora_request is not None:
+                self.lora.add_request(new.lora_request)
+        counts = np.fromiter((sched.num_scheduled_tokens[s.req_id] for s in states), dtype=np.int64,
+                             count=len(states))
+        return self.lora.prepare_step(self.input_batch.columns["lora_id"][rows], counts)
+
     def _needs_known_outputs(self, states: list[CachedRequestState], rows: np.ndarray) -> bool:
         history = self.sampling_metadata.needs_history(rows)
         return history is not None and any(s.num_inflight for s, h in zip(states, history.tolist()) if h)
 
     def _prepare_inputs(self, states: list[CachedRequestState], rows: np.ndarray, num_scheduled: dict[str, int],
-                        drafts: dict[str, list[int]]) -> _Batch:
+                        drafts: dict[str, list[int]], eager: bool = False) -> _Batch:
         """The flat batch, built with vectorized gathers from the input batch's rows."""
         bs, ib = self.block_size, self.input_batch
         num_reqs = len(states)
@@ -273,7 +300,7 @@ class ModelRunner:
         for s, end in zip(states, seq_lens.tolist()):
             s.num_computed_tokens = end
 
-        graph_size = self.graphs.size_for(num_reqs) if total == num_reqs else None
+        graph_size = self.graphs.size_for(num_reqs) if total == num_reqs and not eager else None
         buf = self._buffers
         qsl_list = qsl.tolist()
         buf.begin_step()
