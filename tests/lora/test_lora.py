@@ -161,3 +161,30 @@ def test_bad_adapters_are_refused_before_the_engine_and_it_serves_on(llm, tiny_m
     assert _generate(llm, adapters["all8"]) == list(_peft_greedy(tiny_models["llama"], adapters["all8"].lora_path))
     core = llm.llm_engine.engine_core
     assert core.kv_cache_manager.num_free_blocks == core.kv_cache_manager.num_blocks
+
+
+def test_a_trainer_pushes_adapters_from_memory_and_manages_them(llm, tiny_models, adapters):
+    """add_lora with tensors replaces an id's weights (the outputs follow); pin, list, remove."""
+    import json
+    import os
+
+    from safetensors.torch import load_file
+
+    def in_memory(name):
+        path = adapters[name].lora_path
+        with open(os.path.join(path, "adapter_config.json")) as f:
+            cfg = json.load(f)
+        return load_file(os.path.join(path, "adapter_model.safetensors")), cfg
+
+    tensors, cfg = in_memory("all8")
+    assert llm.add_lora(LoRARequest("trained", 42, tensors=tensors, peft_config=cfg))
+    by_id = LoRARequest("trained", 42)  # later requests name the id alone
+    assert _generate(llm, by_id) == list(_peft_greedy(tiny_models["llama"], adapters["all8"].lora_path))
+    tensors, cfg = in_memory("mlp4")  # the next training step's weights, same id
+    assert llm.add_lora(LoRARequest("trained", 42, tensors=tensors, peft_config=cfg))
+    assert _generate(llm, by_id) == list(_peft_greedy(tiny_models["llama"], adapters["mlp4"].lora_path))
+    assert 42 in llm.list_loras() and llm.pin_lora(42)
+    assert _generate(llm, adapters["qv64"]) == list(_peft_greedy(tiny_models["llama"], adapters["qv64"].lora_path))
+    assert llm.remove_lora(42) and 42 not in llm.list_loras()
+    with pytest.raises(ValueError, match="not a known adapter"):
+        _generate(llm, by_id)

@@ -57,7 +57,7 @@ class Processor:
             raise ValueError(f"priority must be an integer, got {priority!r}")
         mc = self.model_config
         if lora_request is not None:
-            self._check_lora(lora_request)
+            self.check_lora(lora_request)
         text, token_ids = self.parse_prompt(prompt)
         if params.truncate_prompt_tokens is not None:
             token_ids = token_ids[-params.truncate_prompt_tokens:]
@@ -85,9 +85,10 @@ class Processor:
         return text, EngineCoreRequest(request_id, token_ids, params, eos, arrival_time or time.time(), priority,
                                        lora_request)
 
-    def _check_lora(self, lora_request: Any) -> None:
+    def check_lora(self, lora_request: Any, replace: bool = False) -> None:
         """An adapter is read and checked against the model once, before its first request is
-        queued: a bad one fails here, the engine never sees it."""
+        queued: a bad one fails here, the engine never sees it. ``replace`` (``add_lora``): an
+        adapter in memory may take over its id (a trainer's new weights)."""
         from pagedllm.lora.peft_loader import load_adapter
         from pagedllm.lora.request import LoRARequest
 
@@ -95,14 +96,27 @@ class Processor:
             raise ValueError("lora_request needs an engine created with enable_lora=True")
         if not isinstance(lora_request, LoRARequest):
             raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
-        known = self._lora_paths.get(lora_request.lora_int_id)
-        if known == lora_request.lora_path:
+        lora_id = lora_request.lora_int_id
+        known = self._lora_paths.get(lora_id)
+        if not lora_request.has_source:
+            if known is None:
+                raise ValueError(f"lora_int_id {lora_id} is not a known adapter: give lora_path, or add it first "
+                                 "with add_lora")
             return
-        if known is not None:
-            raise ValueError(f"lora_int_id {lora_request.lora_int_id} already names the adapter at {known!r}; give "
-                             "another adapter another id")
+        source = lora_request.lora_path or "<tensors>"
+        if known == source and lora_request.tensors is None:
+            return
+        if known is not None and not (replace and lora_request.tensors is not None):
+            raise ValueError(f"lora_int_id {lora_id} already names the adapter at {known!r}; give another adapter "
+                             "another id (or remove_lora it first)")
         load_adapter(lora_request, self.model_config.hf_config, self.lora_config.max_lora_rank)
-        self._lora_paths[lora_request.lora_int_id] = lora_request.lora_path
+        self._lora_paths[lora_id] = source
+
+    def knows_lora(self, lora_id: int) -> bool:
+        return lora_id in self._lora_paths
+
+    def forget_lora(self, lora_id: int) -> None:
+        self._lora_paths.pop(lora_id, None)
 
     def _check_structured_outputs(self, params: SamplingParams) -> None:
         """Limits, then which backend takes the constraint (checked without the tokenizer, cheaply:

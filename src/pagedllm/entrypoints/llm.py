@@ -67,6 +67,18 @@ class LLM:
         device and in any float dtype; they are copied and cast into place."""
         self.collective_rpc("load_weights", args=(named_tensors,))
 
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        return self.llm_engine.add_lora(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self.llm_engine.remove_lora(lora_id)
+
+    def pin_lora(self, lora_id: int) -> bool:
+        return self.llm_engine.pin_lora(lora_id)
+
+    def list_loras(self) -> set[int]:
+        return self.llm_engine.list_loras()
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],

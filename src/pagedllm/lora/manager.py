@@ -41,9 +41,43 @@ class LoRAManager:
         self.free_slots = list(range(lora_config.max_loras - 1, -1, -1))
         self.host: OrderedDict[int, LoRAAdapter] = OrderedDict()
         self.num_loads = 0  # adapters written into a device slot (tests read it)
+        self.pinned: set[int] = set()
 
     def add_request(self, request: LoRARequest) -> None:
+        """A request's adapter: its source is kept (a request naming a known id alone adds nothing)."""
+        if request.has_source and request.lora_int_id not in self.requests:
+            self.requests[request.lora_int_id] = request
+
+    # ---- RL / runtime management (LLM.add_lora, remove_lora, pin_lora, list_loras) -------------
+    def add_adapter(self, request: LoRARequest) -> bool:
+        """Load an adapter into the host cache now; one with the same id is replaced (its device
+        slot is rewritten the next time a step uses it)."""
+        self.remove(request.lora_int_id)
         self.requests[request.lora_int_id] = request
+        self._adapter(request.lora_int_id)
+        return True
+
+    def remove(self, lora_id: int) -> bool:
+        found = self.requests.pop(lora_id, None) is not None
+        self.host.pop(lora_id, None)
+        self.pinned.discard(lora_id)
+        slot = self.slot_of.pop(lora_id, None)
+        if slot is not None:
+            self.free_slots.append(slot)
+        return found
+
+    def pin(self, lora_id: int) -> bool:
+        """Keep the adapter in its device slot (one slot always stays for the others)."""
+        if lora_id not in self.requests:
+            raise ValueError(f"lora_int_id {lora_id} is not a loaded adapter")
+        if lora_id not in self.pinned and len(self.pinned) + 1 >= self.config.max_loras:
+            raise ValueError(f"cannot pin more than max_loras - 1 = {self.config.max_loras - 1} adapters")
+        self.pinned.add(lora_id)
+        self.activate({lora_id})
+        return True
+
+    def list(self) -> set[int]:
+        return set(self.requests)
 
     def _adapter(self, lora_id: int) -> LoRAAdapter:
         adapter = self.host.pop(lora_id, None)
@@ -62,7 +96,7 @@ class LoRAManager:
             if self.free_slots:
                 slot = self.free_slots.pop()
             else:
-                victim = next(i for i in self.slot_of if i not in lora_ids)
+                victim = next(i for i in self.slot_of if i not in lora_ids and i not in self.pinned)
                 slot = self.slot_of.pop(victim)
             adapter = self._adapter(lora_id)
             for slots, hf_names in self.layers:

@@ -35,12 +35,13 @@ def expected_shapes(hf_config: Any) -> dict[str, tuple[int, int]]:
             "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)}
 
 
-def _read_config(path: str) -> dict:
-    cfg_path = os.path.join(path, "adapter_config.json")
-    if not os.path.isfile(cfg_path):
-        raise ValueError(f"LoRA adapter {path!r} has no adapter_config.json (a PEFT adapter folder is expected)")
-    with open(cfg_path) as f:
-        cfg = json.load(f)
+def _read_config(path: str, cfg: dict | None = None) -> dict:
+    if cfg is None:
+        cfg_path = os.path.join(path, "adapter_config.json")
+        if not os.path.isfile(cfg_path):
+            raise ValueError(f"LoRA adapter {path!r} has no adapter_config.json (a PEFT adapter folder is expected)")
+        with open(cfg_path) as f:
+            cfg = json.load(f)
     if cfg.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"LoRA adapter {path!r}: peft_type {cfg.get('peft_type')!r} is not LORA")
     for key, allowed in (("use_dora", (False, None)), ("fan_in_fan_out", (False, None)), ("bias", ("none", None)),
@@ -66,10 +67,10 @@ def _read_tensors(path: str) -> dict[str, torch.Tensor]:
 def load_adapter(request: LoRARequest, hf_config: Any, max_lora_rank: int) -> LoRAAdapter:
     """Read and check a PEFT adapter: rank within ``max_lora_rank``, known target modules,
     every tensor shaped for the base model. Raises ValueError naming what does not fit."""
-    path = request.lora_path
-    if not os.path.isdir(path):
+    path = request.lora_path or f"<tensors of {request.lora_name}>"
+    if request.tensors is None and not os.path.isdir(path):
         raise ValueError(f"LoRA adapter path {path!r} is not a folder")
-    cfg = _read_config(path)
+    cfg = _read_config(path, request.peft_config)
     rank = int(cfg.get("r", 8))
     if rank > max_lora_rank:
         raise ValueError(f"LoRA adapter {request.lora_name!r} has rank {rank}, more than max_lora_rank="
@@ -78,7 +79,8 @@ def load_adapter(request: LoRARequest, hf_config: Any, max_lora_rank: int) -> Lo
     scale = alpha / (math.sqrt(rank) if cfg.get("use_rslora") else rank)
     shapes, layers = expected_shapes(hf_config), hf_config.num_hidden_layers
     pairs: dict[str, dict[str, torch.Tensor]] = {}
-    for key, tensor in _read_tensors(path).items():
+    tensors = request.tensors if request.tensors is not None else _read_tensors(path)
+    for key, tensor in tensors.items():
         name = key.removeprefix("base_model.model.")
         for part in ("lora_A", "lora_B"):
             marker = f".{part}."
@@ -100,7 +102,7 @@ def load_adapter(request: LoRARequest, hf_config: Any, max_lora_rank: int) -> Lo
         layer = int(parts[parts.index("layers") + 1])
         if layer >= layers or set(ab) != {"lora_A", "lora_B"}:
             raise ValueError(f"LoRA adapter {request.lora_name!r}: module {module!r} does not fit the base model")
-        a, b = ab["lora_A"], ab["lora_B"]
+        a, b = (t.detach().to("cpu", torch.float32) for t in (ab["lora_A"], ab["lora_B"]))
         fan_in, fan_out = shapes[proj]
         if tuple(a.shape) != (rank, fan_in) or tuple(b.shape) != (fan_out, rank):
             raise ValueError(f"LoRA adapter {request.lora_name!r}: {module} has A {tuple(a.shape)}, B "
