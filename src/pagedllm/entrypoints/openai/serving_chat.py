@@ -138,7 +138,7 @@ class OpenAIServingChat(OpenAIServing):
         prompt = await self.off_loop(self.chat_prompt, req)
         self.check_context(prompt["prompt_token_ids"], params, "messages")
         request_id = self.request_id("chatcmpl", raw, req)
-        ids, streams = self._add(request_id, [prompt], params, req.priority)
+        ids, streams = self._add(request_id, [prompt], params, req.priority, model)
         if req.stream:
             return StreamingResponse(self._sse_guard(self._chat_stream(req, model, request_id, streams), ids),
                                      media_type="text/event-stream")
