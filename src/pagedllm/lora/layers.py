@@ -12,9 +12,11 @@ import torch
 
 
 class _Mapping:
-    """This step's adapter groups: (slot, the flat-batch rows of its tokens)."""
+    """This step's adapter groups: (slot, the flat-batch rows of its tokens), and every
+    token's slot on the device (-1: the base model), which the Triton kernels read."""
 
     groups: list[tuple[int, torch.Tensor]] = []
+    token_slots: torch.Tensor | None = None
 
 
 MAPPING = _Mapping()
@@ -23,8 +25,9 @@ MAPPING = _Mapping()
 def set_mapping(token_slots: np.ndarray | None, device: torch.device) -> None:
     """``token_slots``: each token's slot (-1: the base model); None clears the mapping."""
     if token_slots is None or not (token_slots >= 0).any():
-        MAPPING.groups = []
+        MAPPING.groups, MAPPING.token_slots = [], None
         return
+    MAPPING.token_slots = torch.from_numpy(token_slots).to(device)
     MAPPING.groups = [(int(s), torch.from_numpy(np.flatnonzero(token_slots == s)).to(device))
                       for s in np.unique(token_slots[token_slots >= 0])]
 
@@ -54,7 +57,22 @@ class LoRASlots:
             self.B[slot, offset:offset + size, lo:lo + r] = (b.float() * scale).to(self.B)
 
     def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and x.shape[0] <= _triton_max_tokens(x):  # decode: one launch for any mix of adapters
+            from pagedllm.ops.triton_lora import lora_apply
+
+            return lora_apply(x.contiguous(), y, self.A, self.B, MAPPING.token_slots)
         for slot, rows in MAPPING.groups:
             xs = x.index_select(0, rows).to(self.A.dtype)
             y.index_add_(0, rows, ((xs @ self.A[slot].t()) @ self.B[slot].t()).to(y.dtype))
         return y
+
+
+def _triton_max_tokens(x: torch.Tensor) -> int:
+    """How many tokens the Triton kernels take (0 where the Triton ops are off)."""
+    from pagedllm.ops import triton_ops_for
+
+    if triton_ops_for(x) is None:
+        return 0
+    from pagedllm.ops.triton_lora import MAX_TOKENS
+
+    return MAX_TOKENS
