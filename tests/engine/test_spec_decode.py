@@ -14,6 +14,7 @@ import collections
 import pytest
 import torch
 
+from tests.conftest import TEST_KV_BYTES
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import SpeculativeConfig
 from pagedllm.sample.rejection import verify
@@ -49,7 +50,7 @@ class OracleProposer:
 
 @pytest.fixture(scope="module")
 def reference(tiny_models):
-    llm = LLM(tiny_models["llama"], max_model_len=256)
+    llm = LLM(tiny_models["llama"], kv_cache_memory_bytes=TEST_KV_BYTES, max_model_len=256)
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     return [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs]
 
@@ -162,7 +163,8 @@ class CandidateProposer:
 def test_sampled_tokens_follow_the_same_distribution_with_a_proposer_that_is_often_wrong(tiny_models):
     """top_k=3 keeps the support small (at most 9 pairs (t1, t2)); the two runs' empirical
     distributions of the first two tokens must agree (total variation)."""
-    llm = LLM(tiny_models["llama"], max_model_len=64, speculative_config={"method": "ngram", "num_speculative_tokens": 1})
+    llm = LLM(tiny_models["llama"], kv_cache_memory_bytes=TEST_KV_BYTES,
+              max_model_len=64, speculative_config={"method": "ngram", "num_speculative_tokens": 1})
     core = llm.llm_engine.engine_core
     params = SamplingParams(temperature=1.0, top_k=3, max_tokens=3, ignore_eos=True)
     runs, prompt = 1000, PROMPTS[1]
@@ -197,11 +199,12 @@ def test_sampled_tokens_follow_the_same_distribution_with_a_proposer_that_is_oft
 ])
 def test_bad_speculative_configs_are_refused_naming_the_key(tiny_models, kwargs, match):
     with pytest.raises(ValueError, match=match):
-        LLM(tiny_models["llama"], max_model_len=64, **kwargs)
+        LLM(tiny_models["llama"], kv_cache_memory_bytes=TEST_KV_BYTES, max_model_len=64, **kwargs)
 
 
 def test_older_flat_flags_map_onto_the_config(tiny_models):
-    llm = LLM(tiny_models["llama"], max_model_len=64, speculative_model="[ngram]", num_speculative_tokens=2,
+    llm = LLM(tiny_models["llama"], kv_cache_memory_bytes=TEST_KV_BYTES,
+              max_model_len=64, speculative_model="[ngram]", num_speculative_tokens=2,
               ngram_prompt_lookup_max=4, speculative_disable_by_batch_size=8)
     spec = llm.llm_engine.engine_core.config.speculative_config
     assert (spec.method, spec.num_speculative_tokens, spec.prompt_lookup_max, spec.disable_by_batch_size) == \

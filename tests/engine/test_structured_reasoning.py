@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.conftest import TEST_KV_BYTES
 from pagedllm import LLM, SamplingParams, StructuredOutputsParams
 from pagedllm.reasoning import ReasoningParser, ReasoningParserManager
 
@@ -27,7 +28,8 @@ class TokenTagParser(ReasoningParser):
 
 @pytest.fixture(scope="module")
 def setup(tiny_models):
-    llm = LLM(tiny_models["llama"], max_model_len=256, async_scheduling=True, max_num_batched_tokens=16,
+    llm = LLM(tiny_models["llama"], kv_cache_memory_bytes=TEST_KV_BYTES,
+              max_model_len=256, async_scheduling=True, max_num_batched_tokens=16,
               max_num_seqs=8, reasoning_parser="test_token_tags")
     tokenizer = llm.get_tokenizer()
     prompt_ids = tokenizer(PROMPT)["input_ids"]
@@ -74,4 +76,4 @@ def test_nothing_is_held_after_reasoning_requests(setup):
 
 def test_an_unknown_reasoning_parser_is_refused_naming_the_choices(tiny_models):
     with pytest.raises(ValueError, match="unknown reasoning parser 'o1'.*qwen3"):
-        LLM(tiny_models["llama"], reasoning_parser="o1")
+        LLM(tiny_models["llama"], kv_cache_memory_bytes=TEST_KV_BYTES, reasoning_parser="o1")

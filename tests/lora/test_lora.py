@@ -10,6 +10,7 @@ import functools
 import pytest
 import torch
 
+from tests.conftest import TEST_KV_BYTES
 from pagedllm import LLM, LoRARequest, SamplingParams, TokensPrompt
 from tests.engine.test_correctness import mixed_prompts
 
@@ -68,7 +69,8 @@ def _peft_greedy(base_dir: str, adapter_dir: str | None) -> tuple[tuple[int, ...
 
 @pytest.fixture(scope="module")
 def llm(tiny_models):
-    return LLM(tiny_models["llama"], dtype="float32", enable_lora=True, max_loras=4, max_lora_rank=64,
+    return LLM(tiny_models["llama"], kv_cache_memory_bytes=TEST_KV_BYTES,
+               dtype="float32", enable_lora=True, max_loras=4, max_lora_rank=64,
                max_model_len=256)
 
 
@@ -117,7 +119,8 @@ def test_a_batch_mixing_adapters_and_the_base_runs_one_forward_per_step(llm, tin
 
 
 def test_one_device_slot_evicts_and_reloads_with_the_same_tokens(tiny_models, adapters):
-    small = LLM(tiny_models["llama"], dtype="float32", enable_lora=True, max_loras=1, max_cpu_loras=2,
+    small = LLM(tiny_models["llama"], kv_cache_memory_bytes=TEST_KV_BYTES,
+                dtype="float32", enable_lora=True, max_loras=1, max_cpu_loras=2,
                 max_lora_rank=64, max_model_len=256)
     names = list(ADAPTERS)
     loras = [adapters[names[i % 3]] for i in range(len(PROMPTS))]
@@ -150,10 +153,11 @@ def test_bad_adapters_are_refused_before_the_engine_and_it_serves_on(llm, tiny_m
                         (LoRARequest("dup", 1, qwen_adapter), "already names the adapter")):
         with pytest.raises(ValueError, match=match):
             _generate(llm, lora)
-    big = LLM(tiny_models["llama"], dtype="float32", enable_lora=True, max_lora_rank=16, max_model_len=64)
+    big = LLM(tiny_models["llama"], kv_cache_memory_bytes=TEST_KV_BYTES,
+              dtype="float32", enable_lora=True, max_lora_rank=16, max_model_len=64)
     with pytest.raises(ValueError, match="rank 64, more than max_lora_rank=16"):
         _generate(big, adapters["qv64"])
-    plain = LLM(tiny_models["llama"], dtype="float32", max_model_len=64)
+    plain = LLM(tiny_models["llama"], kv_cache_memory_bytes=TEST_KV_BYTES, dtype="float32", max_model_len=64)
     with pytest.raises(ValueError, match="enable_lora=True"):
         _generate(plain, adapters["all8"])
     with pytest.raises(ValueError, match="lora_int_id must be a positive integer"):

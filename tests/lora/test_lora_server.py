@@ -7,6 +7,7 @@ import httpx
 import openai
 import pytest
 
+from tests.conftest import TEST_KV_BYTES
 from pagedllm import LLM, LoRARequest, SamplingParams
 from tests.entrypoints.test_openai_server import MODEL_NAME, _serve
 from tests.lora.test_lora import _make_adapter
@@ -33,7 +34,8 @@ def url(tiny_models, lora_dirs, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def offline(tiny_models, lora_dirs):
-    llm = LLM(tiny_models["llama"], enable_lora=True, max_lora_rank=16, max_loras=2, max_model_len=256)
+    llm = LLM(tiny_models["llama"], kv_cache_memory_bytes=TEST_KV_BYTES,
+              enable_lora=True, max_lora_rank=16, max_loras=2, max_model_len=256)
     sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     texts = {None: llm.generate(PROMPT, sp, use_tqdm=False)[0].outputs[0].text}
     for i, name in enumerate(lora_dirs):
