@@ -235,6 +235,7 @@ class StructuredOutputsConfig:
     max_spec_bytes: int = 64 << 10  # a schema / regex / grammar larger than this is refused
     max_nesting_depth: int = 32  # a JSON schema nested deeper than this is refused
     max_compile_threads: int = 2  # the compile pool's threads
+    max_fill_threads: int = 8  # threads filling one step's masks (xgrammar's batch fill), at most the CPUs
     disable_fallback: bool = False  # "auto" never falls back to llguidance
     # With a reasoning parser (vLLM's field; ``serve --reasoning-parser`` sets it) a constraint
     # applies to the answer: from the token that ends the reasoning on, unless enable_in_reasoning.
@@ -249,7 +250,7 @@ class StructuredOutputsConfig:
                 or not self.compile_timeout_s > 0:
             raise ValueError(f"structured_outputs_config compile_timeout_s must be a number > 0, got "
                              f"{self.compile_timeout_s!r}")
-        for name in ("max_spec_bytes", "max_nesting_depth", "max_compile_threads"):
+        for name in ("max_spec_bytes", "max_nesting_depth", "max_compile_threads", "max_fill_threads"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"structured_outputs_config {name} must be a positive integer, got {v!r}")

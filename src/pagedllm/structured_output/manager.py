@@ -11,17 +11,17 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import numpy as np
 
 from pagedllm.config import StructuredOutputsConfig
 from pagedllm.reasoning import ReasoningParserManager
-from pagedllm.structured_output.backends import BACKEND_CLASSES, Matcher, _first_line
+from pagedllm.structured_output.backends import BACKEND_CLASSES, BatchFiller, Matcher, XgrammarMatcher, _first_line
 from pagedllm.structured_params import StructuredOutputsParams
 
 logger = logging.getLogger("pagedllm")
@@ -29,12 +29,26 @@ logger = logging.getLogger("pagedllm")
 _CACHE_ENTRIES = 256  # compiled grammars kept (LRU)
 
 
-@dataclass
 class GrammarBitmask:
-    """One step's masks: row i (int32 words, bit set = token allowed) belongs to ``req_ids[i]``."""
+    """One step's masks: row i (int32 words, bit set = token allowed) belongs to ``req_ids[i]``.
 
-    req_ids: list[str]
-    bitmask: np.ndarray  # [len(req_ids), ceil(vocab / 32)] int32
+    Filled when first read (``fill``), so that a worker in the engine's process reads it after
+    it has launched the step's forward: the host fills the masks while the device computes.
+    Sent to another process, it is filled before it goes (``__getstate__``)."""
+
+    def __init__(self, req_ids: list[str], bitmask: np.ndarray | None = None,
+                 fill: Callable[[], np.ndarray] | None = None) -> None:
+        self.req_ids = req_ids
+        self._bitmask, self._fill = bitmask, fill
+
+    @property
+    def bitmask(self) -> np.ndarray:  # [len(req_ids), ceil(vocab / 32)] int32
+        if self._bitmask is None:
+            self._bitmask, self._fill = self._fill(), None
+        return self._bitmask
+
+    def __getstate__(self) -> dict:
+        return {"req_ids": self.req_ids, "_bitmask": self.bitmask, "_fill": None}
 
 
 class GrammarRequest:
@@ -120,6 +134,7 @@ class StructuredOutputManager:
         self._tokenizer_factory = tokenizer_factory
         self._stop_token_ids = sorted(set(stop_token_ids))
         self._backends: dict[str, Any] = {}
+        self._batch_filler: BatchFiller | None = None
         # The reasoning parser whose end tag starts each constraint (None: constraints start at once).
         self._reasoner_cls = (ReasoningParserManager.get_reasoning_parser(config.reasoning_parser)
                               if config.reasoning_parser and not config.enable_in_reasoning else None)
@@ -199,13 +214,27 @@ class StructuredOutputManager:
 
     # ---- each step ------------------------------------------------------------------------------
     def bitmask(self, handles: list[GrammarRequest]) -> GrammarBitmask | None:
-        """The masks of the constrained requests that sample this step (None: there are none)."""
+        """The masks of the constrained requests that sample this step (None: there are none),
+        filled when the worker reads them."""
         if not handles:
             return None
+        return GrammarBitmask([h.request_id for h in handles], fill=lambda: self._fill(handles))
+
+    def _fill(self, handles: list[GrammarRequest]) -> np.ndarray:
+        """xgrammar's matchers fill their rows together on several threads; others one by one."""
         bitmask = np.empty((len(handles), self.words), dtype=np.int32)
+        batched = [(row, h.matcher) for row, h in enumerate(handles) if isinstance(h.matcher, XgrammarMatcher)]
+        if len(batched) > 1:
+            if self._batch_filler is None:
+                self._batch_filler = BatchFiller(min(self.config.max_fill_threads, os.cpu_count() or 1))
+            self._batch_filler.fill([m for _, m in batched], bitmask, [row for row, _ in batched])
+        else:
+            batched = []
+        done = {row for row, _ in batched}
         for row, handle in enumerate(handles):
-            handle.fill_bitmask(bitmask, row)
-        return GrammarBitmask([h.request_id for h in handles], bitmask)
+            if row not in done:
+                handle.fill_bitmask(bitmask, row)
+        return bitmask
 
     def shutdown(self) -> None:
         if self._pool is not None:
