@@ -115,6 +115,8 @@ def test_a_batch_mixing_adapters_and_the_base_runs_one_forward_per_step(llm, tin
     finally:
         del runner.model.forward, llm.llm_engine.engine_core.step
     assert got == want
+    if torch.cuda.is_available():  # decode steps with adapters replay the LoRA graphs
+        assert runner.graphs.lora_graphs and set(runner.graphs.lora_graphs) == set(runner.graphs.graphs)
     assert 0 < forwards <= steps  # at most one forward per step (CUDA graphs replay base-only ones), any mix
 
 

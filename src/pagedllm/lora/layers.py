@@ -16,18 +16,31 @@ class _Mapping:
     token's slot on the device (-1: the base model), which the Triton kernels read."""
 
     groups: list[tuple[int, torch.Tensor]] = []
-    token_slots: torch.Tensor | None = None
+    # On CUDA: the tokens sorted by slot in tiles, and each tile's slot (ops/triton_lora.py).
+    sorted_ids: torch.Tensor | None = None
+    tile_slots: torch.Tensor | None = None
 
 
 MAPPING = _Mapping()
 
 
+def set_graph_mapping(sorted_ids: torch.Tensor, tile_slots: torch.Tensor) -> None:
+    """Map through fixed device buffers (a CUDA graph's, captured and replayed over them)."""
+    MAPPING.groups = [(-1, sorted_ids)]  # not empty: the wrapped layers apply their adapters
+    MAPPING.sorted_ids, MAPPING.tile_slots = sorted_ids, tile_slots
+
+
 def set_mapping(token_slots: np.ndarray | None, device: torch.device) -> None:
     """``token_slots``: each token's slot (-1: the base model); None clears the mapping."""
     if token_slots is None or not (token_slots >= 0).any():
-        MAPPING.groups, MAPPING.token_slots = [], None
+        MAPPING.groups, MAPPING.sorted_ids, MAPPING.tile_slots = [], None, None
         return
-    MAPPING.token_slots = torch.from_numpy(token_slots).to(device)
+    if device.type == "cuda" and _triton_lora_enabled(device):
+        from pagedllm.ops.triton_lora import sort_by_slot
+
+        ids, tiles = sort_by_slot(token_slots)
+        MAPPING.sorted_ids = torch.from_numpy(ids).to(device, non_blocking=True)
+        MAPPING.tile_slots = torch.from_numpy(tiles).to(device, non_blocking=True)
     MAPPING.groups = [(int(s), torch.from_numpy(np.flatnonzero(token_slots == s)).to(device))
                       for s in np.unique(token_slots[token_slots >= 0])]
 
@@ -57,22 +70,18 @@ class LoRASlots:
             self.B[slot, offset:offset + size, lo:lo + r] = (b.float() * scale).to(self.B)
 
     def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and x.shape[0] <= _triton_max_tokens(x):  # decode: one launch for any mix of adapters
+        if MAPPING.tile_slots is not None and x.is_cuda:  # two launches for any mix of adapters
             from pagedllm.ops.triton_lora import lora_apply
 
-            return lora_apply(x.contiguous(), y, self.A, self.B, MAPPING.token_slots)
+            return lora_apply(x.contiguous(), y, self.A, self.B, MAPPING.sorted_ids, MAPPING.tile_slots)
         for slot, rows in MAPPING.groups:
             xs = x.index_select(0, rows).to(self.A.dtype)
             y.index_add_(0, rows, ((xs @ self.A[slot].t()) @ self.B[slot].t()).to(y.dtype))
         return y
 
 
-def _triton_max_tokens(x: torch.Tensor) -> int:
-    """How many tokens the Triton kernels take (0 where the Triton ops are off)."""
+def _triton_lora_enabled(device: torch.device) -> bool:
+    """The Triton kernels run where the Triton ops do (CUDA, not disabled)."""
     from pagedllm.ops import triton_ops_for
 
-    if triton_ops_for(x) is None:
-        return 0
-    from pagedllm.ops.triton_lora import MAX_TOKENS
-
-    return MAX_TOKENS
+    return triton_ops_for(torch.empty(0, device=device)) is not None

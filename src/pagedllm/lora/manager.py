@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from pagedllm.lora.layers import LoRASlots, set_mapping
+from pagedllm.lora.layers import LoRASlots, set_graph_mapping, set_mapping
 from pagedllm.lora.peft_loader import LoRAAdapter, load_adapter
 from pagedllm.lora.request import LoRARequest
 
@@ -41,6 +41,7 @@ class LoRAManager:
         self.free_slots = list(range(lora_config.max_loras - 1, -1, -1))
         self.host: OrderedDict[int, LoRAAdapter] = OrderedDict()
         self.num_loads = 0  # adapters written into a device slot (tests read it)
+        self.max_graph_tokens = 0  # set by the runner: the largest decode graph's batch
         self.pinned: set[int] = set()
 
     def add_request(self, request: LoRARequest) -> None:
@@ -105,13 +106,58 @@ class LoRAManager:
             self.num_loads += 1
         return {i: self.slot_of[i] for i in lora_ids}
 
-    def prepare_step(self, lora_ids: np.ndarray, counts: np.ndarray) -> bool:
+    def prepare_step(self, lora_ids: np.ndarray, counts: np.ndarray, graph_size: int | None = None) -> bool:
         """Map the step's tokens to slots (``lora_ids``: each request's adapter, 0 = none;
-        ``counts``: its tokens). Returns whether any adapter runs (then no CUDA graph replays)."""
+        ``counts``: its tokens); ``graph_size``: a decode step replaying a LoRA graph of that
+        size, mapped through its buffers. Returns whether any adapter runs."""
         if not lora_ids.any():
             set_mapping(None, self.device)
             return False
         slot_of = self.activate(set(lora_ids[lora_ids > 0].tolist()))
         slots = np.fromiter((slot_of.get(i, -1) for i in lora_ids.tolist()), dtype=np.int64, count=len(lora_ids))
-        set_mapping(np.repeat(slots, counts), self.device)
+        if graph_size is None:
+            set_mapping(np.repeat(slots, counts), self.device)
+        else:
+            self._fill_graph_buffers(slots, graph_size)
         return True
+
+    # ---- CUDA graphs of decode steps with adapters -----------------------------------------------
+    def graphs_supported(self) -> bool:
+        """LoRA graphs need the Triton kernels (their grid is fixed; the torch path is not)."""
+        from pagedllm.lora.layers import _triton_lora_enabled
+
+        return self.device.type == "cuda" and _triton_lora_enabled(self.device)
+
+    def clear_mapping(self) -> None:
+        set_mapping(None, self.device)
+
+    def graph_buffers(self, graph_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fixed sorted-ids / tile-slot buffers a LoRA graph of ``graph_size`` tokens reads."""
+        from pagedllm.ops.triton_lora import BLOCK_M, max_tiles
+
+        if not hasattr(self, "_ids_buf"):
+            tiles = max_tiles(self.max_graph_tokens, self.config.max_loras)
+            self._ids_buf = torch.full((tiles * BLOCK_M,), -1, dtype=torch.int64, device=self.device)
+            self._tiles_buf = torch.full((tiles,), -1, dtype=torch.int64, device=self.device)
+        tiles = max_tiles(graph_size, self.config.max_loras)
+        return self._ids_buf[:tiles * BLOCK_M], self._tiles_buf[:tiles]
+
+    def capture_mapping(self, graph_size: int) -> None:
+        """Before capturing a LoRA graph: map through its buffers (all -1 now: no-op kernels)."""
+        ids, tiles = self.graph_buffers(graph_size)
+        ids.fill_(-1)
+        tiles.fill_(-1)
+        set_graph_mapping(ids, tiles)
+
+    def _fill_graph_buffers(self, slots: np.ndarray, graph_size: int) -> None:
+        from pagedllm.ops.triton_lora import sort_by_slot
+
+        ids_buf, tiles_buf = self.graph_buffers(graph_size)
+        ids, tiles = sort_by_slot(slots)  # a decode step: one token per request
+        host_ids = np.full(ids_buf.shape[0], -1, dtype=np.int64)
+        host_ids[:len(ids)] = ids
+        host_tiles = np.full(tiles_buf.shape[0], -1, dtype=np.int64)
+        host_tiles[:len(tiles)] = tiles
+        ids_buf.copy_(torch.from_numpy(host_ids), non_blocking=False)
+        tiles_buf.copy_(torch.from_numpy(host_tiles), non_blocking=False)
+        set_graph_mapping(ids_buf, tiles_buf)

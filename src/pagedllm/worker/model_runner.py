@@ -157,7 +157,7 @@ class ModelRunner:
         cuda_graphs.warm_up_kernels(self)
 
     def capture_cuda_graphs(self) -> None:
-        self.graphs.capture(self.model)
+        self.graphs.capture(self.model, self.lora)
 
     def release_cuda_graphs(self) -> None:
         self.graphs.release()
@@ -209,15 +209,19 @@ class ModelRunner:
         rows = self.input_batch.rows_of(states)
         if self._pending is not None and self._needs_known_outputs(states, rows):
             self._pending.result()  # penalties / bad words / processors read the exact history
-        with_lora = self.lora is not None and self._prepare_lora(sched, states, rows)
+        lora_ids = self._step_lora_ids(sched, rows) if self.lora is not None else None
         batch = self._prepare_inputs(states, rows, sched.num_scheduled_tokens, sched.scheduled_spec_decode_tokens,
-                                     eager=with_lora)
+                                     lora=lora_ids is not None)
+        if lora_ids is not None:  # the adapters into device slots, the tokens mapped to them
+            counts = np.fromiter((sched.num_scheduled_tokens[s.req_id] for s in states), dtype=np.int64,
+                                 count=len(states))
+            self.lora.prepare_step(lora_ids, counts, batch.graph_size)
         if batch.graph_size is not None:
-            hidden = self.graphs.replay(batch.graph_size, len(req_ids))
+            hidden = self.graphs.replay(batch.graph_size, len(req_ids), lora=lora_ids is not None)
         else:
             hidden = self._run_model(batch.input_ids, batch.positions, batch.attn_metadata)
-        if with_lora:
-            self.lora.prepare_step(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))  # mapping cleared
+        if lora_ids is not None:
+            self.lora.clear_mapping()
         if not self.is_last_stage:  # the last stage samples; the engine reads its output
             output = ModelRunnerOutput(req_ids, [[] for _ in req_ids])
             return _PendingOutput.done(output) if non_block else output
@@ -256,22 +260,20 @@ class ModelRunner:
         if self._pending is pending:
             self._pending = None
 
-    def _prepare_lora(self, sched: SchedulerOutput, states: list[CachedRequestState], rows: np.ndarray) -> bool:
-        """The step's adapters into device slots and its tokens mapped to them; True if any runs
-        (the step then runs eagerly: decode graphs are captured without adapters)."""
+    def _step_lora_ids(self, sched: SchedulerOutput, rows: np.ndarray) -> np.ndarray | None:
+        """Each request's adapter id this step (0: none), or None when no request has one."""
         for new in sched.scheduled_new_reqs:
             if new.lora_request is not None:
                 self.lora.add_request(new.lora_request)
-        counts = np.fromiter((sched.num_scheduled_tokens[s.req_id] for s in states), dtype=np.int64,
-                             count=len(states))
-        return self.lora.prepare_step(self.input_batch.columns["lora_id"][rows], counts)
+        ids = self.input_batch.columns["lora_id"][rows]
+        return ids if ids.any() else None
 
     def _needs_known_outputs(self, states: list[CachedRequestState], rows: np.ndarray) -> bool:
         history = self.sampling_metadata.needs_history(rows)
         return history is not None and any(s.num_inflight for s, h in zip(states, history.tolist()) if h)
 
     def _prepare_inputs(self, states: list[CachedRequestState], rows: np.ndarray, num_scheduled: dict[str, int],
-                        drafts: dict[str, list[int]], eager: bool = False) -> _Batch:
+                        drafts: dict[str, list[int]], lora: bool = False) -> _Batch:
         """The flat batch, built with vectorized gathers from the input batch's rows."""
         bs, ib = self.block_size, self.input_batch
         num_reqs = len(states)
@@ -300,7 +302,7 @@ class ModelRunner:
         for s, end in zip(states, seq_lens.tolist()):
             s.num_computed_tokens = end
 
-        graph_size = self.graphs.size_for(num_reqs) if total == num_reqs and not eager else None
+        graph_size = self.graphs.size_for(num_reqs, lora) if total == num_reqs else None
         buf = self._buffers
         qsl_list = qsl.tolist()
         buf.begin_step()
