@@ -7,12 +7,11 @@ prompt 128, ``--output-len`` tokens, greedy; for each k, output tokens/s with sp
 the same engine shape without it, and the ideal (k+1) / (1 + k * draft_cost / target_cost)
 from the two models' measured decode step times.
 
-    python -m pagedllm.benchmarks.spec_draft [--shape llama3-8b] [--draft-shape llama3.2-1b] [--ks 3,5]
+    PAGEDLLM_SPEC_FORCE_ACCEPT=1 python -m pagedllm.benchmarks.spec_draft [--shape llama3-8b] [--draft-shape llama3.2-1b] [--ks 3,5]
 """
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import time
 
@@ -42,8 +41,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch-sizes", type=int_list, default=[1, 8])
     p.add_argument("--output-len", type=int, default=128)
     args = p.parse_args(argv)
-    os.environ["PAGEDLLM_SPEC_FORCE_ACCEPT"] = "1"
-    from pagedllm import LLM
+    from pagedllm import LLM, envs
+
+    if not envs.PAGEDLLM_SPEC_FORCE_ACCEPT:
+        p.error("run with PAGEDLLM_SPEC_FORCE_ACCEPT=1: dummy drafts are accepted only when forced")
 
     common = dict(load_format="dummy", skip_tokenizer_init=True, max_model_len=2048, gpu_memory_utilization=0.45)
     target_dir, draft_dir = write_shape(args.shape), write_shape(args.draft_shape)
