@@ -119,6 +119,8 @@ class SchedulerConfig:
     max_concurrent_batches: int = 1
     # LoRA: the distinct adapters one step may run (the runner's device slots); None: no LoRA.
     max_loras: int | None = None
+    # A draft model writes this many guesses past a step's tokens: their KV slots are allocated too.
+    num_lookahead_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.policy not in ("fcfs", "priority"):
@@ -152,8 +154,8 @@ class ParallelConfig:
         return (self.pipeline_parallel_size - 1) * self.tensor_parallel_size
 
 
-_SPEC_METHODS = ("ngram",)
-_SPEC_METHODS_PLANNED = ("draft_model", "eagle", "eagle3", "medusa", "mtp")
+_SPEC_METHODS = ("ngram", "draft_model")
+_SPEC_METHODS_PLANNED = ("eagle", "eagle3", "medusa", "mtp")
 
 
 @dataclass
@@ -166,6 +168,9 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1  # n-gram: the shortest suffix looked up in the request's tokens
     prompt_lookup_max: int = 3  # n-gram: the longest (tried first)
     disable_by_batch_size: int | None = None  # steps with more running requests do not speculate
+    model: str | None = None  # draft_model: a smaller model with the target's vocabulary
+    draft_tensor_parallel_size: int | None = None  # draft_model: None or the target's (the draft shards alike)
+    max_model_len: int | None = None  # accepted for vLLM's configs; the target's applies
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "SpeculativeConfig":
@@ -174,6 +179,7 @@ class SpeculativeConfig:
             values.pop("model")
             values.setdefault("method", "ngram")
         method = values.get("method", "ngram" if "model" not in values else "draft_model")
+        values.setdefault("method", method)
         if method in _SPEC_METHODS_PLANNED:
             raise ValueError(f"speculative_config method {method!r} is not supported yet; supported: "
                              f"{list(_SPEC_METHODS)}")
@@ -190,6 +196,10 @@ class SpeculativeConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"speculative_config {name} must be a positive integer, got {v!r}")
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("speculative_config method 'draft_model' needs model (the draft's path or id)")
+        if self.method == "ngram" and self.model:
+            raise ValueError(f"speculative_config method 'ngram' takes no model, got {self.model!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative_config prompt_lookup_min={self.prompt_lookup_min} is more than "
                              f"prompt_lookup_max={self.prompt_lookup_max}")
@@ -276,3 +286,4 @@ class EngineConfig:
     structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     speculative_config: SpeculativeConfig | None = None
     lora_config: LoRAConfig | None = None
+    draft_model_config: ModelConfig | None = None  # speculative_config method draft_model: the draft

@@ -65,6 +65,9 @@ _VARS = [
            "Force an attention backend (default: triton on CUDA, torch elsewhere).", _stripped_lower),
     EnvVar("PAGEDLLM_CPU_ONEDNN_LINEAR", "bool (0 = off)", True,
            "0 runs CPU linears through `F.linear` (MKL) instead of oneDNN (docs/cpu_performance.md).", _not_zero),
+    EnvVar("PAGEDLLM_SPEC_FORCE_ACCEPT", "bool (1 = on)", False,
+           "Benchmarks only: speculative decoding accepts every draft (the machinery's ceiling; outputs are the "
+           "draft's).", _is_one),
     EnvVar("PAGEDLLM_DISABLE_TRITON_OPS", "bool (1 = on)", False,
            "1 runs the torch reference of the fused ops (RMSNorm, SiLU-and-mul, rotary, GEMV) on CUDA too.",
            _is_one),

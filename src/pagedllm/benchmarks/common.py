@@ -28,6 +28,15 @@ SHAPES = {
         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                       "original_max_position_embeddings": 8192},
     ),
+    # A draft for llama3-8b (speculative decoding): the same vocabulary.
+    "llama3.2-1b": dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=2048, num_hidden_layers=16,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=64, intermediate_size=8192, vocab_size=128256,
+        tie_word_embeddings=True, rope_theta=5e5, rms_norm_eps=1e-5, max_position_embeddings=131072,
+        hidden_act="silu", dtype="bfloat16", bos_token_id=128000, eos_token_id=128001,
+        rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 8192},
+    ),
     # Small enough for a 2-core CPU smoke run of the same code path.
     "tiny-llama": dict(
         architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=256, num_hidden_layers=4,

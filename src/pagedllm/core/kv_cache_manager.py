@@ -171,12 +171,14 @@ class KVCacheManager:
         return hits, len(hits) * self.block_size
 
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, new_computed_blocks: Sequence[KVCacheBlock] = ()
+        self, request: Request, num_new_tokens: int, new_computed_blocks: Sequence[KVCacheBlock] = (),
+        num_lookahead_tokens: int = 0,
     ) -> list[KVCacheBlock] | None:
-        """Make room for ``num_new_tokens`` more tokens; None (and no change) if out of blocks."""
+        """Make room for ``num_new_tokens`` more tokens (and ``num_lookahead_tokens`` past them, where
+        a draft model writes its guesses); None (and no change) if out of blocks."""
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
-        total_tokens = num_computed + num_new_tokens
+        total_tokens = num_computed + num_new_tokens + num_lookahead_tokens
         if not new_computed_blocks and total_tokens <= len(blocks) * self.block_size and (
                 not self.enable_caching
                 or total_tokens // self.block_size <= self.num_cached_blocks.get(request.request_id, 0)):
@@ -194,7 +196,7 @@ class KVCacheManager:
         new_blocks = self.pool.get_new_blocks(num_new_blocks)
         blocks.extend(new_blocks)
         if self.enable_caching:
-            self._cache_full_blocks(request, blocks, total_tokens)
+            self._cache_full_blocks(request, blocks, total_tokens - num_lookahead_tokens)
         return new_blocks
 
     def _cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock], num_tokens: int) -> None:

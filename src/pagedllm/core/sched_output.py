@@ -63,3 +63,5 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]]  # [] for a request still in the middle of its prefill
     logprobs: dict[str, PositionLogprobs] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
+    # Speculative decoding with a draft model: the draft's guess of each request's next tokens.
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)

@@ -177,8 +177,9 @@ class Scheduler:
             if drafts and request.num_tokens - request.num_computed_tokens == num_new == 1:
                 spec_tokens[request.request_id] = drafts
                 num_new += len(drafts)
+            lookahead = self._lookahead(request.num_computed_tokens + num_new)
             while True:
-                new_blocks = self.kv.allocate_slots(request, num_new)
+                new_blocks = self.kv.allocate_slots(request, num_new, num_lookahead_tokens=lookahead)
                 if new_blocks is not None:
                     break
                 victim = self._pick_victim()
@@ -222,7 +223,7 @@ class Scheduler:
             if not cfg.enable_chunked_prefill and num_new > budget:
                 break
             num_new = min(num_new, budget)
-            new_blocks = self.kv.allocate_slots(request, num_new, hits)
+            new_blocks = self.kv.allocate_slots(request, num_new, hits, self._lookahead(num_hit_tokens + num_new))
             if new_blocks is None:
                 break
             self.waiting.pop()
@@ -243,6 +244,11 @@ class Scheduler:
         for request in reversed(compiling):  # back in their places
             self.waiting.add(request, front=True)
         return new_reqs
+
+    def _lookahead(self, num_tokens_after_step: int) -> int:
+        """KV slots a draft model writes past the step's tokens (within max_model_len)."""
+        cfg = self.config
+        return max(0, min(cfg.num_lookahead_tokens, cfg.max_model_len - num_tokens_after_step))
 
     def _lora_fits(self, request: Request) -> bool:
         """Whether the request's adapter can join this step (at most max_loras distinct ones);

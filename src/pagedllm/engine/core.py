@@ -61,7 +61,8 @@ class EngineCore:
         self.structured_output = StructuredOutputManager(
             config.structured_outputs_config, mc.vocab_size, lambda: get_tokenizer(mc), mc.generation_eos_token_ids())
         spec = config.speculative_config
-        self.proposer = NgramProposer(spec) if spec is not None else None
+        self.proposer = NgramProposer(spec) if spec is not None and spec.method == "ngram" else None
+        self.takes_drafts = spec is not None and spec.method == "draft_model"  # the workers' draft model proposes
         freeze_gc_heap()
 
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -92,8 +93,8 @@ class EngineCore:
         sched = self._schedule()
         result = self.executor.execute_model(sched)
         outputs = self.scheduler.update_from_output(sched, result)
-        if self.proposer is not None:
-            self._propose_drafts()
+        if self.proposer is not None or self.takes_drafts:
+            self._propose_drafts(result.spec_token_ids)
         self._wait_for_grammars(sched)
         return EngineCoreOutputs(failed + outputs, self.scheduler.make_stats())
 
@@ -121,9 +122,10 @@ class EngineCore:
         return sched
 
     # ---- speculative decoding -------------------------------------------------------------------
-    def _propose_drafts(self) -> None:
-        """Each decoding request that may speculate gets the proposer's guess of its next tokens,
-        as many as can still be emitted (max_tokens) and fit (max_model_len)."""
+    def _propose_drafts(self, from_workers: dict[str, list[int]]) -> None:
+        """Each decoding request that may speculate gets the proposer's guess of its next tokens
+        (n-gram here, or the draft model's from the workers), as many as can still be emitted
+        (max_tokens) and fit (max_model_len)."""
         spec, running = self.config.speculative_config, self.scheduler.running
         if spec.disable_by_batch_size is not None and len(running) > spec.disable_by_batch_size:
             return
@@ -135,7 +137,10 @@ class EngineCore:
             room = max_len - r.num_tokens
             if r.max_tokens is not None:
                 room = min(room, r.max_tokens - r.num_output_tokens - 1)
-            r.spec_token_ids = self.proposer.propose(r.all_token_ids, room)
+            if self.proposer is not None:
+                r.spec_token_ids = self.proposer.propose(r.all_token_ids, room)
+            else:
+                r.spec_token_ids = from_workers.get(r.request_id, [])[:max(room, 0)]
 
     def _holds_grammar(self, sched: SchedulerOutput) -> bool:
         """The step runs a constrained request (masked now, or reasoning: its end tag may land)."""

@@ -29,6 +29,7 @@ from pagedllm.worker import cuda_graphs
 from pagedllm.worker.cuda_graphs import CudaGraphs
 from pagedllm.worker.device_buffers import DeviceBuffers
 from pagedllm.worker.input_batch import CachedRequestState, Column, InputBatch
+from pagedllm.worker.spec_draft import DraftModel
 from pagedllm.worker.spec_verify import verify_drafts
 
 logger = logging.getLogger("pagedllm")
@@ -53,7 +54,8 @@ class _Batch:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model: nn.Module, device: torch.device) -> None:
+    def __init__(self, config: EngineConfig, model: nn.Module, device: torch.device,
+                 draft_model: nn.Module | None = None) -> None:
         self.config = config
         self.model = model
         self.device = device
@@ -86,6 +88,9 @@ class ModelRunner:
         self.graphs = CudaGraphs(self._buffers, device, getattr(self.attn_backend, "cuda_graph_safe", False),
                                  self.pp_size, self.max_num_reqs, self.max_num_tokens, sc.max_model_len)
         self.lora = self._lora_manager(config, model, device)
+        # Speculative decoding with a draft model (worker/spec_draft.py).
+        self.draft = None if draft_model is None else DraftModel(
+            self, draft_model, config.speculative_config.num_speculative_tokens)
         # Async scheduling: the last step's sampled tokens, still on the device.
         self._pending: _PendingOutput | None = None
         self._prev_sampled: torch.Tensor | None = None
@@ -105,7 +110,8 @@ class ModelRunner:
 
     # ---- KV cache ---------------------------------------------------------------------------
     def kv_cache_bytes_per_block(self) -> int:
-        return len(self.attn_layers) * int(np.prod(self._kv_shape(1))) * self.dtype.itemsize
+        draft = self.draft.kv_cache_bytes_per_block() if self.draft is not None else 0
+        return len(self.attn_layers) * int(np.prod(self._kv_shape(1))) * self.dtype.itemsize + draft
 
     def _kv_shape(self, num_blocks: int) -> tuple[int, ...]:
         layer = self.attn_layers[0]
@@ -116,6 +122,8 @@ class ModelRunner:
         self.kv_caches = [self._zeros(self._kv_shape(num_blocks)) for _ in self.attn_layers]
         for layer, cache in zip(self.attn_layers, self.kv_caches):
             layer.kv_cache = cache
+        if self.draft is not None:
+            self.draft.initialize_kv_cache(num_blocks)
 
     def free_kv_cache(self) -> None:
         """Drop every reference to the KV cache (sleep mode); initialize_kv_cache rebuilds it.
@@ -124,6 +132,8 @@ class ModelRunner:
         self.kv_caches = []
         for layer in self.attn_layers:
             layer.kv_cache = None
+        if self.draft is not None:
+            self.draft.free_kv_cache()
 
     def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
         if self.device.type != "cpu":
@@ -222,6 +232,8 @@ class ModelRunner:
             hidden = self._run_model(batch.input_ids, batch.positions, batch.attn_metadata)
         if lora_ids is not None:
             self.lora.clear_mapping()
+        if self.draft is not None:  # the draft's cache follows the target's positions
+            self.draft.follow(batch)
         if not self.is_last_stage:  # the last stage samples; the engine reads its output
             output = ModelRunnerOutput(req_ids, [[] for _ in req_ids])
             return _PendingOutput.done(output) if non_block else output
@@ -248,6 +260,9 @@ class ModelRunner:
                 self._prev_sampled = out.sampled_token_ids
                 self._prev_index = {state.req_id: j for j, state in enumerate(sampling)}
         pending.prompt_logprobs = self._prompt_logprobs(states, batch, hidden)
+        if self.draft is not None:  # the step's tokens land, then the draft guesses the next ones
+            output = self.draft.after_step(pending.result())
+            return _PendingOutput.done(output) if non_block else output
         if non_block:
             self._pending = pending
             return pending

@@ -50,7 +50,13 @@ class Worker:
         resolved = ResolvedModel(path=mc.path, gguf_file=mc.gguf_file, hf_config=mc.hf_config)
         model = load_model(resolved, mc.load_format, TORCH_DTYPES[mc.dtype],
                            self.device, seed=mc.seed, max_model_len=mc.max_model_len)
-        self.model_runner = ModelRunner(config, model, self.device)
+        draft = None
+        if config.draft_model_config is not None:  # speculative decoding's draft, sharded as the target
+            dmc = config.draft_model_config
+            draft = load_model(ResolvedModel(path=dmc.path, gguf_file=dmc.gguf_file, hf_config=dmc.hf_config),
+                               dmc.load_format, TORCH_DTYPES[dmc.dtype], self.device, seed=mc.seed,
+                               max_model_len=mc.max_model_len)
+        self.model_runner = ModelRunner(config, model, self.device, draft)
         if self.device.type == "cuda" and precompile_available():
             precompile(self.model_runner.compile_dry_run, self.device, pc.world_size)
         self.num_kv_blocks = 0

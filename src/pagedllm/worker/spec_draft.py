@@ -1,0 +1,104 @@
+"""Speculative decoding with a draft model: a smaller model of the same vocabulary guesses each
+request's next k tokens; the target verifies them in its next step (sample/rejection.py).
+
+The draft keeps its own paged KV cache (its layers' shapes, the same blocks: one block table
+serves both). It runs every step on the target's own inputs, so its cache holds the same
+positions (prompts, chunks, verified drafts; rejected positions are written over later, as the
+target's are). After the step's tokens are known, it decodes k greedy steps from each
+request's last token into the lookahead slots the scheduler allocated (a point-mass proposal:
+the verification rule keeps the target's distribution whatever the draft says).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from torch import nn
+
+from pagedllm.attention.backend import AttentionMetadata, kv_cache_shape
+
+if TYPE_CHECKING:
+    from pagedllm.worker.input_batch import CachedRequestState
+    from pagedllm.worker.model_runner import ModelRunner, _Batch
+
+
+class DraftModel:
+    def __init__(self, runner: "ModelRunner", model: nn.Module, num_speculative_tokens: int) -> None:
+        self.runner, self.model, self.k = runner, model, num_speculative_tokens
+        self.attn_layers = [m for m in model.modules() if hasattr(m, "kv_cache") and hasattr(m, "attn_backend")]
+        for layer in self.attn_layers:
+            layer.attn_backend = runner.attn_backend
+
+    def _shape(self, layer: nn.Module, num_blocks: int) -> tuple[int, ...]:
+        return kv_cache_shape(num_blocks, self.runner.block_size, layer.num_kv_heads, layer.head_dim)
+
+    def kv_cache_bytes_per_block(self) -> int:
+        return sum(int(np.prod(self._shape(layer, 1))) for layer in self.attn_layers) * self.runner.dtype.itemsize
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        for layer in self.attn_layers:
+            layer.kv_cache = self.runner._zeros(self._shape(layer, num_blocks))
+
+    def free_kv_cache(self) -> None:
+        for layer in self.attn_layers:
+            layer.kv_cache = None
+
+    @torch.inference_mode()
+    def follow(self, batch: "_Batch") -> None:
+        """Run the draft on the step's inputs: its cache gets the same positions as the target's."""
+        md = batch.attn_metadata
+        if md is None:  # the target replayed a decode graph: the same inputs sit in its buffers
+            md = self.runner.graphs.metadata(batch.graph_size)
+        self.model(batch.input_ids, batch.positions, md)
+
+    def after_step(self, output):
+        """The step's ModelRunnerOutput, with the draft's guesses for the requests that sampled."""
+        states = [self.runner.requests[r] for r, tokens in zip(output.req_ids, output.sampled_token_ids)
+                  if tokens and r in self.runner.requests]
+        output.spec_token_ids = self.propose(states)
+        return output
+
+    @torch.inference_mode()
+    def propose(self, states: list["CachedRequestState"]) -> dict[str, list[int]]:
+        """k greedy guesses after each request's last (just landed) token."""
+        runner = self.runner
+        if not states:
+            return {}
+        bs, max_len, device = runner.block_size, runner.config.scheduler_config.max_model_len, runner.device
+        rows = runner.input_batch.rows_of(states)
+        first = np.array([len(s.token_ids) - 1 for s in states], dtype=np.int64)  # the last token's position
+        room = np.minimum(self.k, max_len - 1 - first)
+        tokens = np.array([s.token_ids[-1] for s in states], dtype=np.int64)
+        drafts: list[list[int]] = [[] for _ in states]
+        for j in range(self.k):
+            active = np.flatnonzero(room > j)
+            if not len(active):
+                break
+            positions = first[active] + j
+            md = self._decode_metadata(rows[active], positions)
+            ids = torch.from_numpy(tokens[active]).to(device)
+            hidden = self.model(ids, torch.from_numpy(positions).to(device), md)
+            guesses = self.model.compute_logits(hidden).argmax(dim=-1).cpu().numpy()
+            for i, t in zip(active.tolist(), guesses.tolist()):
+                drafts[i].append(t)
+            tokens[active] = guesses
+        return {s.req_id: d for s, d in zip(states, drafts) if d}
+
+    def _decode_metadata(self, rows: np.ndarray, positions: np.ndarray) -> AttentionMetadata:
+        runner, bs, device = self.runner, self.runner.block_size, self.runner.device
+        table = runner.input_batch.block_table_cpu
+        n = len(rows)
+        slots = table[rows, positions // bs].astype(np.int64) * bs + positions % bs
+        seq_lens = positions + 1
+        num_blocks = -(-int(seq_lens.max()) // bs)
+        qsl = np.arange(n + 1, dtype=np.int64)
+
+        def dev(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=dtype)
+
+        return AttentionMetadata(
+            num_actual_tokens=n, slot_mapping=dev(slots, torch.int64),
+            block_tables=dev(table[rows, :num_blocks], torch.int32), query_start_loc=dev(qsl, torch.int32),
+            seq_lens=dev(seq_lens, torch.int32), query_start_loc_cpu=qsl.tolist(), seq_lens_cpu=seq_lens.tolist(),
+            max_query_len=1, max_seq_len=int(seq_lens.max()))
