@@ -124,6 +124,8 @@ class ParallelConfig:
     # "uni": in the engine core's process; "mp": one process per rank on this host; "ray": Ray actors
     distributed_executor_backend: str = "uni"
     device_ids: tuple[int, ...] | None = None  # each rank's GPU among the visible ones (None: rank r on GPU r)
+    # MoE layers: each tensor rank holds num_experts / tp whole experts instead of every expert's slice.
+    enable_expert_parallel: bool = False
 
     @property
     def world_size(self) -> int:

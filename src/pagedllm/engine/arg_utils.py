@@ -85,6 +85,9 @@ class EngineArgs:
     # The GPUs of ranks 0..world_size-1, as indices among the visible ones (an RL framework's
     # device_mapping); None: GPU r for rank r (one rank: the current GPU).
     device_ids: list[int] | None = None
+    # MoE models: place whole experts on the tensor-parallel ranks (num_experts / tp each) instead of
+    # slicing every expert's intermediate size over them.
+    enable_expert_parallel: bool = False
     # Structured outputs: {"backend": "auto"|"xgrammar"|"guidance", "compile_timeout_s", "max_spec_bytes",
     # "max_nesting_depth", ...} (config.StructuredOutputsConfig); guided_decoding_backend is
     # vLLM's older flag for the backend alone.
@@ -267,8 +270,23 @@ class EngineArgs:
             if torch.cuda.device_count() < tp * pp:
                 raise ValueError(f"tensor_parallel_size={tp} x pipeline_parallel_size={pp} needs {tp * pp} GPUs, "
                                  f"{torch.cuda.device_count()} visible (CUDA_VISIBLE_DEVICES)")
+        expert_parallel = bool(self.enable_expert_parallel) and tp > 1
+        num_experts = _num_experts(hf_config)
+        if expert_parallel and num_experts and num_experts % tp:
+            raise ValueError(f"enable_expert_parallel: tensor_parallel_size={tp} must divide the model's "
+                             f"{num_experts} experts (each rank holds whole experts)")
         return ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=self.pipeline_parallel_size,
-                              distributed_executor_backend=backend, device_ids=device_ids)
+                              distributed_executor_backend=backend, device_ids=device_ids,
+                              enable_expert_parallel=expert_parallel)
+
+
+def _num_experts(hf_config: Any) -> int | None:
+    """Routed experts per MoE layer, by the names the MoE configs use (None: a dense model)."""
+    for key in ("num_experts", "num_local_experts", "n_routed_experts"):
+        v = getattr(hf_config, key, None)
+        if isinstance(v, int) and v > 0:
+            return v
+    return None
 
 
 def _derive_max_model_len(hf_config: Any) -> int:
