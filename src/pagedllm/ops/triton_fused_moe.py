@@ -18,8 +18,6 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.ops.fused_moe import local_expert_ids
-
 CONFIG_FILE = os.path.join(os.path.dirname(__file__), "fused_moe_configs.json")
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 # Larger batches run in chunks of this many tokens: the intermediate buffers stay bounded.
@@ -188,7 +186,7 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w
         raise ValueError(f"fused_experts_triton: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}")
     cfg = config or get_config(num_experts, hidden, inter, num_tokens, top_k)
     block_m, launch = cfg["BLOCK_M"], {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
-    sorted_pairs, block_expert = align_pairs(local_expert_ids(ids, expert_map), num_experts, block_m)
+    sorted_pairs, block_expert = align_pairs(ids if expert_map is None else expert_map[ids], num_experts, block_m)
     num_pairs = ids.numel()
     ieee = x.dtype == torch.float32
     act = torch.empty(sorted_pairs.numel(), inter, dtype=x.dtype, device=x.device)
