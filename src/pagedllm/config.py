@@ -42,6 +42,7 @@ class ModelConfig:
     override_generation_config: dict = field(default_factory=dict)
     enforce_eager: bool = False
     enable_sleep_mode: bool = False  # LLM.sleep / wake_up may free and restore weights and KV cache
+    enable_return_routed_experts: bool = False  # CompletionOutput.routed_experts (MoE models)
 
     @property
     def vocab_size(self) -> int:

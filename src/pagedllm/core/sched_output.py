@@ -59,3 +59,6 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]]  # [] for a request still in the middle of its prefill
     logprobs: dict[str, PositionLogprobs] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
+    # enable_return_routed_experts: per request, (first position, expert ids [n, moe_layers, top_k])
+    # of the positions this step computed (from 0 when the request (re)started: prefix hits too).
+    routed_experts: dict[str, tuple[int, Any]] = field(default_factory=dict)

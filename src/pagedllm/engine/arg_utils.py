@@ -88,6 +88,9 @@ class EngineArgs:
     # MoE models: place whole experts on the tensor-parallel ranks (num_experts / tp each) instead of
     # slicing every expert's intermediate size over them.
     enable_expert_parallel: bool = False
+    # MoE models, for RL: each CompletionOutput.routed_experts holds the experts every MoE layer chose
+    # for every computed token (vLLM's option).
+    enable_return_routed_experts: bool = False
     # Structured outputs: {"backend": "auto"|"xgrammar"|"guidance", "compile_timeout_s", "max_spec_bytes",
     # "max_nesting_depth", ...} (config.StructuredOutputsConfig); guided_decoding_backend is
     # vLLM's older flag for the backend alone.
@@ -222,6 +225,7 @@ class EngineArgs:
             generation_config=self.generation_config,
             override_generation_config=dict(self.override_generation_config or {}),
             enforce_eager=self.enforce_eager, enable_sleep_mode=bool(self.enable_sleep_mode),
+            enable_return_routed_experts=self._routed_experts_option(hf_config),
         )
         cache_config = CacheConfig(
             block_size=self.block_size or 16, gpu_memory_utilization=self.gpu_memory_utilization,
@@ -239,6 +243,17 @@ class EngineArgs:
         return EngineConfig(model_config, cache_config, scheduler_config, device,
                             log_stats=not self.disable_log_stats, parallel_config=parallel_config,
                             structured_outputs_config=structured)
+
+    def _routed_experts_option(self, hf_config: Any) -> bool:
+        if not self.enable_return_routed_experts:
+            return False
+        if _num_experts(hf_config) is None:
+            raise ValueError("enable_return_routed_experts needs a mixture-of-experts model; "
+                             f"{(getattr(hf_config, 'architectures', None) or ['this model'])[0]} has no experts")
+        if self.pipeline_parallel_size > 1:
+            raise ValueError("enable_return_routed_experts cannot be combined with pipeline_parallel_size > 1 "
+                             "(the last stage, which reports outputs, does not see the other stages' layers)")
+        return True
 
     def _parallel_config(self, hf_config: Any, device: str) -> ParallelConfig:
         tp = self.tensor_parallel_size

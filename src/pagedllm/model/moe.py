@@ -58,7 +58,8 @@ class FusedMoE(nn.Module):
                                        full_shape=(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = _parameter(local, hidden_size, inter, weight_loader=self.weight_loader,
                                     full_shape=(num_experts, hidden_size, intermediate_size))
-        self.routed_experts_sink: list | None = None  # set to a list to collect each forward's expert ids
+        # enable_return_routed_experts: a [max_tokens, top_k] buffer each forward writes its ids into.
+        self.routed_experts_out: torch.Tensor | None = None
 
     def _local_index(self, expert: int) -> int | None:
         index = expert - self.first_expert
@@ -99,8 +100,8 @@ class FusedMoE(nn.Module):
         weights, ids = route(router_logits, self.top_k, self.scoring, self.renormalize)
         if self.round_weights:
             weights = weights.to(x.dtype)
-        if self.routed_experts_sink is not None:
-            self.routed_experts_sink.append(ids)
+        if self.routed_experts_out is not None:
+            self.routed_experts_out[:ids.shape[0]].copy_(ids)
         return fused_experts(x, self.gate_up_proj, self.down_proj, weights, ids, self.expert_map)
 
 

@@ -29,6 +29,7 @@ from pagedllm.worker import cuda_graphs
 from pagedllm.worker.cuda_graphs import CudaGraphs
 from pagedllm.worker.device_buffers import DeviceBuffers
 from pagedllm.worker.input_batch import CachedRequestState, InputBatch
+from pagedllm.worker.routed_experts import RoutedExpertsCapture, split_routed
 
 logger = logging.getLogger("pagedllm")
 
@@ -87,10 +88,15 @@ class ModelRunner:
         self._pending: _PendingOutput | None = None
         self._prev_sampled: torch.Tensor | None = None
         self._prev_index: dict[str, int] = {}
+        self.routed_experts = None  # enable_return_routed_experts: rows by KV slot, beside the cache
+        if config.model_config.enable_return_routed_experts:
+            self.routed_experts = RoutedExpertsCapture(model, max(self.max_num_tokens, self.max_num_reqs + 16),
+                                                       self.block_size, device)
 
     # ---- KV cache ---------------------------------------------------------------------------
     def kv_cache_bytes_per_block(self) -> int:
-        return len(self.attn_layers) * int(np.prod(self._kv_shape(1))) * self.dtype.itemsize
+        routed = self.routed_experts.bytes_per_block() if self.routed_experts is not None else 0
+        return len(self.attn_layers) * int(np.prod(self._kv_shape(1))) * self.dtype.itemsize + routed
 
     def _kv_shape(self, num_blocks: int) -> tuple[int, ...]:
         layer = self.attn_layers[0]
@@ -101,6 +107,8 @@ class ModelRunner:
         self.kv_caches = [self._zeros(self._kv_shape(num_blocks)) for _ in self.attn_layers]
         for layer, cache in zip(self.attn_layers, self.kv_caches):
             layer.kv_cache = cache
+        if self.routed_experts is not None:
+            self.routed_experts.allocate(num_blocks)
 
     def free_kv_cache(self) -> None:
         """Drop every reference to the KV cache (sleep mode); initialize_kv_cache rebuilds it.
@@ -109,6 +117,8 @@ class ModelRunner:
         self.kv_caches = []
         for layer in self.attn_layers:
             layer.kv_cache = None
+        if self.routed_experts is not None:
+            self.routed_experts.free()
 
     def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
         if self.device.type != "cpu":
@@ -219,6 +229,9 @@ class ModelRunner:
             self._prev_sampled = out.sampled_token_ids
             self._prev_index = {state.req_id: j for j, state in enumerate(sampling)}
         pending.prompt_logprobs = self._prompt_logprobs(states, batch, hidden)
+        if self.routed_experts is not None:
+            pending.routed = self.routed_experts.collect(sched, req_ids, self.input_batch.block_table_cpu, rows,
+                                                         batch.starts, batch.query_start_loc)
         if non_block:
             self._pending = pending
             return pending
@@ -335,6 +348,7 @@ class _PendingOutput:
         self.host_tokens: torch.Tensor | None = None
         self.event = None
         self.prompt_logprobs: dict[str, list[PositionLogprobs]] = {}
+        self.routed = None  # (spans, device rows) of enable_return_routed_experts
         self._result: ModelRunnerOutput | None = None
 
     @classmethod
@@ -377,6 +391,7 @@ class _PendingOutput:
                     logprobs[state.req_id] = (lp_ids[j][:n], lps[j][:n], ranks[j][:n])
         if self.runner is not None:
             self.runner.land_sampled(self, self.states, tokens)
-        self._result = ModelRunnerOutput(self.req_ids, sampled_lists, logprobs, self.prompt_logprobs)
+        self._result = ModelRunnerOutput(self.req_ids, sampled_lists, logprobs, self.prompt_logprobs,
+                                         split_routed(*self.routed) if self.routed is not None else {})
         self.runner = self.states = self.sampler_output = None
         return self._result
