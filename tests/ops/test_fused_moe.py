@@ -72,9 +72,28 @@ def test_align_pairs_groups_by_expert_and_pads_each_run(triton_fused_moe):
     assert set(sorted_pairs.tolist()[8:]) == {pad}
 
 
+@pytest.mark.parametrize("num_tokens,top_k,num_experts,block_m", [(4, 2, 4, 2), (1, 8, 32, 16), (37, 3, 6, 16)])
+def test_one_launch_align_gives_the_torch_layout(triton_fused_moe, num_tokens, top_k, num_experts, block_m):
+    g = torch.Generator().manual_seed(num_tokens)
+    ids = torch.randint(0, num_experts, (num_tokens, top_k), generator=g)
+    ids[0, 0] = -1  # a pair on another rank
+    ids[ids == 1] = 2  # expert 1 idle
+    want_pairs, want_blocks = triton_fused_moe.align_pairs(ids, num_experts, block_m)
+    got_pairs, got_blocks = triton_fused_moe.align_pairs_triton(ids.to(DEVICE), num_experts, block_m)
+    assert got_blocks.tolist() == want_blocks.tolist()
+    got_rows, want_rows = got_pairs.cpu().view(-1, block_m), want_pairs.view(-1, block_m)
+    for expert in set(want_blocks.tolist()):  # each expert's blocks hold the same pairs (in any order)
+        mine = want_blocks == expert
+        assert sorted(got_rows[mine].flatten().tolist()) == sorted(want_rows[mine].flatten().tolist())
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("num_tokens,top_k,block_m", [(1, 2, 16), (19, 2, 16), (9, 3, 32)])
-def test_triton_kernel_matches_torch_reference(triton_fused_moe, dtype, num_tokens, top_k, block_m):
+@pytest.mark.parametrize("num_tokens,top_k,block_m,one_launch_align", [
+    (1, 2, 16, True), (19, 2, 16, True), (9, 3, 32, False)])
+def test_triton_kernel_matches_torch_reference(triton_fused_moe, monkeypatch, dtype, num_tokens, top_k, block_m,
+                                               one_launch_align):
+    if not one_launch_align:  # the torch sort that large batches take
+        monkeypatch.setattr(triton_fused_moe, "ALIGN_ONE_LAUNCH_MAX_PAIRS", 0)
     x, w13, w2, weights, ids = _inputs(num_tokens, top_k, dtype, seed=num_tokens)
     config = {"BLOCK_M": block_m, "BLOCK_N": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 2}
     got = triton_fused_moe.fused_experts_triton(x, w13, w2, weights, ids, config=config)

@@ -22,6 +22,7 @@ CONFIG_FILE = os.path.join(os.path.dirname(__file__), "fused_moe_configs.json")
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 # Larger batches run in chunks of this many tokens: the intermediate buffers stay bounded.
 CHUNK_TOKENS = 8192
+ALIGN_ONE_LAUNCH_MAX_PAIRS = 4096  # (token, slot) pairs up to which align_pairs_triton lays them out
 
 
 @triton.jit
@@ -106,6 +107,59 @@ def _moe_down_kernel(a_ptr, w_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr, 
     tl.store(out_ptrs, y.to(dtype), mask=row_ok[:, None] & n_ok[None, :])
 
 
+@triton.jit
+def _moe_align_kernel(ids_ptr, sorted_pairs_ptr, block_expert_ptr, cursor_ptr, num_pairs, num_experts, max_blocks,
+                      BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr, CHUNK_B: tl.constexpr):
+    """align_pairs in one program: count each expert's pairs (atomics), pad the counts to BLOCK_M
+    and prefix-sum them into each expert's first row, give every block its expert, then place each
+    pair at its expert's next free row. The order of pairs within an expert's rows is whatever the
+    atomics give: each row is computed on its own, so results do not depend on it."""
+    e_offs = tl.arange(0, E_PAD)
+    e_ok = e_offs < num_experts
+    tl.store(cursor_ptr + e_offs, tl.zeros([E_PAD], dtype=tl.int32))
+    for r0 in range(0, max_blocks * BLOCK_M, CHUNK):
+        rows = r0 + tl.arange(0, CHUNK)
+        tl.store(sorted_pairs_ptr + rows, tl.zeros([CHUNK], dtype=tl.int32) + num_pairs,
+                 mask=rows < max_blocks * BLOCK_M)
+    tl.debug_barrier()
+    for p0 in range(0, num_pairs, CHUNK):
+        pairs = p0 + tl.arange(0, CHUNK)
+        expert = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1).to(tl.int32)
+        tl.atomic_add(cursor_ptr + expert, 1, mask=expert >= 0)
+    tl.debug_barrier()
+    counts = tl.load(cursor_ptr + e_offs, mask=e_ok, other=0)
+    blocks = (counts + BLOCK_M - 1) // BLOCK_M
+    block_end = tl.cumsum(blocks, 0)
+    tl.debug_barrier()  # every count is read before the cursors overwrite them
+    tl.store(cursor_ptr + e_offs, (block_end - blocks) * BLOCK_M, mask=e_ok)
+    for b0 in range(0, max_blocks, CHUNK_B):
+        b = b0 + tl.arange(0, CHUNK_B)
+        before = (block_end[None, :] <= b[:, None]) & e_ok[None, :]
+        owner = tl.sum(before.to(tl.int32), axis=1)  # experts whose blocks all end before b
+        tl.store(block_expert_ptr + b, tl.where(owner < num_experts, owner, -1), mask=b < max_blocks)
+    tl.debug_barrier()
+    for p0 in range(0, num_pairs, CHUNK):
+        pairs = p0 + tl.arange(0, CHUNK)
+        expert = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1).to(tl.int32)
+        row = tl.atomic_add(cursor_ptr + expert, 1, mask=expert >= 0)
+        tl.store(sorted_pairs_ptr + row, pairs, mask=expert >= 0)
+
+
+def align_pairs_triton(local_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``align_pairs``' layout from one Triton launch (the torch version takes a dozen small
+    kernels per layer, which a decode step feels); the same blocks, pairs in any order within an expert."""
+    num_pairs = local_ids.numel()
+    max_blocks = min(num_experts, num_pairs) + triton.cdiv(num_pairs, block_m)
+    e_pad = triton.next_power_of_2(num_experts)
+    sorted_pairs = torch.empty(max_blocks * block_m, dtype=torch.int32, device=local_ids.device)
+    block_expert = torch.empty(max_blocks, dtype=torch.int32, device=local_ids.device)
+    cursor = torch.empty(e_pad, dtype=torch.int32, device=local_ids.device)
+    _moe_align_kernel[(1,)](local_ids.reshape(-1), sorted_pairs, block_expert, cursor, num_pairs, num_experts,
+                            max_blocks, BLOCK_M=block_m, E_PAD=e_pad, CHUNK=1024,
+                            CHUNK_B=max(16, min(64, 8192 // e_pad)), num_warps=4)
+    return sorted_pairs, block_expert
+
+
 def align_pairs(local_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(sorted_pairs [max_blocks * block_m] int32, block_expert [max_blocks] int32): the flat
     (token, slot) pair indices grouped by expert, each expert's run padded to a multiple of
@@ -186,7 +240,11 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w
         raise ValueError(f"fused_experts_triton: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}")
     cfg = config or get_config(num_experts, hidden, inter, num_tokens, top_k)
     block_m, launch = cfg["BLOCK_M"], {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
-    sorted_pairs, block_expert = align_pairs(ids if expert_map is None else expert_map[ids], num_experts, block_m)
+    local_ids = ids if expert_map is None else expert_map[ids]
+    # One program counts every pair: right for decode-sized batches (where launches dominate), while
+    # large prefills, whose pairs would queue on a few atomics, take the torch sort.
+    align = align_pairs_triton if local_ids.numel() <= ALIGN_ONE_LAUNCH_MAX_PAIRS else align_pairs
+    sorted_pairs, block_expert = align(local_ids, num_experts, block_m)
     num_pairs = ids.numel()
     ieee = x.dtype == torch.float32
     act = torch.empty(sorted_pairs.numel(), inter, dtype=x.dtype, device=x.device)
