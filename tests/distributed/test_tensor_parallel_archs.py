@@ -120,3 +120,15 @@ def test_enable_expert_parallel_cli_flag():
     parser = make_parser()
     assert engine_args_from(parser.parse_args(["serve", "m", "--enable-expert-parallel"])).enable_expert_parallel
     assert not engine_args_from(parser.parse_args(["serve", "m"])).enable_expert_parallel
+
+
+def test_moe_dummy_weights_under_expert_parallel_equal_tp1_dummy(moe_models, module_llms):
+    """Dummy weights draw each full [E, ...] tensor and keep this rank's experts: the same model."""
+    model_dir = moe_models["qwen3_moe_many"]
+    ref_ids, ref_lps = generate_with_logprobs(make_llm(model_dir, load_format="dummy"), PROMPTS)
+    llm = reused_llm(module_llms, "moe-dummy-ep", model_dir, tensor_parallel_size=2, enable_expert_parallel=True,
+                     load_format="dummy")
+    ids, lps = generate_with_logprobs(llm, PROMPTS)
+    assert ids == ref_ids
+    for got, want in zip(lps, ref_lps):
+        assert got == pytest.approx(want, abs=1e-4)

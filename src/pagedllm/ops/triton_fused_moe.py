@@ -188,10 +188,11 @@ def align_pairs(local_ids: torch.Tensor, num_experts: int, block_m: int) -> tupl
 
 
 def default_config(num_tokens: int, top_k: int, num_experts: int) -> dict:
-    """Tiles when the table has no entry: short blocks when each expert sees few tokens."""
+    """Tiles when the table has no entry: short blocks when each expert sees few tokens, and then
+    narrow, deep column tiles (the step streams expert weights: more programs, longer loads)."""
     per_expert = num_tokens * top_k / max(num_experts, 1)
     if per_expert <= 16:
-        return {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3}
+        return {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}
     if per_expert <= 64:
         return {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3}
     return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}
