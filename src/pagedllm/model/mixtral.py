@@ -15,6 +15,9 @@ class MixtralForCausalLM(MoeForCausalLM):
     def num_experts(config) -> int:
         return config.num_local_experts
 
+    def is_moe_layer(self, config, layer_idx: int) -> bool:
+        return True
+
     def make_moe_block(self, config) -> nn.Module:
         return SparseMoeBlock(config.hidden_size, config.num_local_experts, config.num_experts_per_tok,
                               config.intermediate_size, renormalize=True, round_weights=False)

@@ -148,8 +148,10 @@ _EXPERT_NAME = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.weight$")
 
 
 class MoeForCausalLM(LlamaForCausalLM):
-    """The decoder with sparse MoE blocks where ``is_moe_layer`` says; a family sets how its
-    checkpoint names an expert's projections (``expert_projections``) and builds its block."""
+    """The decoder with sparse MoE blocks where ``is_moe_layer`` says (the Qwen-MoE config names:
+    ``num_experts``, ``num_experts_per_tok``, ``moe_intermediate_size``, ``norm_topk_prob``,
+    ``decoder_sparse_step``, ``mlp_only_layers``); a family overrides the block it builds and how its
+    checkpoint names an expert's projections (``expert_projections``)."""
 
     expert_projections = {"gate_proj": 0, "up_proj": 1, "down_proj": None}
 
@@ -162,10 +164,15 @@ class MoeForCausalLM(LlamaForCausalLM):
         return config.num_experts
 
     def is_moe_layer(self, config, layer_idx: int) -> bool:
-        return True
+        return (layer_idx not in (getattr(config, "mlp_only_layers", None) or []) and self.num_experts(config) > 0
+                and (layer_idx + 1) % getattr(config, "decoder_sparse_step", 1) == 0)
 
     def make_moe_block(self, config) -> nn.Module:
-        raise NotImplementedError
+        """Softmax top-k routing, renormalised when ``norm_topk_prob``; routing weights rounded to
+        the model dtype as transformers' Qwen routers round them."""
+        return SparseMoeBlock(config.hidden_size, self.num_experts(config), config.num_experts_per_tok,
+                              config.moe_intermediate_size, renormalize=bool(getattr(config, "norm_topk_prob", False)),
+                              round_weights=True)
 
     def make_layer(self, config, layer_idx: int, rotary: nn.Module) -> nn.Module:
         mlp = self.make_moe_block(config) if self.is_moe_layer(config, layer_idx) else None
