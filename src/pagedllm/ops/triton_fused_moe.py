@@ -260,4 +260,4 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w
     _moe_down_kernel[grid](act, w2, per_pair, sorted_pairs, block_expert, weights.reshape(-1).float().contiguous(),
                            num_pairs, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1), per_pair.stride(0),
                            BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], IEEE=ieee, **launch)
-    return per_pair.view(num_tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)
+    return per_pair.view(num_tokens, top_k, hidden).sum(dim=1)  # accumulated in float32, rounded once
