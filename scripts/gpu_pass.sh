@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call does the whole GPU pass: correctness tests, then the benchmarks, then a
 # short table. Usage (on the device machine, repo root): scripts/gpu_pass.sh [STAGES]
-# STAGES is a comma list of: tests, throughput, throughput8b, latency, startup (default: all).
+# STAGES is a comma list of: tests, throughput, throughput8b, latency, startup, structured, lora,
+# moe, quant, embed (default: startup,tests,throughput,throughput8b,latency).
 # Needs the SmolLM2 tokenizer saved under .gpu/tokenizer (carried with the call).
 set -uo pipefail
 export PYTHONPATH=src:.${PYTHONPATH:+:$PYTHONPATH} PAGEDLLM_TEST_TOKENIZER_DIR=.gpu/tokenizer HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -30,13 +31,17 @@ stage startup && bench startup python -m pagedllm.benchmarks.startup --shape lla
 if stage tests; then
   echo "== tests"
   python -m pytest -q -rfE -p no:cacheprovider tests/attention tests/ops tests/sample tests/gpu tests/worker tests/engine/test_correctness.py tests/engine/test_correctness_archs.py tests/structured_output tests/engine/test_structured_outputs.py \
-    tests/engine/test_async_scheduling.py tests/engine/test_gc_freeze.py tests/engine/test_engine_defaults.py > "$OUT/tests.log" 2>&1
+    tests/engine/test_async_scheduling.py tests/engine/test_gc_freeze.py tests/engine/test_engine_defaults.py \
+    tests/engine/test_spec_decode.py tests/engine/test_sliding_window.py tests/engine/test_structured_reasoning.py \
+    tests/lora ${EXTRA_TESTS:-} > "$OUT/tests.log" 2>&1
   echo "   tests rc=$?"; tail -15 "$OUT/tests.log" | cut -c1-300
 fi
 stage throughput && bench throughput python -m pagedllm.benchmarks.throughput --shape qwen3-0.6b
 stage throughput && bench throughput_run2 python -m pagedllm.benchmarks.throughput --shape qwen3-0.6b
 stage throughput8b && bench throughput8b python -m pagedllm.benchmarks.throughput --shape llama3-8b
 stage latency && bench latency python -m pagedllm.benchmarks.latency --shape llama3-8b --batch-sizes 1,32
+stage structured && bench structured python -m pagedllm.benchmarks.structured --shape qwen3-0.6b --tokenizer .gpu/tokenizer
+stage lora && bench lora python -m pagedllm.benchmarks.lora --shape llama3-8b
 echo "== results"
 python - "$RES" <<'PY'
 import json, sys

@@ -111,6 +111,8 @@ def _tiny_config(arch: str, vocab_size: int, **overrides):
         cfg = transformers.Phi3Config(**common, tie_word_embeddings=False, pad_token_id=0, rope_scaling={
             "type": "longrope", "short_factor": [1.0 + i / 4 for i in range(8)], "long_factor": [4.0] * 8},
             original_max_position_embeddings=512)
+    elif arch == "mistral":  # every layer slides: blocks out of the window are freed (issue 16)
+        cfg = transformers.MistralConfig(**common, tie_word_embeddings=False, sliding_window=16, head_dim=16)
     elif arch == "olmo":
         cfg = transformers.OlmoConfig(**common, tie_word_embeddings=False, clip_qkv=2.0, pad_token_id=0)
     elif arch == "olmo2":

@@ -37,6 +37,8 @@ ROOMS: dict[str, int] = {
     # 3: scheduling (plain Python) and the device workers
     "core": 3,
     "worker": 3,
+    "reasoning": 3,  # <think> parsers: the server splits replies; constraints start after the reasoning
+    "spec_decode": 3,  # proposers on the host beside the scheduler (verification: sample/rejection.py)
     "structured_output": 3,  # grammars and matchers beside the scheduler; the logits bitmask
     # 2: tensor code
     "model": 2,
@@ -44,6 +46,7 @@ ROOMS: dict[str, int] = {
     "sample": 2,
     "ops": 2,
     "distributed": 2,
+    "lora": 2,  # adapters: requests, PEFT loading, slots on the linears, the runner's manager
     # 1: the shared vocabulary every room may read (no torch here)
     "config": 1,
     "sampling_params": 1,

@@ -23,6 +23,7 @@ _LAZY = {
     "Logprob": "pagedllm.outputs",
     "TokensPrompt": "pagedllm.inputs",
     "TextPrompt": "pagedllm.inputs",
+    "LoRARequest": "pagedllm.lora.request",
 }
 
 __all__ = [*_LAZY, "__version__"]
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
     from pagedllm.engine.llm_engine import LLMEngine
     from pagedllm.entrypoints.llm import LLM
     from pagedllm.inputs import TextPrompt, TokensPrompt
+    from pagedllm.lora.request import LoRARequest
     from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
     from pagedllm.sampling_params import (GuidedDecodingParams, RequestOutputKind, SamplingParams,
                                           StructuredOutputsParams)

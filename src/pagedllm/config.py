@@ -49,6 +49,20 @@ class ModelConfig:
         return self.hf_config.vocab_size
 
     @property
+    def uniform_sliding_window(self) -> int | None:
+        """The window every attention layer has (the rule of ``model.llama._sliding_window``:
+        ``layer_types`` where the config lists them, else ``use_sliding_window``), or None when
+        some layer attends to the whole context."""
+        c = self.hf_config
+        window = getattr(c, "sliding_window", None)
+        if not window:
+            return None
+        layer_types = getattr(c, "layer_types", None)
+        if layer_types is not None:
+            return window if all(t == "sliding_attention" for t in layer_types) else None
+        return window if getattr(c, "use_sliding_window", True) else None
+
+    @property
     def architecture(self) -> str:
         return (getattr(self.hf_config, "architectures", None) or ["?"])[0]
 
@@ -104,6 +118,8 @@ class SchedulerConfig:
     # Pipeline parallelism: up to this many steps in flight at once (one per stage). A request
     # whose token is in flight sits out until it lands; the others fill the next step.
     max_concurrent_batches: int = 1
+    # LoRA: the distinct adapters one step may run (the runner's device slots); None: no LoRA.
+    max_loras: int | None = None
 
     def __post_init__(self) -> None:
         if self.policy not in ("fcfs", "priority"):
@@ -139,6 +155,76 @@ class ParallelConfig:
         return (self.pipeline_parallel_size - 1) * self.tensor_parallel_size
 
 
+_SPEC_METHODS = ("ngram",)
+_SPEC_METHODS_PLANNED = ("draft_model", "eagle", "eagle3", "medusa", "mtp")
+
+
+@dataclass
+class SpeculativeConfig:
+    """vLLM's ``speculative_config``: a proposer guesses the next k tokens, one target step
+    verifies them (exact greedy; rejection sampling keeps the target distribution)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 3
+    prompt_lookup_min: int = 1  # n-gram: the shortest suffix looked up in the request's tokens
+    prompt_lookup_max: int = 3  # n-gram: the longest (tried first)
+    disable_by_batch_size: int | None = None  # steps with more running requests do not speculate
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "SpeculativeConfig":
+        values = dict(values)
+        if values.get("model") in ("[ngram]", "ngram"):  # vLLM's older spelling of the method
+            values.pop("model")
+            values.setdefault("method", "ngram")
+        method = values.get("method", "ngram" if "model" not in values else "draft_model")
+        if method in _SPEC_METHODS_PLANNED:
+            raise ValueError(f"speculative_config method {method!r} is not supported yet; supported: "
+                             f"{list(_SPEC_METHODS)}")
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown speculative_config key(s) {unknown}; known: {sorted(known)}")
+        return cls(**values)
+
+    def __post_init__(self) -> None:
+        if self.method not in _SPEC_METHODS:
+            raise ValueError(f"speculative_config method must be one of {list(_SPEC_METHODS)}, got {self.method!r}")
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"speculative_config {name} must be a positive integer, got {v!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative_config prompt_lookup_min={self.prompt_lookup_min} is more than "
+                             f"prompt_lookup_max={self.prompt_lookup_max}")
+        v = self.disable_by_batch_size
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ValueError(f"speculative_config disable_by_batch_size must be a positive integer or None, got {v!r}")
+
+
+@dataclass
+class LoRAConfig:
+    """``enable_lora`` engines: device slots, the largest rank, the host cache (vLLM's names)."""
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # None: max_loras
+    lora_dtype: str = "auto"  # "auto": the model's dtype
+
+    def __post_init__(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        if isinstance(self.max_cpu_loras, bool) or not isinstance(self.max_cpu_loras, int) \
+                or self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras must be an integer >= max_loras ({self.max_loras}), got "
+                             f"{self.max_cpu_loras!r}")
+        if self.lora_dtype not in ("auto", "float32", "float16", "bfloat16"):
+            raise ValueError(f"lora_dtype must be 'auto', 'float32', 'float16' or 'bfloat16', got {self.lora_dtype!r}")
+
+
 _STRUCTURED_BACKENDS = ("auto", "xgrammar", "guidance")
 
 
@@ -152,7 +238,12 @@ class StructuredOutputsConfig:
     max_spec_bytes: int = 64 << 10  # a schema / regex / grammar larger than this is refused
     max_nesting_depth: int = 32  # a JSON schema nested deeper than this is refused
     max_compile_threads: int = 2  # the compile pool's threads
+    max_fill_threads: int = 8  # threads filling one step's masks (xgrammar's batch fill), at most the CPUs
     disable_fallback: bool = False  # "auto" never falls back to llguidance
+    # With a reasoning parser (vLLM's field; ``serve --reasoning-parser`` sets it) a constraint
+    # applies to the answer: from the token that ends the reasoning on, unless enable_in_reasoning.
+    reasoning_parser: str | None = None
+    enable_in_reasoning: bool = False
 
     def __post_init__(self) -> None:
         if self.backend not in _STRUCTURED_BACKENDS:
@@ -162,7 +253,7 @@ class StructuredOutputsConfig:
                 or not self.compile_timeout_s > 0:
             raise ValueError(f"structured_outputs_config compile_timeout_s must be a number > 0, got "
                              f"{self.compile_timeout_s!r}")
-        for name in ("max_spec_bytes", "max_nesting_depth", "max_compile_threads"):
+        for name in ("max_spec_bytes", "max_nesting_depth", "max_compile_threads", "max_fill_threads"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"structured_outputs_config {name} must be a positive integer, got {v!r}")
@@ -186,3 +277,5 @@ class EngineConfig:
     log_stats: bool = False
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    speculative_config: SpeculativeConfig | None = None
+    lora_config: LoRAConfig | None = None

@@ -42,6 +42,9 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = False
     disable_additional_properties: bool = False
     whitespace_pattern: str | None = None
+    # pagedllm's bound on each run of whitespace in JSON (None: any length, as vLLM): a model
+    # that loops on newlines inside a JSON value ends instead of spending max_tokens on them.
+    max_whitespace: int | None = None
     # Picked by the engine's processor ("xgrammar" | "guidance"); not the user's to set.
     _backend: str | None = None
 
@@ -84,6 +87,9 @@ class StructuredOutputsParams:
             raise bad("json_object", "true or false")
         if self.structural_tag is not None and not isinstance(self.structural_tag, dict):
             raise bad("structural_tag", "a JSON object (a dict or JSON text)")
+        if self.max_whitespace is not None and (isinstance(self.max_whitespace, bool)
+                                                or not isinstance(self.max_whitespace, int) or self.max_whitespace < 0):
+            raise bad("max_whitespace", "a non-negative integer or null")
         for name in ("disable_fallback", "disable_any_whitespace", "disable_additional_properties"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "true or false")
@@ -103,7 +109,8 @@ class StructuredOutputsParams:
 
     def options(self) -> tuple:
         """The settings besides the spec that change the compiled grammar (part of the cache key)."""
-        return (self.disable_any_whitespace, self.disable_additional_properties, self.whitespace_pattern)
+        return (self.disable_any_whitespace, self.disable_additional_properties, self.whitespace_pattern,
+                self.max_whitespace)
 
     def check_limits(self, max_bytes: int, max_depth: int) -> None:
         """Refuse a constraint too large or too deeply nested to compile safely."""

@@ -13,3 +13,14 @@ def freeze_gc_heap() -> None:
     after start-up. Call it at the end of a process's initialisation."""
     gc.collect()
     gc.freeze()
+
+
+def held_back(text: str, markers: tuple[str, ...]) -> int:
+    """How many trailing characters of ``text`` could be the start of one of ``markers``."""
+    best = 0
+    for marker in markers:
+        for n in range(min(len(marker) - 1, len(text)), 0, -1):
+            if text.endswith(marker[:n]):
+                best = max(best, n)
+                break
+    return best

@@ -157,3 +157,27 @@ def test_worker_start_up_failure_names_the_rank(tp_models, tmp_path):
 def test_bad_parallel_settings_are_refused(tiny_models, kwargs, match):
     with pytest.raises(ValueError, match=match):
         make_llm(tiny_models["llama"], **kwargs)
+
+
+def test_tp2_speculative_decoding_gives_tp1_greedy_tokens(tp_models, module_llms):
+    """Verification runs on every rank (each samples the same tokens and rolls back alike);
+    drafts accepted and rejected at known places (the oracle proposer) leave TP=1's tokens."""
+    from tests.engine.test_spec_decode import OracleProposer
+
+    model_dir = tp_models["llama"]
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in PROMPTS]
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    ref = make_llm(model_dir).generate(prompts, greedy, use_tqdm=False)
+    full = [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in ref]
+    llm = reused_llm(module_llms, "llama-spec", model_dir, tensor_parallel_size=2,
+                     speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    core = llm.llm_engine.engine_core
+    core.proposer = OracleProposer(full)
+    out = llm.generate(prompts, greedy, use_tqdm=False)
+    assert [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in out] == full
+    stats = core.scheduler.make_stats()
+    assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
+    sampled = llm.generate(prompts, SamplingParams(temperature=1.0, top_k=3, max_tokens=10, ignore_eos=True),
+                           use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 10 for o in sampled)
+    assert core.kv_cache_manager.num_free_blocks == core.kv_cache_manager.num_blocks

@@ -1,5 +1,6 @@
-"""vLLM's default token budget per step: the offline LLM on a GPU of 70 GiB or more (not an
-A100) takes 16384 tokens a step, the server and everything else 8192."""
+"""Engine defaults. vLLM's token budget per step: the offline LLM on a GPU of 70 GiB or more
+(not an A100) takes 16384 tokens a step, the server and everything else 8192. ``dtype="auto"``
+on CPU: bfloat16 only with bf16 hardware."""
 from __future__ import annotations
 
 import types
@@ -38,3 +39,27 @@ def test_offline_llm_on_cpu_keeps_8192(tiny_models):
     llm = LLM(tiny_models["llama"], device="cpu", dtype="float32", kv_cache_memory_bytes=TEST_KV_BYTES,
               max_model_len=64)
     assert llm.llm_engine.config.scheduler_config.max_num_batched_tokens == 8192
+
+
+@pytest.mark.parametrize("has_bf16, config_dtype, expected", [
+    (True, "bfloat16", "bfloat16"), (True, None, "bfloat16"), (True, "float16", "bfloat16"),
+    (True, "float32", "float32"), (False, "bfloat16", "float32"), (False, None, "float32"),
+])
+def test_auto_dtype_on_cpu_is_bfloat16_only_with_bf16_hardware(monkeypatch, has_bf16, config_dtype, expected):
+    from types import SimpleNamespace
+
+    from pagedllm.engine import arg_utils
+
+    monkeypatch.setattr(arg_utils, "cpu_has_bf16_matmul", lambda: has_bf16)
+    assert arg_utils._resolve_dtype("auto", SimpleNamespace(dtype=config_dtype), "cpu") == expected
+    assert arg_utils._resolve_dtype("float32", SimpleNamespace(dtype=config_dtype), "cpu") == "float32"
+
+
+def test_cpu_bf16_probe_matches_cpuinfo():
+    from pagedllm.engine.arg_utils import cpu_has_bf16_matmul
+
+    try:
+        flags = open("/proc/cpuinfo").read().split()
+    except OSError:
+        pytest.skip("no /proc/cpuinfo")
+    assert cpu_has_bf16_matmul() == ("avx512_bf16" in flags or "amx_bf16" in flags)

@@ -81,3 +81,19 @@ def test_structured_outputs_choice_and_pydantic_schema(llm):
     assert out.finish_reason == "stop"
     Review.model_validate_json(out.text)
 
+
+
+def test_ngram_speculation_gives_the_same_greedy_tokens_and_accepts_repeated_spans(llm):
+    """The real model copying a list: prompt lookup proposes the list's next items, the target
+    accepts them (several tokens per step), and the greedy tokens are those of the plain engine."""
+    spec = LLM(dtype="float32", kv_cache_memory_bytes=4 * TEST_KV_BYTES, max_model_len=2048,
+               speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3})
+    chat = [{"role": "user", "content": "Repeat this list exactly, once: apple, banana, cherry, date, elderberry, "
+                                        "fig, grape, honeydew, kiwi, lemon, mango."}]
+    params = SamplingParams(temperature=0, max_tokens=48)
+    want = llm.chat(chat, params, use_tqdm=False)[0].outputs[0]
+    got = spec.chat(chat, params, use_tqdm=False)[0].outputs[0]
+    assert got.token_ids == want.token_ids and "banana" in got.text
+    stats = spec.llm_engine.engine_core.scheduler.make_stats()
+    assert stats.spec_num_accepted_tokens >= len(got.token_ids) // 4
+    assert stats.spec_accepted_per_pos[0] >= stats.spec_accepted_per_pos[-1] > 0

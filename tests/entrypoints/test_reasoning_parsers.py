@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from pagedllm.entrypoints.openai.reasoning import ReasoningParserManager
+from pagedllm.reasoning import ReasoningParserManager
 
 # (parser, model text, reasoning, content)
 CASES = [

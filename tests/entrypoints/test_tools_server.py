@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from pagedllm.entrypoints.openai.cli_args import FrontendArgs
-from pagedllm.entrypoints.openai.reasoning import ReasoningParserManager
+from pagedllm.reasoning import ReasoningParserManager
 from pagedllm.entrypoints.openai.serving_chat import ChoiceParsers
 from pagedllm.entrypoints.openai.tool_parsers import ToolParserManager
 from tests.entrypoints.test_openai_server import MODEL_NAME, _serve
@@ -39,7 +39,6 @@ def client(url):
     (None, '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser'),  # tools: auto
     ("auto", '"auto" tool choice requires --enable-auto-tool-choice'),
     ({"type": "function", "function": {"name": "launch_rockets"}}, "'launch_rockets', which is not among"),
-    ("required", "needs structured outputs"),
     ("sometimes", "tool_choice must be 'none', 'auto', 'required' or a named function"),
 ])
 def test_tool_choice_errors_are_400_naming_the_field_and_the_server_serves_on(client, tool_choice, match):

@@ -85,7 +85,7 @@ class TorchAttentionBackend(AttentionBackend):
 
         K and V of every request are gathered with one copy each, then one fused SDPA call
         attends over them in place (strided views; GQA without expanding K/V; float32
-        accumulation for half types, so nothing is cast).
+        accumulation for half types; on CPU half types are attended in float32, see below).
         """
         device = query.device
         qsl = metadata.query_start_loc_cpu
@@ -108,12 +108,17 @@ class TorchAttentionBackend(AttentionBackend):
         valid = k_pos < seq_lens
         if sliding_window is not None:
             valid &= k_pos >= seq_lens - sliding_window
+        q = query[tok]
         if soft_cap is not None:
-            o = _soft_capped_attention(query[tok].unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2),
+            o = _soft_capped_attention(q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2),
                                        valid[:, None, None, :], scale, soft_cap)
         else:
+            if device.type == "cpu" and q.dtype != torch.float32:
+                # torch's CPU flash kernel is ~6x slower in bfloat16 than in float32 for one
+                # query row (measured, docs/cpu_performance.md); the upcast copies cost far less.
+                q, k, v = q.float(), k.float(), v.float()
             o = F.scaled_dot_product_attention(
-                query[tok].unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=valid[:, None, None, :],
+                q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=valid[:, None, None, :],
                 scale=scale, enable_gqa=query.shape[1] != num_kv_heads,
             )  # [B, H, 1, D]
         out[tok] = o.squeeze(2)

@@ -100,15 +100,30 @@ class PrefixCacheStats:
         return self.hits / self.queries if self.queries else 0.0
 
 
-class KVCacheManager:
-    """Maps each request to its physical blocks and shares full blocks by content hash."""
+# Stands in a request's block list for a block freed because it fell out of the sliding window
+# (the list keeps its positions). Never in the pool; its id is a valid index that no query
+# reads unmasked.
+_OUT_OF_WINDOW = KVCacheBlock(0)
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+
+class KVCacheManager:
+    """Maps each request to its physical blocks and shares full blocks by content hash.
+
+    ``sliding_window``: every attention layer sees only the last ``sliding_window`` keys
+    (Mistral; Qwen2 with all layers sliding), so a block wholly before the window of the next
+    position computed is never read again: ``free_outside_window`` returns it to the pool
+    (still content-hashed, so a later prompt can hit it). Models mixing local and global layers
+    (Gemma 2/3) keep every block: their global layers read them."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 sliding_window: int | None = None) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.sliding_window = sliding_window
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}  # leading blocks of a request already hashed
+        self.num_window_freed: dict[str, int] = {}  # leading blocks of a request freed (out of its window)
         self.stats = PrefixCacheStats()
 
     @property
@@ -129,9 +144,11 @@ class KVCacheManager:
     def _update_block_hashes(self, request: Request) -> None:
         hashes, bs = request.block_hashes, self.block_size
         tokens = request.all_token_ids
+        # Two adapters never share KV: a request with one seeds its chain with the adapter's id.
+        seed = f"lora:{request.lora_int_id}".encode() if getattr(request, "lora_int_id", 0) else None
         while len(hashes) < len(tokens) // bs:
             i = len(hashes)
-            hashes.append(hash_block_tokens(hashes[-1] if hashes else None, tokens[i * bs:(i + 1) * bs]))
+            hashes.append(hash_block_tokens(hashes[-1] if hashes else seed, tokens[i * bs:(i + 1) * bs]))
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Longest run of cached full blocks at the start of the request's tokens.
@@ -195,11 +212,31 @@ class KVCacheManager:
             self.pool.cache_block(blocks[i], request.block_hashes[i])
         self.num_cached_blocks[request.request_id] = end
 
+    def free_outside_window(self, request: Request) -> None:
+        """Free the request's blocks that no query from its next position on can attend to: a
+        query at position p sees keys at positions > p - sliding_window."""
+        if self.sliding_window is None:
+            return
+        blocks = self.req_to_blocks.get(request.request_id)
+        first_key = request.num_computed_tokens - self.sliding_window + 1
+        n = min(max(first_key, 0) // self.block_size, len(blocks) if blocks else 0)
+        start = self.num_window_freed.get(request.request_id, 0)
+        if n <= start:
+            return
+        self.pool.free_blocks(reversed(blocks[start:n]))
+        blocks[start:n] = [_OUT_OF_WINDOW] * (n - start)
+        self.num_window_freed[request.request_id] = n
+
+    def num_held_blocks(self, request_id: str) -> int:
+        """Blocks the request holds now (those freed out of its window not counted)."""
+        return len(self.req_to_blocks.get(request_id, [])) - self.num_window_freed.get(request_id, 0)
+
     def free(self, request: Request) -> None:
         """Release a request's blocks; its tail is evicted before its head."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
-        self.pool.free_blocks(reversed(blocks))
+        freed = self.num_window_freed.pop(request.request_id, 0)
+        self.pool.free_blocks(reversed(blocks[freed:]))
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (e.g. after a weight update); blocks in use stay valid."""

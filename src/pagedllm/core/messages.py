@@ -19,6 +19,7 @@ class EngineCoreRequest:
     eos_token_id: int | None
     arrival_time: float
     priority: int = 0
+    lora_request: Any = None  # pagedllm.lora.LoRARequest, checked by the processor
 
 
 @dataclass
@@ -50,6 +51,12 @@ class SchedulerStats:
     prefix_cache_queries: int = 0  # tokens looked up
     prefix_cache_hits: int = 0  # tokens found
     num_preemptions: int = 0
+    # Speculative decoding, totals since start: steps that verified drafts, drafts proposed,
+    # drafts accepted, and accepted per draft position (1st, 2nd, ...).
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -34,6 +34,7 @@ class Request:
         eos_token_id: int | None,
         arrival_time: float,
         priority: int = 0,
+        lora_request: Any = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -41,6 +42,8 @@ class Request:
         self.eos_token_id = eos_token_id
         self.arrival_time = arrival_time
         self.priority = priority
+        self.lora_request = lora_request  # its adapter (pagedllm.lora.LoRARequest) or None
+        self.lora_int_id = lora_request.lora_int_id if lora_request is not None else 0
         self.max_tokens = sampling_params.max_tokens
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
@@ -58,10 +61,13 @@ class Request:
         # attached by the engine core. The scheduler reads it through is_ready / accept_tokens /
         # is_terminated / free only, so this room needs no grammar library.
         self.structured_output: Any = None
+        # Speculative decoding: tokens proposed for the next step (consumed when it is scheduled).
+        self.spec_token_ids: list[int] = []
 
     @classmethod
     def from_engine_core_request(cls, r: EngineCoreRequest) -> "Request":
-        return cls(r.request_id, r.prompt_token_ids, r.sampling_params, r.eos_token_id, r.arrival_time, r.priority)
+        return cls(r.request_id, r.prompt_token_ids, r.sampling_params, r.eos_token_id, r.arrival_time, r.priority,
+                   r.lora_request)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -18,6 +18,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    lora_request: Any = None  # the request's LoRA adapter (pagedllm.lora.LoRARequest), if any
 
 
 @dataclass
@@ -49,6 +50,9 @@ class SchedulerOutput:
     # structured_output.manager.GrammarBitmask (``req_ids`` and an int32 ``bitmask`` with one
     # row each); None when no sampling request is constrained.
     grammar: Any = None
+    # Speculative decoding: the proposed tokens each request's step verifies (it runs its last
+    # known token and these, 1 + k positions, and samples at every one of them).
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass

@@ -67,6 +67,8 @@ class Scheduler:
         # Preempted by a step that ran nothing (so was not launched): told with the next one.
         self._pending_preempted_req_ids: set[str] = set()
         self.num_preemptions = 0
+        self.spec_stats = SchedulerStats()  # only its spec_* counters are kept here
+        self._step_loras: set[int] = set()  # the adapters of the step being scheduled
 
     # ---- requests in and out -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -123,8 +125,10 @@ class Scheduler:
         # other stages' micro-batches) have work too.
         max_reqs = -(-len(self.requests) // cfg.max_concurrent_batches) if cfg.max_concurrent_batches > 1 \
             else cfg.max_num_seqs
+        spec_tokens: dict[str, list[int]] = {}
+        self._step_loras: set[int] = set()
         cached_reqs, preempted_ids, budget = self._schedule_running(cfg.max_num_batched_tokens, max_reqs,
-                                                                    num_scheduled)
+                                                                    num_scheduled, spec_tokens)
         # New work only when nothing was preempted this step, so a preempted request is
         # not overtaken by the ones behind it.
         new_reqs = [] if preempted_ids else self._schedule_waiting(budget, max_reqs, num_scheduled)
@@ -138,6 +142,7 @@ class Scheduler:
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_req_ids=self._finished_req_ids,
             preempted_req_ids=preempted_ids | earlier_preempted,
+            scheduled_spec_decode_tokens={r: t for r, t in spec_tokens.items() if r in num_scheduled},
         )
         self._finished_req_ids = set()
         for req_id, n in num_scheduled.items():
@@ -148,9 +153,10 @@ class Scheduler:
                 request.num_output_placeholders += 1  # this step samples its next token
         return out
 
-    def _schedule_running(self, budget: int, max_reqs: int,
-                          num_scheduled: dict[str, int]) -> tuple[list[CachedRequestData], set[str], int]:
-        """Catch the running requests up, in order, preempting from the back when blocks run out.
+    def _schedule_running(self, budget: int, max_reqs: int, num_scheduled: dict[str, int],
+                          spec_tokens: dict[str, list[int]]) -> tuple[list[CachedRequestData], set[str], int]:
+        """Catch the running requests up, in order, preempting from the back when blocks run out
+        (a decode with proposed tokens runs them too, as far as the budget goes: ``spec_tokens``).
         Returns their step data, the ids preempted, and the budget left."""
         cfg = self.config
         cached_reqs: list[CachedRequestData] = []
@@ -163,6 +169,14 @@ class Scheduler:
             if num_new <= 0 or self._reaches_limit(request):
                 i += 1  # its last token is in flight and ends it: nothing to run
                 continue
+            if not self._lora_fits(request):
+                i += 1  # its adapter would exceed max_loras this step: it runs in a later one
+                continue
+            self.kv.free_outside_window(request)
+            drafts, request.spec_token_ids = request.spec_token_ids[:budget - num_new], []
+            if drafts and request.num_tokens - request.num_computed_tokens == num_new == 1:
+                spec_tokens[request.request_id] = drafts
+                num_new += len(drafts)
             while True:
                 new_blocks = self.kv.allocate_slots(request, num_new)
                 if new_blocks is not None:
@@ -201,6 +215,8 @@ class Scheduler:
             if request.structured_output is not None and not request.structured_output.is_ready():
                 compiling.append(self.waiting.pop())
                 continue
+            if not self._lora_fits(request):
+                break
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit_tokens
             if not cfg.enable_chunked_prefill and num_new > budget:
@@ -220,12 +236,24 @@ class Scheduler:
             new_reqs.append(NewRequestData(
                 request.request_id, request.prompt_token_ids, list(request.output_token_ids),
                 request.sampling_params, self.kv.get_block_ids(request.request_id), num_hit_tokens,
+                request.lora_request,
             ))
             num_scheduled[request.request_id] = num_new
             budget -= num_new
         for request in reversed(compiling):  # back in their places
             self.waiting.add(request, front=True)
         return new_reqs
+
+    def _lora_fits(self, request: Request) -> bool:
+        """Whether the request's adapter can join this step (at most max_loras distinct ones);
+        if so it is counted in."""
+        lora_id, max_loras = request.lora_int_id, self.config.max_loras
+        if not lora_id or max_loras is None or lora_id in self._step_loras:
+            return True
+        if len(self._step_loras) >= max_loras:
+            return False
+        self._step_loras.add(lora_id)
+        return True
 
     def _reaches_limit(self, request: Request) -> bool:
         """Async scheduling: the tokens in flight already reach max_tokens / max_model_len."""
@@ -269,6 +297,10 @@ class Scheduler:
                 continue
             if self.config.tracks_in_flight:
                 request.num_output_placeholders -= len(token_ids)
+            drafts = sched.scheduled_spec_decode_tokens.get(req_id)
+            if drafts:  # the rejected drafts' positions are computed again from the emitted token
+                request.num_computed_tokens -= len(drafts) + 1 - len(token_ids)
+                self._count_spec(len(drafts), len(token_ids) - 1)
             new_token_ids: list[int] = []
             for token_id in token_ids:
                 request.append_output_token(token_id)
@@ -296,10 +328,23 @@ class Scheduler:
             ))
         return outputs
 
+    def _count_spec(self, num_drafts: int, num_accepted: int) -> None:
+        st = self.spec_stats
+        st.spec_num_drafts += 1
+        st.spec_num_draft_tokens += num_drafts
+        st.spec_num_accepted_tokens += num_accepted
+        if len(st.spec_accepted_per_pos) < num_drafts:
+            st.spec_accepted_per_pos.extend([0] * (num_drafts - len(st.spec_accepted_per_pos)))
+        for pos in range(num_accepted):
+            st.spec_accepted_per_pos[pos] += 1
+
     @staticmethod
     def _advance_grammar(request: Request, token_id: int, status: RequestStatus | None) -> RequestStatus | None:
         """The grammar follows the sampled token; it ends the request when it terminates."""
         grammar = request.structured_output
+        if not grammar.reasoning_ended:  # the reasoning runs unconstrained; its end tag starts the grammar
+            grammar.see_reasoning_token(token_id)
+            return status
         if not grammar.accept_tokens([token_id]):
             # The mask allowed nothing this row could use (e.g. allowed_token_ids outside the grammar).
             logger.error("request %s: its grammar refused sampled token %d; finishing it", request.request_id,
@@ -331,4 +376,8 @@ class Scheduler:
             prefix_cache_queries=self.kv.stats.queries,
             prefix_cache_hits=self.kv.stats.hits,
             num_preemptions=self.num_preemptions,
+            spec_num_drafts=self.spec_stats.spec_num_drafts,
+            spec_num_draft_tokens=self.spec_stats.spec_num_draft_tokens,
+            spec_num_accepted_tokens=self.spec_stats.spec_num_accepted_tokens,
+            spec_accepted_per_pos=list(self.spec_stats.spec_accepted_per_pos),
         )

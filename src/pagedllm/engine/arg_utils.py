@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from pagedllm.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig,
-                             StructuredOutputsConfig)
+                             LoRAConfig, SpeculativeConfig, StructuredOutputsConfig)
 
 _DTYPES = {
     "auto": "auto", "half": "float16", "float16": "float16", "fp16": "float16",
@@ -96,6 +97,24 @@ class EngineArgs:
     # vLLM's older flag for the backend alone.
     structured_outputs_config: dict[str, Any] | StructuredOutputsConfig | None = None
     guided_decoding_backend: str | None = None
+    # vLLM's engine arg: with it, a structured-output constraint applies after the reasoning
+    # (``structured_outputs_config.reasoning_parser``); ``serve --reasoning-parser`` sets both.
+    reasoning_parser: str | None = None
+    # Speculative decoding (config.SpeculativeConfig): {"method": "ngram", "num_speculative_tokens",
+    # "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"}, a dict or JSON text. The
+    # flat flags below are vLLM's older spelling of the same.
+    speculative_config: dict[str, Any] | str | None = None
+    speculative_model: str | None = None
+    num_speculative_tokens: int | None = None
+    ngram_prompt_lookup_max: int | None = None
+    ngram_prompt_lookup_min: int | None = None
+    speculative_disable_by_batch_size: int | None = None
+    # LoRA adapters (config.LoRAConfig): requests name one with lora_request=LoRARequest(...).
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    lora_dtype: str = "auto"
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -175,7 +194,50 @@ class EngineArgs:
                 raise ValueError("guided_decoding_backend (the older name) and structured_outputs_config's backend "
                                  "disagree; set one")
             values["backend"] = self.guided_decoding_backend
+        if self.reasoning_parser is not None:
+            from pagedllm.reasoning import ReasoningParserManager
+
+            ReasoningParserManager.get_reasoning_parser(self.reasoning_parser)  # an unknown name fails here
+            values["reasoning_parser"] = self.reasoning_parser
         return StructuredOutputsConfig.from_dict(values)
+
+    _SPEC_FLAT = {"speculative_model": "model", "num_speculative_tokens": "num_speculative_tokens",
+                  "ngram_prompt_lookup_max": "prompt_lookup_max", "ngram_prompt_lookup_min": "prompt_lookup_min",
+                  "speculative_disable_by_batch_size": "disable_by_batch_size"}
+
+    def _speculative_config(self) -> SpeculativeConfig | None:
+        cfg = self.speculative_config
+        if isinstance(cfg, str):
+            try:
+                cfg = json.loads(cfg)
+            except ValueError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if cfg is not None and not isinstance(cfg, dict):
+            raise ValueError(f"speculative_config must be a dict, JSON text or None, got {type(cfg).__name__}")
+        values = dict(cfg or {})
+        for flat, key in self._SPEC_FLAT.items():
+            v = getattr(self, flat)
+            if v is None:
+                continue
+            if key in values and values[key] != v:
+                raise ValueError(f"{flat} (the older flag) and speculative_config's {key} disagree; set one")
+            values[key] = v
+        if not values:
+            return None
+        spec = SpeculativeConfig.from_dict(values)
+        if self.pipeline_parallel_size > 1:
+            raise ValueError("speculative_config cannot be combined with pipeline_parallel_size > 1")
+        if self.async_scheduling:
+            raise ValueError("speculative_config cannot be combined with async_scheduling=True: the proposer reads "
+                             "each step's tokens before the next step is scheduled (leave async_scheduling unset)")
+        return spec
+
+    def _lora_config(self) -> LoRAConfig | None:
+        if not self.enable_lora:
+            return None
+        if self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1:
+            raise ValueError("enable_lora is not supported with tensor or pipeline parallelism yet")
+        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras, self.lora_dtype)
 
     def resolve_device(self) -> str:
         import torch
@@ -193,6 +255,8 @@ class EngineArgs:
 
         self._validate()
         structured = self._structured_outputs_config()
+        speculative = self._speculative_config()
+        lora = self._lora_config()
         device = self.resolve_device()
         resolved = resolve_model(self.model or default_model(), revision=self.revision,
                                  trust_remote_code=self.trust_remote_code, hf_overrides=self.hf_overrides)
@@ -236,13 +300,15 @@ class EngineArgs:
         scheduler_config = SchedulerConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched, max_model_len=max_model_len,
             enable_chunked_prefill=enable_chunked, policy=self.scheduling_policy,
-            async_scheduling=(device != "cpu" and self.pipeline_parallel_size == 1) if self.async_scheduling is None
-            else self.async_scheduling,
+            async_scheduling=(device != "cpu" and self.pipeline_parallel_size == 1 and speculative is None)
+            if self.async_scheduling is None else self.async_scheduling,
             max_concurrent_batches=self.pipeline_parallel_size,
+            max_loras=lora.max_loras if lora is not None else None,
         )
         return EngineConfig(model_config, cache_config, scheduler_config, device,
                             log_stats=not self.disable_log_stats, parallel_config=parallel_config,
-                            structured_outputs_config=structured)
+                            structured_outputs_config=structured, speculative_config=speculative,
+                            lora_config=lora)
 
     def _routed_experts_option(self, hf_config: Any) -> bool:
         if not self.enable_return_routed_experts:
@@ -253,6 +319,9 @@ class EngineArgs:
         if self.pipeline_parallel_size > 1:
             raise ValueError("enable_return_routed_experts cannot be combined with pipeline_parallel_size > 1 "
                              "(the last stage, which reports outputs, does not see the other stages' layers)")
+        if self._speculative_config() is not None:
+            raise ValueError("enable_return_routed_experts cannot be combined with speculative decoding yet "
+                             "(rejected draft positions would need their routing rolled back)")
         return True
 
     def _parallel_config(self, hf_config: Any, device: str) -> ParallelConfig:
@@ -316,8 +385,19 @@ def _resolve_dtype(dtype: str, hf_config: Any, device: str) -> str:
     dtype = _DTYPES[dtype]
     if dtype != "auto":
         return dtype
-    if device == "cpu":
-        return "float32"  # exact and fastest on CPUs without bf16 matmul units
     cfg = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     cfg = str(cfg).replace("torch.", "") if cfg is not None else "bfloat16"
+    if device == "cpu":
+        # bfloat16 where the CPU multiplies it natively (1.6x float32's decode throughput on
+        # an AVX512-BF16 EPYC, docs/cpu_performance.md), as vLLM's CPU build does; float32
+        # elsewhere (emulated bf16 is slower) and for checkpoints stored in float32.
+        return "bfloat16" if cfg != "float32" and cpu_has_bf16_matmul() else "float32"
     return cfg if cfg in ("float16", "bfloat16") else "bfloat16"
+
+
+def cpu_has_bf16_matmul() -> bool:
+    """Whether this CPU has bfloat16 dot-product instructions (AVX512-BF16 or AMX)."""
+    import torch
+
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(getattr(torch.cpu, name, lambda: False)() for name in probes)

@@ -42,6 +42,7 @@ class AsyncLLM(EngineFrontend):
     # ---- requests ----------------------------------------------------------------------------
     def add_request(
         self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0,
+        lora_request: Any = None,
     ) -> AsyncIterator[RequestOutput]:
         """Validate and submit now (ValueError for bad input, before anything streams); the
         returned iterator yields the outputs and aborts the request if closed early."""
@@ -53,7 +54,7 @@ class AsyncLLM(EngineFrontend):
             raise ValueError(f"request_id {request_id!r} is already in use")
         self._ensure_output_task()
         parent, core_reqs = register_request(self.processor, self.output_processor, request_id, prompt, params,
-                                             priority=priority)
+                                             priority=priority, lora_request=lora_request)
         q: asyncio.Queue = asyncio.Queue()
         self.parents[request_id] = parent
         self._queues[request_id] = q
@@ -83,8 +84,9 @@ class AsyncLLM(EngineFrontend):
 
     async def generate(
         self, prompt: PromptType, sampling_params: SamplingParams, request_id: str, priority: int = 0,
+        lora_request: Any = None,
     ) -> AsyncIterator[RequestOutput]:
-        stream = self.add_request(request_id, prompt, sampling_params, priority)
+        stream = self.add_request(request_id, prompt, sampling_params, priority, lora_request)
         try:
             async for out in stream:
                 yield out

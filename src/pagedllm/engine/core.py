@@ -11,6 +11,7 @@ from pagedllm.core.messages import EngineCoreOutput, EngineCoreOutputs, EngineCo
 from pagedllm.core.request import Request
 from pagedllm.core.sched_output import SchedulerOutput
 from pagedllm.core.scheduler import Scheduler
+from pagedllm.spec_decode.ngram import NgramProposer, can_speculate
 from pagedllm.structured_output.manager import StructuredOutputManager
 from pagedllm.tokenizer import get_tokenizer
 from pagedllm.utils import freeze_gc_heap
@@ -47,7 +48,8 @@ class EngineCore:
             "per request: %.2fx", num_blocks, cc.block_size, tokens, num_blocks * per_block / 2**30,
             sc.max_model_len, tokens / sc.max_model_len,
         )
-        self.kv_cache_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
+        self.kv_cache_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching,
+                                               config.model_config.uniform_sliding_window)
         self.scheduler = Scheduler(sc, self.kv_cache_manager)
         # Steps in flight, oldest first: one per pipeline stage, or with async scheduling the one
         # the device runs while the next is scheduled and launched.
@@ -58,6 +60,8 @@ class EngineCore:
         mc = config.model_config
         self.structured_output = StructuredOutputManager(
             config.structured_outputs_config, mc.vocab_size, lambda: get_tokenizer(mc), mc.generation_eos_token_ids())
+        spec = config.speculative_config
+        self.proposer = NgramProposer(spec) if spec is not None else None
         freeze_gc_heap()
 
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -69,7 +73,8 @@ class EngineCore:
         params = request.sampling_params.structured_outputs
         self.scheduler.add_request(req)
         if params is not None:
-            req.structured_output = self.structured_output.add_request(request.request_id, params)
+            req.structured_output = self.structured_output.add_request(request.request_id, params,
+                                                                       request.prompt_token_ids)
 
     def abort_requests(self, request_ids: list[str]) -> EngineCoreOutputs:
         return EngineCoreOutputs(self.scheduler.abort_requests(request_ids))
@@ -87,6 +92,8 @@ class EngineCore:
         sched = self._schedule()
         result = self.executor.execute_model(sched)
         outputs = self.scheduler.update_from_output(sched, result)
+        if self.proposer is not None:
+            self._propose_drafts()
         self._wait_for_grammars(sched)
         return EngineCoreOutputs(failed + outputs, self.scheduler.make_stats())
 
@@ -107,10 +114,33 @@ class EngineCore:
             handles = []
             for req_id in sched.num_scheduled_tokens:
                 request = self.scheduler.requests[req_id]
-                if request.structured_output is not None and request.num_computed_tokens >= request.num_tokens:
-                    handles.append(request.structured_output)
+                grammar = request.structured_output
+                if grammar is not None and grammar.reasoning_ended and request.num_computed_tokens >= request.num_tokens:
+                    handles.append(grammar)
             sched.grammar = self.structured_output.bitmask(handles)
         return sched
+
+    # ---- speculative decoding -------------------------------------------------------------------
+    def _propose_drafts(self) -> None:
+        """Each decoding request that may speculate gets the proposer's guess of its next tokens,
+        as many as can still be emitted (max_tokens) and fit (max_model_len)."""
+        spec, running = self.config.speculative_config, self.scheduler.running
+        if spec.disable_by_batch_size is not None and len(running) > spec.disable_by_batch_size:
+            return
+        max_len = self.config.scheduler_config.max_model_len
+        for r in running:
+            if r.structured_output is not None or r.num_computed_tokens != r.num_tokens - 1 \
+                    or not can_speculate(r.sampling_params):
+                continue
+            room = max_len - r.num_tokens
+            if r.max_tokens is not None:
+                room = min(room, r.max_tokens - r.num_output_tokens - 1)
+            r.spec_token_ids = self.proposer.propose(r.all_token_ids, room)
+
+    def _holds_grammar(self, sched: SchedulerOutput) -> bool:
+        """The step runs a constrained request (masked now, or reasoning: its end tag may land)."""
+        live = self.structured_output.live
+        return bool(live) and any(req_id in live for req_id in sched.num_scheduled_tokens)
 
     def _wait_for_grammars(self, sched: SchedulerOutput) -> None:
         """Nothing ran and only compiles are left: sleep until one finishes, do not spin."""
@@ -127,7 +157,7 @@ class EngineCore:
         failed = self._fail_grammars()
         # A constrained request's next mask needs the token in flight: a step with constrained
         # rows lands before the next one is scheduled (async scheduling's overlap pauses).
-        masked_in_flight = bool(self._batch_queue) and self._batch_queue[-1][0].grammar is not None
+        masked_in_flight = bool(self._batch_queue) and self._holds_grammar(self._batch_queue[-1][0])
         if len(self._batch_queue) < self._max_in_flight and self.scheduler.has_unfinished_requests() \
                 and not masked_in_flight:
             sched = self._schedule()

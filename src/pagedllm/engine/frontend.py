@@ -19,7 +19,8 @@ class EngineFrontend:
         self.config = config
         self.model_config = config.model_config
         self.tokenizer = None if config.model_config.skip_tokenizer_init else get_tokenizer(config.model_config)
-        self.processor = Processor(config.model_config, self.tokenizer, config.structured_outputs_config)
+        self.processor = Processor(config.model_config, self.tokenizer, config.structured_outputs_config,
+                                   config.lora_config)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.parents: dict[str, ParentRequest] = {}
 

@@ -27,13 +27,13 @@ class LLMEngine(EngineFrontend):
 
     def add_request(
         self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
-        arrival_time: float | None = None, priority: int = 0,
+        arrival_time: float | None = None, priority: int = 0, lora_request: Any = None,
     ) -> None:
         if request_id in self.parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
         params = params if params is not None else self.get_default_sampling_params()
         parent, core_reqs = register_request(self.processor, self.output_processor, request_id, prompt, params,
-                                             arrival_time, priority)
+                                             arrival_time, priority, lora_request)
         added: list[str] = []
         try:
             for core_req in core_reqs:
@@ -115,6 +115,31 @@ class LLMEngine(EngineFrontend):
 
     def is_sleeping(self) -> bool:
         return self.engine_core.is_sleeping()
+
+    # ---- LoRA adapters at runtime (vLLM's engine methods) ------------------------------------
+    def add_lora(self, lora_request: Any) -> bool:
+        """Check and load an adapter (from its path, or in memory: ``tensors`` + ``peft_config``);
+        an adapter in memory replaces the one of its id (a trainer's fresh weights). Replacing
+        resets the prefix cache: KV computed under the old weights is never reused."""
+        replaced = self.processor.knows_lora(lora_request.lora_int_id)
+        self.processor.check_lora(lora_request, replace=True)
+        ok = all(self.collective_rpc("add_lora", args=(lora_request,)))
+        if replaced:
+            self.engine_core.reset_prefix_cache()
+        return ok
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Drop the adapter; its id may then name another one (the prefix cache is reset with it)."""
+        self.processor.forget_lora(lora_id)
+        ok = all(self.collective_rpc("remove_lora", args=(lora_id,)))
+        self.engine_core.reset_prefix_cache()
+        return ok
+
+    def pin_lora(self, lora_id: int) -> bool:
+        return all(self.collective_rpc("pin_lora", args=(lora_id,)))
+
+    def list_loras(self) -> set[int]:
+        return self.collective_rpc("list_loras")[0]
 
     def collective_rpc(self, method: str | Callable, timeout: float | None = None, args: tuple = (),
                        kwargs: dict[str, Any] | None = None) -> list[Any]:

@@ -101,13 +101,13 @@ def split_samples(request_id: str, params: SamplingParams) -> tuple[list[str], l
 
 def register_request(
     processor: Processor, output_processor: "OutputProcessor", request_id: str, prompt: PromptType,
-    params: SamplingParams, arrival_time: float | None = None, priority: int = 0,
+    params: SamplingParams, arrival_time: float | None = None, priority: int = 0, lora_request: Any = None,
 ) -> tuple[ParentRequest, list[EngineCoreRequest]]:
     """Validate and process one user request, register its samples for output processing,
     and return the engine-core requests (one per sample) the caller must submit."""
     if not isinstance(request_id, str):
         raise ValueError(f"request_id must be a string, got {type(request_id).__name__}")
-    text, core_req = processor.process(request_id, prompt, params, arrival_time, priority)
+    text, core_req = processor.process(request_id, prompt, params, arrival_time, priority, lora_request)
     params = core_req.sampling_params
     child_ids, child_params = split_samples(request_id, params)
     parent = ParentRequest(request_id, text, core_req.prompt_token_ids, params,

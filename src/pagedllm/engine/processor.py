@@ -4,7 +4,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from pagedllm.config import ModelConfig, StructuredOutputsConfig
+from pagedllm.config import LoRAConfig, ModelConfig, StructuredOutputsConfig
 from pagedllm.core.messages import EngineCoreRequest
 from pagedllm.inputs import PromptType
 from pagedllm.sampling_params import SamplingParams
@@ -12,8 +12,11 @@ from pagedllm.sampling_params import SamplingParams
 
 class Processor:
     def __init__(self, model_config: ModelConfig, tokenizer: Any | None,
-                 structured_config: StructuredOutputsConfig | None = None) -> None:
+                 structured_config: StructuredOutputsConfig | None = None,
+                 lora_config: LoRAConfig | None = None) -> None:
         self.model_config = model_config
+        self.lora_config = lora_config
+        self._lora_paths: dict[int, str] = {}  # adapters checked so far: id -> path
         self.tokenizer = tokenizer
         self.structured_config = structured_config or StructuredOutputsConfig()
         self.generation_eos_ids = model_config.generation_eos_token_ids()
@@ -46,13 +49,15 @@ class Processor:
 
     def process(
         self, request_id: str, prompt: PromptType, params: SamplingParams,
-        arrival_time: float | None = None, priority: int = 0,
+        arrival_time: float | None = None, priority: int = 0, lora_request: Any = None,
     ) -> tuple[str | None, EngineCoreRequest]:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         if not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {priority!r}")
         mc = self.model_config
+        if lora_request is not None:
+            self.check_lora(lora_request)
         text, token_ids = self.parse_prompt(prompt)
         if params.truncate_prompt_tokens is not None:
             token_ids = token_ids[-params.truncate_prompt_tokens:]
@@ -77,7 +82,41 @@ class Processor:
         eos = None if params.ignore_eos else self.eos_token_id
         if params.max_tokens is None:
             params.max_tokens = mc.max_model_len - len(token_ids)
-        return text, EngineCoreRequest(request_id, token_ids, params, eos, arrival_time or time.time(), priority)
+        return text, EngineCoreRequest(request_id, token_ids, params, eos, arrival_time or time.time(), priority,
+                                       lora_request)
+
+    def check_lora(self, lora_request: Any, replace: bool = False) -> None:
+        """An adapter is read and checked against the model once, before its first request is
+        queued: a bad one fails here, the engine never sees it. ``replace`` (``add_lora``): an
+        adapter in memory may take over its id (a trainer's new weights)."""
+        from pagedllm.lora.peft_loader import load_adapter
+        from pagedllm.lora.request import LoRARequest
+
+        if self.lora_config is None:
+            raise ValueError("lora_request needs an engine created with enable_lora=True")
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
+        lora_id = lora_request.lora_int_id
+        known = self._lora_paths.get(lora_id)
+        if not lora_request.has_source:
+            if known is None:
+                raise ValueError(f"lora_int_id {lora_id} is not a known adapter: give lora_path, or add it first "
+                                 "with add_lora")
+            return
+        source = lora_request.lora_path or "<tensors>"
+        if known == source and lora_request.tensors is None:
+            return
+        if known is not None and not (replace and lora_request.tensors is not None):
+            raise ValueError(f"lora_int_id {lora_id} already names the adapter at {known!r}; give another adapter "
+                             "another id (or remove_lora it first)")
+        load_adapter(lora_request, self.model_config.hf_config, self.lora_config.max_lora_rank)
+        self._lora_paths[lora_id] = source
+
+    def knows_lora(self, lora_id: int) -> bool:
+        return lora_id in self._lora_paths
+
+    def forget_lora(self, lora_id: int) -> None:
+        self._lora_paths.pop(lora_id, None)
 
     def _check_structured_outputs(self, params: SamplingParams) -> None:
         """Limits, then which backend takes the constraint (checked without the tokenizer, cheaply:

@@ -61,3 +61,9 @@ class LoggingStatLogger:
             prompt_tokens / dt, generation_tokens / dt, s.num_running_reqs, s.num_waiting_reqs, self.kv_label,
             100 * s.kv_cache_usage, 100 * hit_rate,
         )
+        if s.spec_num_draft_tokens:
+            logger.info(
+                "Speculative decoding: %d drafted steps, acceptance rate %.1f%%, mean accepted per step %.2f, "
+                "accepted per position %s", s.spec_num_drafts,
+                100 * s.spec_num_accepted_tokens / s.spec_num_draft_tokens,
+                s.spec_num_accepted_tokens / max(s.spec_num_drafts, 1), s.spec_accepted_per_pos)

@@ -18,7 +18,7 @@ from pagedllm.entrypoints.openai.cli_args import FrontendArgs, add_frontend_args
 
 # `pagedllm bench NAME` runs pagedllm.benchmarks.<module>.main(argv).
 BENCHMARKS = {"throughput": "throughput", "latency": "latency", "startup": "startup", "serve": "serve",
-              "cpu": "cpu_vs_hf", "structured": "structured", "moe": "moe_kernel"}
+              "cpu": "cpu_vs_hf", "structured": "structured", "spec": "spec_decode", "moe": "moe_kernel"}
 
 
 def _json_value(text: str) -> Any:
@@ -40,11 +40,14 @@ def _arg_type(annotation: Any) -> tuple[Optional[Callable[[str], Any]], bool]:
     return _json_value, False  # dicts (and callables, given as JSON dicts)
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """One `--kebab-case` flag per EngineArgs field, typed from its annotation."""
+def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    """One `--kebab-case` flag per EngineArgs field, typed from its annotation (`skip`: fields a
+    server flag of the same name already sets)."""
     hints = typing.get_type_hints(EngineArgs)
     group = parser.add_argument_group("engine arguments (EngineArgs)")
     for f in dataclasses.fields(EngineArgs):
+        if f.name in skip:
+            continue
         flag = "--" + f.name.replace("_", "-")
         convert, is_bool = _arg_type(hints[f.name])
         help_text = f"EngineArgs.{f.name}"
@@ -67,7 +70,7 @@ def make_parser() -> argparse.ArgumentParser:
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help=_MODEL_HELP)
     add_frontend_args(serve)
-    add_engine_args(serve)
+    add_engine_args(serve, skip=("reasoning_parser",))  # --reasoning-parser: the server's flag feeds both
 
     gen = sub.add_parser("generate", help="generate from one prompt (or chat message), streaming text to stdout",
                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)

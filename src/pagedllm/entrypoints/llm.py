@@ -12,6 +12,7 @@ from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.chat_utils import ChatMessage, apply_chat_template
 from pagedllm.inputs import PromptType
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -66,14 +67,28 @@ class LLM:
         device and in any float dtype; they are copied and cast into place."""
         self.collective_rpc("load_weights", args=(named_tensors,))
 
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        return self.llm_engine.add_lora(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self.llm_engine.remove_lora(lora_id)
+
+    def pin_lora(self, lora_id: int) -> bool:
+        return self.llm_engine.pin_lora(lora_id)
+
+    def list_loras(self) -> set[int]:
+        return self.llm_engine.list_loras()
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: list[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; results come back in input order."""
+        """Generate for every prompt; results come back in input order. ``lora_request``: one
+        adapter for every prompt, or one (or None) per prompt."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                                  and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -90,7 +105,13 @@ class LLM:
                 )
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"priority has {len(priority)} entries but there are {len(prompts)} prompts")
-        return self._run(prompts, params_list, priority or [0] * len(prompts), use_tqdm)
+        if isinstance(lora_request, (list, tuple)):
+            if len(lora_request) != len(prompts):
+                raise ValueError(f"lora_request has {len(lora_request)} entries but there are {len(prompts)} prompts")
+            loras = list(lora_request)
+        else:
+            loras = [lora_request] * len(prompts)
+        return self._run(prompts, params_list, priority or [0] * len(prompts), use_tqdm, loras)
 
     def chat(
         self,
@@ -103,6 +124,7 @@ class LLM:
         chat_template_kwargs: dict[str, Any] | None = None,
         chat_template_content_format: str = "auto",
         tools: list[dict[str, Any]] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to each conversation, then generate.
         `chat_template_content_format` (auto/string/openai) is vLLM's: how message content
@@ -118,18 +140,18 @@ class LLM:
                 **(chat_template_kwargs or {}), **({"tools": tools} if tools else {}))}
             for conv in conversations
         ]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def _run(self, prompts: list[PromptType], params_list: list[SamplingParams], priority: list[int],
-             use_tqdm: bool) -> list[RequestOutput]:
+             use_tqdm: bool, loras: list[LoRARequest | None] | None = None) -> list[RequestOutput]:
         engine = self.llm_engine
         ids: list[str] = []
         try:
-            for prompt, params, prio in zip(prompts, params_list, priority):
+            for prompt, params, prio, lora in zip(prompts, params_list, priority, loras or [None] * len(prompts)):
                 params = params.clone()
                 params.output_kind = RequestOutputKind.FINAL_ONLY
                 request_id = str(next(self._counter))
-                engine.add_request(request_id, prompt, params, priority=prio)
+                engine.add_request(request_id, prompt, params, priority=prio, lora_request=lora)
                 ids.append(request_id)
             results: dict[str, RequestOutput] = {}
             bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)

@@ -16,13 +16,17 @@ from torch import nn
 from pagedllm.distributed import (
     get_tp_rank, get_tp_size, tensor_model_parallel_all_gather, tensor_model_parallel_all_reduce,
 )
+from pagedllm.lora.layers import MAPPING as LORA_MAPPING
 from pagedllm.model.rotary import RotaryEmbedding, rope_params  # noqa: F401  (re-exported)
 from pagedllm.ops import triton_ops_for
+from pagedllm.ops.cpu_linear import cpu_linear
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear``, or on CUDA the Triton ops' version (small decode batches on the small-row
-    kernels)."""
+    """``F.linear``; on CUDA the Triton ops' version (small decode batches on the small-row
+    kernels), on CPU oneDNN's (pagedllm.ops.cpu_linear: MKL sgemm is several times slower)."""
+    if x.device.type == "cpu":
+        return cpu_linear(x, weight, bias)
     ops = triton_ops_for(x)
     return F.linear(x, weight, bias) if ops is None else ops.linear(x, weight, bias)
 
@@ -151,7 +155,10 @@ class SiluAndMul(nn.Module):
 
 
 class Linear(nn.Module):
-    """``y = x W^T + b`` with loaders, replicated on every rank."""
+    """``y = x W^T + b`` with loaders, replicated on every rank. With LoRA enabled the runner
+    attaches ``lora`` (pagedllm.lora.layers.LoRASlots): each token's adapter delta is added."""
+
+    lora = None
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
         super().__init__()
@@ -162,7 +169,8 @@ class Linear(nn.Module):
         default_weight_loader(param, loaded_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        y = linear(x, self.weight, self.bias)
+        return y if self.lora is None or not LORA_MAPPING.groups else self.lora.apply(x, y)
 
 
 class RowParallelLinear(Linear):
@@ -185,7 +193,7 @@ class RowParallelLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return linear(x, self.weight, self.bias)
+            return Linear.forward(self, x)
         y = tensor_model_parallel_all_reduce(linear(x, self.weight))
         return y if self.bias is None else y + self.bias
 

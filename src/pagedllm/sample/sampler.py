@@ -137,10 +137,10 @@ class Sampler:
                 and md.repetition_penalties is None and md.allowed_token_ids_mask is None and not md.logit_bias
                 and not md.banned_token_ids and not md.logits_processors)
 
-    def _sample(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-        if md.all_greedy:
-            return logits.argmax(dim=-1)
-        greedy = None if md.all_random else logits.argmax(dim=-1)
+    @staticmethod
+    def probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        """The distribution a random row samples from: temperature, min-p, top-k and top-p
+        applied (a greedy row's is its softmax at temperature 1; it samples by argmax)."""
         temperature = torch.where(md.temperature < _EPS, 1.0, md.temperature)
         logits = logits / temperature[:, None]
         if md.min_p is not None:
@@ -149,7 +149,13 @@ class Sampler:
             logits = logits.masked_fill(probs < threshold, float("-inf"))
         if md.top_k is not None or md.top_p is not None:
             logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
-        probs = torch.softmax(logits, dim=-1)
+        return torch.softmax(logits, dim=-1)
+
+    def _sample(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        if md.all_greedy:
+            return logits.argmax(dim=-1)
+        greedy = None if md.all_random else logits.argmax(dim=-1)
+        probs = self.probs(logits, md)
         # Exponential race (Gumbel-max): argmax(p / q), q ~ Exp(1), samples from p. Seeded
         # rows draw q from their own generator, so their tokens do not depend on the batch.
         q = torch.empty_like(probs)

@@ -53,10 +53,10 @@ def xgrammar_grammar(params: StructuredOutputsParams) -> Any:
     kind = params.kind
     if params.whitespace_pattern is not None:
         raise ValueError("xgrammar does not support whitespace_pattern")
-    if kind == "json":
-        return xgr.Grammar.from_json_schema(json.dumps(params.json), any_whitespace=not params.disable_any_whitespace)
-    if kind == "json_object":
-        return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=not params.disable_any_whitespace)
+    if kind in ("json", "json_object"):
+        schema = json.dumps(params.json) if kind == "json" else '{"type": "object"}'
+        bound = {} if params.max_whitespace is None else {"max_whitespace_cnt": params.max_whitespace}
+        return xgr.Grammar.from_json_schema(schema, any_whitespace=not params.disable_any_whitespace, **bound)
     if kind == "regex":
         return xgr.Grammar.from_regex(params.regex)
     if kind == "choice":
@@ -79,10 +79,10 @@ class XgrammarBackend:
         return self._compiler.compile_grammar(xgrammar_grammar(params))
 
     def matcher(self, compiled: Any) -> Matcher:
-        return _XgrammarMatcher(compiled)
+        return XgrammarMatcher(compiled)
 
 
-class _XgrammarMatcher:
+class XgrammarMatcher:
     def __init__(self, compiled: Any) -> None:
         import torch
         import xgrammar as xgr
@@ -103,6 +103,21 @@ class _XgrammarMatcher:
         self._m.rollback(num_tokens)
 
 
+class BatchFiller:
+    """xgrammar's batch fill: many matchers' rows on ``max_threads`` threads (its C++ releases
+    the GIL), one call per step."""
+
+    def __init__(self, max_threads: int) -> None:
+        import torch
+        import xgrammar as xgr
+
+        self._torch = torch
+        self._batch = xgr.BatchGrammarMatcher(max_threads)
+
+    def fill(self, matchers: list[XgrammarMatcher], bitmask: np.ndarray, rows: list[int]) -> None:
+        self._batch.batch_fill_next_token_bitmask([m._m for m in matchers], self._torch.from_numpy(bitmask), rows)
+
+
 # ---- llguidance ---------------------------------------------------------------------------------
 def guidance_grammar(params: StructuredOutputsParams) -> str:
     """llguidance's grammar text; raises on an invalid or unsupported constraint (checked with
@@ -115,6 +130,8 @@ def guidance_grammar(params: StructuredOutputsParams) -> str:
         options: dict[str, Any] = {"whitespace_flexible": not params.disable_any_whitespace}
         if params.whitespace_pattern is not None:
             options["whitespace_pattern"] = params.whitespace_pattern
+        elif params.max_whitespace is not None:
+            options["whitespace_pattern"] = f"[\\x20\\x0A\\x0D\\x09]{{0,{params.max_whitespace}}}"
         if params.disable_any_whitespace:
             options.update(item_separator=",", key_separator=":")
         schema["x-guidance"] = options

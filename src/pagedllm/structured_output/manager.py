@@ -11,16 +11,17 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import numpy as np
 
 from pagedllm.config import StructuredOutputsConfig
-from pagedllm.structured_output.backends import BACKEND_CLASSES, Matcher, _first_line
+from pagedllm.reasoning import ReasoningParserManager
+from pagedllm.structured_output.backends import BACKEND_CLASSES, BatchFiller, Matcher, XgrammarMatcher, _first_line
 from pagedllm.structured_params import StructuredOutputsParams
 
 logger = logging.getLogger("pagedllm")
@@ -28,25 +29,42 @@ logger = logging.getLogger("pagedllm")
 _CACHE_ENTRIES = 256  # compiled grammars kept (LRU)
 
 
-@dataclass
 class GrammarBitmask:
-    """One step's masks: row i (int32 words, bit set = token allowed) belongs to ``req_ids[i]``."""
+    """One step's masks: row i (int32 words, bit set = token allowed) belongs to ``req_ids[i]``.
 
-    req_ids: list[str]
-    bitmask: np.ndarray  # [len(req_ids), ceil(vocab / 32)] int32
+    Filled when first read (``fill``), so that a worker in the engine's process reads it after
+    it has launched the step's forward: the host fills the masks while the device computes.
+    Sent to another process, it is filled before it goes (``__getstate__``)."""
+
+    def __init__(self, req_ids: list[str], bitmask: np.ndarray | None = None,
+                 fill: Callable[[], np.ndarray] | None = None) -> None:
+        self.req_ids = req_ids
+        self._bitmask, self._fill = bitmask, fill
+
+    @property
+    def bitmask(self) -> np.ndarray:  # [len(req_ids), ceil(vocab / 32)] int32
+        if self._bitmask is None:
+            self._bitmask, self._fill = self._fill(), None
+        return self._bitmask
+
+    def __getstate__(self) -> dict:
+        return {"req_ids": self.req_ids, "_bitmask": self.bitmask, "_fill": None}
 
 
 class GrammarRequest:
     """One request's grammar: compiling, then ready (a matcher), or failed (``error``)."""
 
     def __init__(self, manager: "StructuredOutputManager", request_id: str, params: StructuredOutputsParams,
-                 future: concurrent.futures.Future) -> None:
+                 future: concurrent.futures.Future, prompt_token_ids: list[int] | None = None) -> None:
         self.manager, self.request_id, self.params = manager, request_id, params
         self.future = future
         self.submitted_at = time.monotonic()
         self.matcher: Matcher | None = None
         self.error: str | None = None
         self.num_accepted = 0
+        # Under a reasoning parser the constraint waits for the reasoning's end (set when ready).
+        self._prompt_token_ids = prompt_token_ids
+        self.reasoning_ended = True
 
     def is_ready(self) -> bool:
         return self.matcher is not None
@@ -60,6 +78,10 @@ class GrammarRequest:
                 self.error = f"{field} could not be compiled: {_first_line(exc)}"
             else:
                 self.matcher = self.manager.backend(self.params._backend).matcher(self.future.result())
+                reasoner = self.manager.reasoner
+                if reasoner is not None:
+                    self.reasoning_ended = reasoner.prompt_ends_reasoning(self._prompt_token_ids or [])
+                self._prompt_token_ids = None
             return True
         timeout = self.manager.config.compile_timeout_s
         if now - self.submitted_at > timeout:
@@ -67,6 +89,11 @@ class GrammarRequest:
                           "or raise structured_outputs_config's compile_timeout_s")
             return True
         return False
+
+    def see_reasoning_token(self, token_id: int) -> None:
+        """A token sampled while the reasoning runs (unconstrained): the end tag starts the constraint."""
+        if token_id == self.manager.reasoner.end_token_id:
+            self.reasoning_ended = True
 
     def accept_tokens(self, token_ids: Iterable[int]) -> bool:
         """Advance over tokens the request sampled; False if the grammar refuses one."""
@@ -107,6 +134,11 @@ class StructuredOutputManager:
         self._tokenizer_factory = tokenizer_factory
         self._stop_token_ids = sorted(set(stop_token_ids))
         self._backends: dict[str, Any] = {}
+        self._batch_filler: BatchFiller | None = None
+        # The reasoning parser whose end tag starts each constraint (None: constraints start at once).
+        self._reasoner_cls = (ReasoningParserManager.get_reasoning_parser(config.reasoning_parser)
+                              if config.reasoning_parser and not config.enable_in_reasoning else None)
+        self.reasoner: Any = None
         self._lock = threading.Lock()
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._cache: OrderedDict[tuple, concurrent.futures.Future] = OrderedDict()
@@ -127,6 +159,12 @@ class StructuredOutputManager:
                 # allowed); a tokenizer with more ids than the model's logits gets a wider mask, of
                 # which the runner reads the logits' width.
                 vocab = max(self.vocab_size, len(tokenizer))
+                if self._reasoner_cls is not None and self.reasoner is None:
+                    reasoner = self._reasoner_cls(tokenizer)
+                    if reasoner.end_token_id is None:
+                        raise ValueError(f"reasoning parser {self.config.reasoning_parser!r}: the tokenizer has no "
+                                         f"{reasoner.end_tag!r} token, so a constraint could never start")
+                    self.reasoner = reasoner
                 self._backends[name] = BACKEND_CLASSES[name](tokenizer, vocab, stops)
                 self.words = -(-vocab // 32)
             return self._backends[name]
@@ -134,7 +172,8 @@ class StructuredOutputManager:
     def _compile(self, params: StructuredOutputsParams) -> Any:
         return self.backend(params._backend).compile(params)
 
-    def add_request(self, request_id: str, params: StructuredOutputsParams) -> GrammarRequest:
+    def add_request(self, request_id: str, params: StructuredOutputsParams,
+                    prompt_token_ids: list[int] | None = None) -> GrammarRequest:
         """Start (or join, or reuse) the compile of the request's grammar; returns its handle."""
         key = (params._backend, params.kind, params.spec_text(), params.options())
         future = self._cache.get(key)
@@ -148,7 +187,8 @@ class StructuredOutputManager:
                 self._cache.popitem(last=False)
         else:
             self._cache.move_to_end(key)
-        handle = GrammarRequest(self, request_id, params, future)
+        prompt = list(prompt_token_ids or []) if self._reasoner_cls is not None else None
+        handle = GrammarRequest(self, request_id, params, future, prompt)
         self.live[request_id] = handle
         self.pending[request_id] = handle
         return handle
@@ -174,13 +214,27 @@ class StructuredOutputManager:
 
     # ---- each step ------------------------------------------------------------------------------
     def bitmask(self, handles: list[GrammarRequest]) -> GrammarBitmask | None:
-        """The masks of the constrained requests that sample this step (None: there are none)."""
+        """The masks of the constrained requests that sample this step (None: there are none),
+        filled when the worker reads them."""
         if not handles:
             return None
+        return GrammarBitmask([h.request_id for h in handles], fill=lambda: self._fill(handles))
+
+    def _fill(self, handles: list[GrammarRequest]) -> np.ndarray:
+        """xgrammar's matchers fill their rows together on several threads; others one by one."""
         bitmask = np.empty((len(handles), self.words), dtype=np.int32)
+        batched = [(row, h.matcher) for row, h in enumerate(handles) if isinstance(h.matcher, XgrammarMatcher)]
+        if len(batched) > 1:
+            if self._batch_filler is None:
+                self._batch_filler = BatchFiller(min(self.config.max_fill_threads, os.cpu_count() or 1))
+            self._batch_filler.fill([m for _, m in batched], bitmask, [row for row, _ in batched])
+        else:
+            batched = []
+        done = {row for row, _ in batched}
         for row, handle in enumerate(handles):
-            handle.fill_bitmask(bitmask, row)
-        return GrammarBitmask([h.request_id for h in handles], bitmask)
+            if row not in done:
+                handle.fill_bitmask(bitmask, row)
+        return bitmask
 
     def shutdown(self) -> None:
         if self._pool is not None:

@@ -45,16 +45,20 @@ class CudaGraphs:
         self.candidate_sizes = cuda_graph_sizes(max_num_reqs, max_num_tokens)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.sizes: list[int] = []  # captured sizes, ascending (empty: every step runs eagerly)
+        # With LoRA: a second set whose adapters map through the LoRA manager's fixed buffers.
+        self.lora_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
-    def size_for(self, num_reqs: int) -> int | None:
+    def size_for(self, num_reqs: int, lora: bool = False) -> int | None:
         """The captured batch size a decode step of ``num_reqs`` replays (None: run eagerly)."""
+        if lora and not self.lora_graphs:
+            return None
         i = bisect.bisect_left(self.sizes, num_reqs)
         return self.sizes[i] if i < len(self.sizes) else None
 
-    def replay(self, size: int, num_reqs: int) -> torch.Tensor:
+    def replay(self, size: int, num_reqs: int, lora: bool = False) -> torch.Tensor:
         """Replay the graph of ``size`` over the buffers as uploaded; the first ``num_reqs``
         rows of its output are the step's hidden states."""
-        graph, out = self.graphs[size]
+        graph, out = (self.lora_graphs if lora else self.graphs)[size]
         graph.replay()
         return out[:num_reqs]
 
@@ -80,7 +84,7 @@ class CudaGraphs:
         return buf
 
     @torch.inference_mode()
-    def capture(self, model: nn.Module) -> None:
+    def capture(self, model: nn.Module, lora=None) -> None:
         """Capture one graph of the model forward per decode batch size, largest first, in one
         shared memory pool. A decode step then replays the smallest graph that holds it."""
         if self.device.type != "cuda" or not self.graph_safe:
@@ -95,23 +99,33 @@ class CudaGraphs:
         # device was current then, and capturing there would switch this engine to that device.
         stream = torch.cuda.Stream(self.device)
         buf = self.reset_inputs()
-        for bs in reversed(sizes):
-            args = (buf.input_ids[:bs], buf.positions[:bs], self.metadata(bs))
-            model(*args)  # warm-up: compiles kernels, settles allocator state
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
-                out = model(*args)
-            self.graphs[bs] = (graph, out)
+        sets = [(self.graphs, None)]
+        if lora is not None and lora.graphs_supported():
+            lora.max_graph_tokens = sizes[-1]
+            sets.append((self.lora_graphs, lora))
+        for graphs, with_lora in sets:
+            for bs in reversed(sizes):
+                if with_lora is not None:
+                    with_lora.capture_mapping(bs)
+                args = (buf.input_ids[:bs], buf.positions[:bs], self.metadata(bs))
+                model(*args)  # warm-up: compiles kernels, settles allocator state
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    out = model(*args)
+                graphs[bs] = (graph, out)
+            if with_lora is not None:
+                with_lora.clear_mapping()
         torch.cuda.synchronize(self.device)
         self.sizes = list(sizes)
-        logger.info("Captured %d CUDA graphs for decode batches of 1..%d in %.1f s",
-                    len(sizes), sizes[-1], time.perf_counter() - t0)
+        logger.info("Captured %d CUDA graphs for decode batches of 1..%d%s in %.1f s", len(sizes) * len(sets),
+                    sizes[-1], " (with and without LoRA)" if len(sets) > 1 else "", time.perf_counter() - t0)
 
     def release(self) -> None:
         """Forget the captured graphs (and their memory pool); steps run eagerly until
         ``capture`` runs again."""
         self.graphs = {}
+        self.lora_graphs = {}
         self.sizes = []
 
 

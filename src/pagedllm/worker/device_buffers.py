@@ -20,9 +20,11 @@ class DeviceBuffers:
     def __init__(self, max_tokens: int, max_reqs: int, max_blocks: int, device: torch.device) -> None:
         self.device = device
         self.on_cpu = device.type == "cpu"
+        # Sampling rows: one per request, or with speculative decoding one per verified position.
+        max_rows = max(max_tokens, max_reqs)
         sizes = {"input_ids": max_tokens, "positions": max_tokens, "slot_mapping": max_tokens,
-                 "seq_lens": max_reqs, "query_start_loc": max_reqs + 1, "temperature": max_reqs,
-                 "sample_index": max_reqs, "inflight_dst": max_reqs, "inflight_src": max_reqs}
+                 "seq_lens": max_reqs, "query_start_loc": max_reqs + 1, "temperature": max_rows,
+                 "sample_index": max_rows, "inflight_dst": max_reqs, "inflight_src": max_reqs}
         self.host: dict[str, torch.Tensor] = {}
         self.dev: dict[str, torch.Tensor] = {}
         if self.on_cpu:

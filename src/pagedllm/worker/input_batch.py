@@ -114,6 +114,11 @@ class InputBatch:
                         self.token_ids_cpu[state.row, pos] = tok
                         state.token_ids.append(tok)
                     pos += 1
+        for req_id, drafts in sched.scheduled_spec_decode_tokens.items():
+            # The step's inputs past the known tokens: written in the row, not (yet) the request's.
+            state = self.requests[req_id]
+            n = len(state.token_ids)
+            self.token_ids_cpu[state.row, n:n + len(drafts)] = drafts
 
     def add_request(self, new: NewRequestData) -> CachedRequestState:
         """Give the request a row and write everything about it that a step reads."""
@@ -155,11 +160,14 @@ class InputBatch:
         self.free_rows.append(state.row)
         return state
 
-    def append_sampled(self, states: Sequence[CachedRequestState], tokens: Sequence[int]) -> None:
+    def append_sampled(self, states: Sequence[CachedRequestState], tokens: Sequence[int | list[int]]) -> None:
         """A step's sampled tokens reached the host: append each to its request's row, unless
-        the request finished or was preempted (and possibly resumed as a new state) since."""
+        the request finished or was preempted (and possibly resumed as a new state) since. A
+        request that verified proposed tokens gets a list (its accepted drafts and one more)."""
         for state, tok in zip(states, tokens):
             if self.requests.get(state.req_id) is state:
-                self.token_ids_cpu[state.row, len(state.token_ids)] = tok
-                state.token_ids.append(tok)
+                new = tok if isinstance(tok, list) else [tok]
+                n = len(state.token_ids)
+                self.token_ids_cpu[state.row, n:n + len(new)] = new
+                state.token_ids.extend(new)
                 state.num_inflight -= 1

@@ -28,8 +28,9 @@ from pagedllm.structured_output.bitmask import apply_grammar
 from pagedllm.worker import cuda_graphs
 from pagedllm.worker.cuda_graphs import CudaGraphs
 from pagedllm.worker.device_buffers import DeviceBuffers
-from pagedllm.worker.input_batch import CachedRequestState, InputBatch
+from pagedllm.worker.input_batch import CachedRequestState, Column, InputBatch
 from pagedllm.worker.routed_experts import RoutedExpertsCapture, split_routed
+from pagedllm.worker.spec_verify import verify_drafts
 
 logger = logging.getLogger("pagedllm")
 
@@ -48,7 +49,8 @@ class _Batch:
     sample_rows: list[int]  # the requests that reach their last known token this step: they sample
     sample_batch_rows: np.ndarray  # their rows in the input batch
     sample_index: torch.Tensor | None  # their last tokens' rows of the flat batch (None: all, a decode)
-    temperature: torch.Tensor | None  # their temperatures, on the device
+    temperature: torch.Tensor | None  # their temperatures, on the device (one per logits row)
+    num_drafts: list[int] | None = None  # per sampling request: its proposed tokens (None: no drafts)
 
 
 class ModelRunner:
@@ -84,6 +86,7 @@ class ModelRunner:
         self._buffers = DeviceBuffers(self.max_num_tokens, self.max_num_reqs, max_blocks_per_req, device)
         self.graphs = CudaGraphs(self._buffers, device, getattr(self.attn_backend, "cuda_graph_safe", False),
                                  self.pp_size, self.max_num_reqs, self.max_num_tokens, sc.max_model_len)
+        self.lora = self._lora_manager(config, model, device)
         # Async scheduling: the last step's sampled tokens, still on the device.
         self._pending: _PendingOutput | None = None
         self._prev_sampled: torch.Tensor | None = None
@@ -92,6 +95,18 @@ class ModelRunner:
         if config.model_config.enable_return_routed_experts:
             self.routed_experts = RoutedExpertsCapture(model, max(self.max_num_tokens, self.max_num_reqs + 16),
                                                        self.block_size, device)
+
+    def _lora_manager(self, config: EngineConfig, model: nn.Module, device: torch.device):
+        """With enable_lora: LoRA slots on the projections, and each request's adapter id as a column."""
+        if config.lora_config is None:
+            return None
+        from pagedllm.lora.manager import LoRAManager
+
+        lc = config.lora_config
+        dtype = self.dtype if lc.lora_dtype == "auto" else TORCH_DTYPES[lc.lora_dtype]
+        self.input_batch.add_column(Column("lora_id", np.int64, 0, lambda new: new.lora_request.lora_int_id
+                                           if new.lora_request is not None else 0))
+        return LoRAManager(model, lc, config.model_config.hf_config, device, dtype)
 
     # ---- KV cache ---------------------------------------------------------------------------
     def kv_cache_bytes_per_block(self) -> int:
@@ -152,7 +167,7 @@ class ModelRunner:
         cuda_graphs.warm_up_kernels(self)
 
     def capture_cuda_graphs(self) -> None:
-        self.graphs.capture(self.model)
+        self.graphs.capture(self.model, self.lora)
 
     def release_cuda_graphs(self) -> None:
         self.graphs.release()
@@ -204,11 +219,19 @@ class ModelRunner:
         rows = self.input_batch.rows_of(states)
         if self._pending is not None and self._needs_known_outputs(states, rows):
             self._pending.result()  # penalties / bad words / processors read the exact history
-        batch = self._prepare_inputs(states, rows, sched.num_scheduled_tokens)
+        lora_ids = self._step_lora_ids(sched, rows) if self.lora is not None else None
+        batch = self._prepare_inputs(states, rows, sched.num_scheduled_tokens, sched.scheduled_spec_decode_tokens,
+                                     lora=lora_ids is not None)
+        if lora_ids is not None:  # the adapters into device slots, the tokens mapped to them
+            counts = np.fromiter((sched.num_scheduled_tokens[s.req_id] for s in states), dtype=np.int64,
+                                 count=len(states))
+            self.lora.prepare_step(lora_ids, counts, batch.graph_size)
         if batch.graph_size is not None:
-            hidden = self.graphs.replay(batch.graph_size, len(req_ids))
+            hidden = self.graphs.replay(batch.graph_size, len(req_ids), lora=lora_ids is not None)
         else:
             hidden = self._run_model(batch.input_ids, batch.positions, batch.attn_metadata)
+        if lora_ids is not None:
+            self.lora.clear_mapping()
         if not self.is_last_stage:  # the last stage samples; the engine reads its output
             output = ModelRunnerOutput(req_ids, [[] for _ in req_ids])
             return _PendingOutput.done(output) if non_block else output
@@ -219,15 +242,21 @@ class ModelRunner:
             sampling = [states[i] for i in sample_rows]
             last_hidden = hidden[:batch.num_tokens] if batch.sample_index is None else hidden[batch.sample_index]
             logits = self.model.compute_logits(last_hidden)
-            if sched.grammar is not None:  # structured outputs: constrained rows keep allowed tokens only
-                apply_grammar(logits, sched.grammar, [s.req_id for s in sampling])
-            md = self.sampling_metadata.build(sampling, batch.sample_batch_rows, batch.temperature)
-            out = self.sampler(logits, md)
-            pending.launch_copy(sampling, out, self._buffers.sampled_tokens_host(len(sampling)))
-            for state in sampling:
-                state.num_inflight += 1
-            self._prev_sampled = out.sampled_token_ids
-            self._prev_index = {state.req_id: j for j, state in enumerate(sampling)}
+            if batch.num_drafts is not None:  # speculative decoding: drafted requests verify theirs
+                for state in sampling:
+                    state.num_inflight += 1
+                sampling, logits, md = verify_drafts(self, sched, states, batch, logits, pending)
+            else:
+                if sched.grammar is not None:  # structured outputs: constrained rows keep allowed tokens only
+                    apply_grammar(logits, sched.grammar, [s.req_id for s in sampling])
+                md = self.sampling_metadata.build(sampling, batch.sample_batch_rows, batch.temperature)
+                for state in sampling:
+                    state.num_inflight += 1
+            if sampling:
+                out = self.sampler(logits, md)
+                pending.launch_copy(sampling, out, self._buffers.sampled_tokens_host(len(sampling)))
+                self._prev_sampled = out.sampled_token_ids
+                self._prev_index = {state.req_id: j for j, state in enumerate(sampling)}
         pending.prompt_logprobs = self._prompt_logprobs(states, batch, hidden)
         if self.routed_experts is not None:
             pending.routed = self.routed_experts.collect(sched, req_ids, self.input_batch.block_table_cpu, rows,
@@ -244,12 +273,20 @@ class ModelRunner:
         if self._pending is pending:
             self._pending = None
 
+    def _step_lora_ids(self, sched: SchedulerOutput, rows: np.ndarray) -> np.ndarray | None:
+        """Each request's adapter id this step (0: none), or None when no request has one."""
+        for new in sched.scheduled_new_reqs:
+            if new.lora_request is not None:
+                self.lora.add_request(new.lora_request)
+        ids = self.input_batch.columns["lora_id"][rows]
+        return ids if ids.any() else None
+
     def _needs_known_outputs(self, states: list[CachedRequestState], rows: np.ndarray) -> bool:
         history = self.sampling_metadata.needs_history(rows)
         return history is not None and any(s.num_inflight for s, h in zip(states, history.tolist()) if h)
 
-    def _prepare_inputs(self, states: list[CachedRequestState], rows: np.ndarray, num_scheduled: dict[str, int]
-                        ) -> _Batch:
+    def _prepare_inputs(self, states: list[CachedRequestState], rows: np.ndarray, num_scheduled: dict[str, int],
+                        drafts: dict[str, list[int]], lora: bool = False) -> _Batch:
         """The flat batch, built with vectorized gathers from the input batch's rows."""
         bs, ib = self.block_size, self.input_batch
         num_reqs = len(states)
@@ -269,14 +306,16 @@ class ModelRunner:
         slots = ib.block_table_cpu[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
         num_blocks = -(-int(seq_lens.max()) // bs)
         block_tables = ib.block_table_cpu[rows, :num_blocks]
-        completes = [end == len(s.token_ids) + s.num_inflight for end, s in zip(seq_lens.tolist(), states)]
+        num_drafts = [len(drafts.get(s.req_id, ())) for s in states] if drafts else [0] * num_reqs
+        completes = [end == len(s.token_ids) + s.num_inflight + k
+                     for end, s, k in zip(seq_lens.tolist(), states, num_drafts)]
         # Inputs still in flight (async scheduling): the previous step's samples, on the device.
         inflight = [(int(qsl[i]) + len(s.token_ids) - starts[i], self._prev_index[s.req_id])
                     for i, s in enumerate(states) if s.num_inflight]
         for s, end in zip(states, seq_lens.tolist()):
             s.num_computed_tokens = end
 
-        graph_size = self.graphs.size_for(num_reqs) if total == num_reqs else None
+        graph_size = self.graphs.size_for(num_reqs, lora) if total == num_reqs else None
         buf = self._buffers
         qsl_list = qsl.tolist()
         buf.begin_step()
@@ -309,14 +348,21 @@ class ModelRunner:
         # device drains.
         sample_rows = [i for i, c in enumerate(completes) if c]
         sample_batch_rows = rows if len(sample_rows) == num_reqs else rows[sample_rows]
-        temperature = sample_index = None
-        if sample_rows:
+        temperature = sample_index = spec_counts = None
+        if sample_rows and drafts:  # every verified position samples: k + 1 rows for k drafts
+            spec_counts = [num_drafts[i] for i in sample_rows]
+            ends = qsl[np.asarray(sample_rows) + 1]
+            index = np.concatenate([np.arange(e - 1 - k, e) for e, k in zip(ends.tolist(), spec_counts)])
+            temperature = buf.upload("temperature", self.sampling_metadata.temperature(
+                np.repeat(sample_batch_rows, np.asarray(spec_counts) + 1)))
+            sample_index = buf.upload("sample_index", index)
+        elif sample_rows:
             temperature = buf.upload("temperature", self.sampling_metadata.temperature(sample_batch_rows))
             if len(sample_rows) != total:
                 sample_index = buf.upload("sample_index", qsl[np.asarray(sample_rows) + 1] - 1)
         buf.end_step()
         return _Batch(ids_d, pos_d, md, total, qsl_list, starts, graph_size, sample_rows, sample_batch_rows,
-                      sample_index, temperature)
+                      sample_index, temperature, spec_counts)
 
     def _prompt_logprobs(self, states: list[CachedRequestState], batch: _Batch, hidden: torch.Tensor
                          ) -> dict[str, list[PositionLogprobs]]:
@@ -348,6 +394,8 @@ class _PendingOutput:
         self.host_tokens: torch.Tensor | None = None
         self.event = None
         self.prompt_logprobs: dict[str, list[PositionLogprobs]] = {}
+        # Speculative decoding: (row in req_ids, state, emitted tokens) of the drafted requests.
+        self.spec: list[tuple[int, CachedRequestState, list[int]]] = []
         self.routed = None  # (spans, device rows) of enable_return_routed_experts
         self._result: ModelRunnerOutput | None = None
 
@@ -389,8 +437,11 @@ class _PendingOutput:
                 if k is not None:
                     n = len(lp_ids[j]) if k < 0 else 1 + k
                     logprobs[state.req_id] = (lp_ids[j][:n], lps[j][:n], ranks[j][:n])
+        for row, _, emitted in self.spec:
+            sampled_lists[row] = emitted
         if self.runner is not None:
-            self.runner.land_sampled(self, self.states, tokens)
+            self.runner.land_sampled(self, self.states + [s for _, s, _ in self.spec],
+                                     tokens + [t for _, _, t in self.spec])
         self._result = ModelRunnerOutput(self.req_ids, sampled_lists, logprobs, self.prompt_logprobs,
                                          split_routed(*self.routed) if self.routed is not None else {})
         self.runner = self.states = self.sampler_output = None

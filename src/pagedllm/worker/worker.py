@@ -103,6 +103,24 @@ class Worker:
     def execute_model(self, sched: SchedulerOutput, non_block: bool = False):
         return self.model_runner.execute_model(sched, non_block)
 
+    # ---- LoRA adapters (LLM.add_lora / remove_lora / pin_lora / list_loras) -----------------
+    def _lora(self):
+        if self.model_runner.lora is None:
+            raise ValueError("LoRA is not enabled: create the engine with enable_lora=True")
+        return self.model_runner.lora
+
+    def add_lora(self, lora_request) -> bool:
+        return self._lora().add_adapter(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self._lora().remove(lora_id)
+
+    def pin_lora(self, lora_id: int) -> bool:
+        return self._lora().pin(lora_id)
+
+    def list_loras(self) -> set[int]:
+        return self._lora().list()
+
     # ---- RL rollout: weight updates and sleep mode -----------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named tensors into the live parameters (fused q/k/v and gate/up included);

@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pagedllm import envs
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.core_client import EngineDeadError
 from pagedllm.entrypoints.logger import RequestLogger
@@ -22,12 +23,13 @@ from pagedllm.entrypoints.openai.cli_args import FrontendArgs
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.middleware import APIKeyMiddleware, BodyLimitMiddleware, RequestIdMiddleware
 from pagedllm.entrypoints.openai.protocol import (
-    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
-    TokenizeRequest, TokenizeResponse,
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse, LoadLoRAAdapterRequest,
+    ModelList, TokenizeRequest, TokenizeResponse, UnloadLoRAAdapterRequest,
 )
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_engine import APIError, error_response
+from pagedllm.entrypoints.openai.serving_models import ServingModels
 from pagedllm.version import __version__
 
 logger = logging.getLogger("pagedllm")
@@ -94,6 +96,9 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], args: Optional[Fr
                                 enable_auto_tool_choice=args.enable_auto_tool_choice,
                                 tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
     completion = OpenAIServingCompletion(engine, served_model_names, args.chat_template, **serving_kwargs)
+    if args.lora_modules and engine.processor.lora_config is None:
+        raise ValueError("--lora-modules needs --enable-lora")
+    serving.models = completion.models = ServingModels(engine, served_model_names, args.lora_modules)
     metrics_registry = ServerMetrics(served_model_names[0])
     engine.metrics = metrics_registry
 
@@ -116,6 +121,8 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], args: Optional[Fr
 
     _add_error_handlers(app)
     _add_routes(app, engine, served_model_names, serving, completion, metrics_registry)
+    if envs.PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING:
+        _add_lora_routes(app, serving.models)
     return app
 
 
@@ -169,8 +176,7 @@ def _add_routes(app: FastAPI, engine: AsyncLLM, served_model_names: list[str], s
     @app.get("/v1/models")
     async def models() -> ModelList:
         mc = engine.model_config
-        return ModelList(data=[ModelCard(id=name, root=mc.model, max_model_len=mc.max_model_len)
-                               for name in served_model_names])
+        return ModelList(data=serving.models.cards(mc.model, mc.max_model_len))
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request) -> Any:
@@ -201,3 +207,19 @@ def _add_routes(app: FastAPI, engine: AsyncLLM, served_model_names: list[str], s
         stats = await engine.get_stats()
         return {k: stats[k] for k in ("num_free_blocks", "num_blocks", "num_running", "num_waiting")} | {
             "num_unfinished_requests": engine.get_num_unfinished_requests()}
+
+
+def _add_lora_routes(app: FastAPI, models: ServingModels) -> None:
+    """vLLM's runtime adapter endpoints, served when PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING=1."""
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(req: LoadLoRAAdapterRequest) -> Response:
+        if models.engine.processor.lora_config is None:
+            raise APIError(400, "this server was started without --enable-lora", param="lora_name")
+        models.load(req.lora_name, req.lora_path)
+        return Response(f"Success: LoRA adapter '{req.lora_name}' added successfully.", status_code=200)
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(req: UnloadLoRAAdapterRequest) -> Response:
+        models.unload(req.lora_name)
+        return Response(f"Success: LoRA adapter '{req.lora_name}' removed successfully.", status_code=200)

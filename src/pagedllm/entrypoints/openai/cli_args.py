@@ -75,11 +75,20 @@ class FrontendArgs:
         None, "how the model writes tool calls: hermes, llama3_json, mistral, pythonic, qwen3_xml, qwen3_coder, "
         "or a name registered by --tool-parser-plugin")
     tool_parser_plugin: Optional[str] = _opt(None, "a Python file that registers more tool call parsers")
+    lora_modules: Optional[list[str]] = _opt(
+        None, "LoRA adapters to serve, each name=path or JSON {\"name\", \"path\", \"base_model_name\"}; a "
+        "request's model picks one (needs --enable-lora)", nargs="+")
     reasoning_parser: Optional[str] = _opt(
-        None, "split <think> reasoning into the message's reasoning_content: deepseek_r1 or qwen3")
+        None, "split <think> reasoning into the message's reasoning_content: deepseek_r1 or qwen3; a "
+        "structured-output constraint (tool_choice required/named too) then applies to the answer after it")
 
     def __post_init__(self) -> None:
         self._check_parsers()
+        if self.lora_modules:
+            from pagedllm.entrypoints.openai.serving_models import parse_lora_module
+
+            for text in self.lora_modules:
+                parse_lora_module(text)
         if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
             raise ValueError("--ssl-keyfile and --ssl-certfile go together: give both or neither")
         if self.max_request_body_bytes < 1:
@@ -92,7 +101,7 @@ class FrontendArgs:
 
     def _check_parsers(self) -> None:
         """Parser flags fail at start-up, before the model loads (the plugin file runs here)."""
-        from pagedllm.entrypoints.openai.reasoning import ReasoningParserManager
+        from pagedllm.reasoning import ReasoningParserManager
         from pagedllm.entrypoints.openai.tool_parsers import ToolParserManager, import_tool_parser_plugin
 
         if self.tool_parser_plugin is not None:

@@ -31,6 +31,15 @@ class ServerMetrics:
                                    registry=r)
         self.preemptions = Counter("pagedllm:num_preemptions", "Requests preempted (recomputed later).", names,
                                    registry=r)
+        self.spec_drafts = Counter("pagedllm:spec_decode_num_drafts", "Steps that verified proposed tokens.", names,
+                                   registry=r)
+        self.spec_draft_tokens = Counter("pagedllm:spec_decode_num_draft_tokens", "Proposed tokens verified.", names,
+                                         registry=r)
+        self.spec_accepted = Counter("pagedllm:spec_decode_num_accepted_tokens", "Proposed tokens accepted.", names,
+                                     registry=r)
+        self.spec_per_pos = Counter("pagedllm:spec_decode_num_accepted_tokens_per_pos",
+                                    "Proposed tokens accepted, by position in the draft.", names + ["position"],
+                                    registry=r)
         self.prompt_tokens = Counter("pagedllm:prompt_tokens", "Prompt tokens processed.", names, registry=r)
         self.generation_tokens = Counter("pagedllm:generation_tokens", "Tokens generated.", names, registry=r)
         self.finished = Counter("pagedllm:request_success", "Finished requests by finish reason.",
@@ -43,10 +52,12 @@ class ServerMetrics:
                              buckets=_LATENCY_BUCKETS_S, registry=r)
         self.queue = Histogram("pagedllm:request_queue_time_seconds", "Arrival to first scheduling.", names,
                                buckets=_LATENCY_BUCKETS_S, registry=r)
-        self._last_cumulative = {"queries": 0, "hits": 0, "preemptions": 0, "prompt": 0, "generation": 0}
+        self._last_cumulative = {"queries": 0, "hits": 0, "preemptions": 0, "prompt": 0, "generation": 0,
+                                 "spec_drafts": 0, "spec_draft_tokens": 0, "spec_accepted": 0}
+        self._last_per_pos: list[int] = []
         # Export every series from the start (at 0), so a scrape never misses one.
         for metric in (self.running, self.waiting, self.kv_usage, self.prefix_queries, self.prefix_hits,
-                       self.preemptions, self.prompt_tokens, self.generation_tokens, self.ttft, self.tpot, self.e2e,
+                       self.preemptions, self.spec_drafts, self.spec_draft_tokens, self.spec_accepted, self.prompt_tokens, self.generation_tokens, self.ttft, self.tpot, self.e2e,
                        self.queue):
             metric.labels(**self.labels)
         for reason in ("stop", "length", "abort"):
@@ -70,6 +81,15 @@ class ServerMetrics:
         self._advance("queries", stats.prefix_cache_queries, self.prefix_queries)
         self._advance("hits", stats.prefix_cache_hits, self.prefix_hits)
         self._advance("preemptions", stats.num_preemptions, self.preemptions)
+        if stats.spec_num_drafts:
+            self._advance("spec_drafts", stats.spec_num_drafts, self.spec_drafts)
+            self._advance("spec_draft_tokens", stats.spec_num_draft_tokens, self.spec_draft_tokens)
+            self._advance("spec_accepted", stats.spec_num_accepted_tokens, self.spec_accepted)
+            for pos, total in enumerate(stats.spec_accepted_per_pos):
+                last = self._last_per_pos[pos] if pos < len(self._last_per_pos) else 0
+                if total > last:
+                    self.spec_per_pos.labels(**self.labels, position=str(pos)).inc(total - last)
+            self._last_per_pos = list(stats.spec_accepted_per_pos)
 
     def on_finished(self, output: RequestOutput) -> None:
         reason = next((c.finish_reason for c in output.outputs if c.finish_reason), "abort")

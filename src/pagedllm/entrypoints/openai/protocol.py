@@ -56,6 +56,7 @@ class ModelCard(OpenAIModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "pagedllm"
     root: Optional[str] = None
+    parent: Optional[str] = None  # a LoRA adapter's base model
     max_model_len: Optional[int] = None
 
 
@@ -345,6 +346,15 @@ class ChatCompletionChunk(OpenAIModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: Optional[UsageInfo] = None
+
+
+class LoadLoRAAdapterRequest(OpenAIModel):
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1, max_length=4096)
+
+
+class UnloadLoRAAdapterRequest(OpenAIModel):
+    lora_name: str = Field(min_length=1, max_length=256)
 
 
 # ---- /tokenize and /detokenize (vLLM's extra endpoints) --------------------------------------------

@@ -12,10 +12,12 @@ from pagedllm.entrypoints.openai.protocol import (
     BadParam, ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs,
     ChatResponseMessage, ChatStreamChoice, ChatTokenLogprob, ChatTopLogprob, DeltaMessage, UsageInfo,
 )
-from pagedllm.entrypoints.openai.reasoning import ReasoningParser, ReasoningParserManager
+from pagedllm.reasoning import ReasoningParser, ReasoningParserManager
 from pagedllm.entrypoints.openai.serving_engine import OpenAIServing, _MIN_LOGPROB, _merge, _sse
+from pagedllm.entrypoints.openai.tool_choice import forced_call_constraint, forced_call_parser
 from pagedllm.entrypoints.openai.tool_parsers import ToolParser, ToolParserManager
 from pagedllm.outputs import CompletionOutput
+from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedllm")
 
@@ -24,12 +26,20 @@ class ChoiceParsers:
     """One reply's reasoning and tool-call parsers: whole text, or streamed deltas."""
 
     def __init__(self, reasoning_cls: Optional[type[ReasoningParser]], tool_cls: Optional[type[ToolParser]],
-                 tokenizer: Any, tools: Optional[list[dict]]) -> None:
+                 tokenizer: Any, tools: Optional[list[dict]], forced: Any = None) -> None:
         self.reasoning = reasoning_cls(tokenizer) if reasoning_cls else None
-        self.tool = tool_cls(tokenizer) if tool_cls else None
+        # tool_choice "required" / a named function (``forced``): the constrained output's own parser.
+        self.tool = forced_call_parser(forced, tokenizer) if forced is not None \
+            else tool_cls(tokenizer) if tool_cls else None
         self.tools = tools
+        # OpenAI's finish_reason: "tool_calls" when the model chose to call, "stop" for a named function.
+        self.call_finish_reason = "stop" if isinstance(forced, dict) else "tool_calls"
         self.content = ""  # the reply past the reasoning, so far (what the tool parser reads)
         self.called = False
+
+    def finish_reason(self, finish_reason: Optional[str]) -> Optional[str]:
+        """A streamed reply's finish reason, once its calls went out."""
+        return self.call_finish_reason if self.called and finish_reason == "stop" else finish_reason
 
     def whole(self, text: str, role: str, finish_reason: Optional[str]) -> tuple[ChatResponseMessage, Optional[str]]:
         reasoning, content = self.reasoning.extract_reasoning_content(text) if self.reasoning else (None, text)
@@ -37,7 +47,8 @@ class ChoiceParsers:
         if self.tool is not None and content:
             info = self.tool.extract_tool_calls(content, self.tools)
             if info.tools_called:
-                calls, content, finish_reason = [c.model_dump() for c in info.tool_calls], info.content, "tool_calls"
+                calls, content = [c.model_dump() for c in info.tool_calls], info.content
+                finish_reason = self.call_finish_reason if finish_reason == "stop" else finish_reason
         message = ChatResponseMessage(role=role, content=content, tool_calls=calls, reasoning_content=reasoning,
                                       reasoning=reasoning)
         return message, finish_reason
@@ -70,7 +81,8 @@ class OpenAIServingChat(OpenAIServing):
 
     def parsers(self, req: ChatCompletionRequest) -> ChoiceParsers:
         """vLLM's tool_choice rules: tools without a tool_choice mean "auto", which needs the
-        server's --enable-auto-tool-choice; "none" leaves the reply as text."""
+        server's --enable-auto-tool-choice; "none" leaves the reply as text; "required" and a
+        named function are forced by a constraint (``forced_call_constraint``)."""
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         choice = req.tool_choice if req.tool_choice is not None else ("auto" if tools else "none")
         if choice != "none" and not tools:
@@ -86,11 +98,19 @@ class OpenAIServingChat(OpenAIServing):
         if choice == "auto" and not self.enable_auto_tool_choice:
             raise BadParam("tool_choice", '"auto" tool choice requires --enable-auto-tool-choice and '
                                           '--tool-call-parser to be set')
-        if choice == "required" or isinstance(choice, dict):
-            raise BadParam("tool_choice", "tool_choice 'required' or a named function needs structured outputs, "
-                                          "which this server does not support yet; use 'auto'")
         tool_cls = self.tool_cls if choice == "auto" else None
-        return ChoiceParsers(self.reasoning_cls, tool_cls, self.tokenizer, tools)
+        forced = choice if choice == "required" or isinstance(choice, dict) else None
+        return ChoiceParsers(self.reasoning_cls, tool_cls, self.tokenizer, tools, forced)
+
+    def sampling_params(self, req: ChatCompletionRequest) -> SamplingParams:
+        """The request's sampling, with the constraint that forces a tool call where tool_choice asks."""
+        params = req.to_sampling_params(self.defaults)
+        choice = req.tool_choice
+        if req.tools and (choice == "required" or isinstance(choice, dict)):
+            tools = [t.model_dump(exclude_none=True) for t in req.tools]
+            params.structured_outputs = forced_call_constraint(tools, choice, req.parallel_tool_calls,
+                                                               params.structured_outputs)
+        return params
 
     def response_role_of(self, req: ChatCompletionRequest) -> str:
         """vLLM's rule: --response-role for a new reply, else the role of the message being continued."""
@@ -112,13 +132,13 @@ class OpenAIServingChat(OpenAIServing):
 
     async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request) -> Any:
         model = self.model_name(req.model)
-        params = req.to_sampling_params(self.defaults)
-        self.check_request(req, params)
         self.parsers(req)  # a bad tool_choice fails before the request is queued
+        params = self.sampling_params(req)
+        self.check_request(req, params)
         prompt = await self.off_loop(self.chat_prompt, req)
         self.check_context(prompt["prompt_token_ids"], params, "messages")
         request_id = self.request_id("chatcmpl", raw, req)
-        ids, streams = self._add(request_id, [prompt], params, req.priority)
+        ids, streams = self._add(request_id, [prompt], params, req.priority, model)
         if req.stream:
             return StreamingResponse(self._sse_guard(self._chat_stream(req, model, request_id, streams), ids),
                                      media_type="text/event-stream")
@@ -163,7 +183,7 @@ class OpenAIServingChat(OpenAIServing):
                 texts[out.index] += out.text
                 choice = parsers[out.index]
                 delta = choice.delta(texts[out.index], out.text, final=out.finish_reason is not None)
-                finish_reason = "tool_calls" if choice.called and out.finish_reason == "stop" else out.finish_reason
+                finish_reason = choice.finish_reason(out.finish_reason)
                 logprobs = self._chat_logprobs(out, req.top_logprobs or 0) if req.logprobs else None
                 yield chunk([ChatStreamChoice(index=out.index, delta=delta, logprobs=logprobs,
                                               finish_reason=finish_reason, stop_reason=out.stop_reason)])

@@ -73,7 +73,7 @@ class OpenAIServingCompletion(OpenAIServing):
         for prompt in prompts:
             self.check_context(prompt["prompt_token_ids"], params, "prompt")
         request_id = self.request_id("cmpl", raw, req)
-        ids, streams = self._add(request_id, prompts, params, req.priority)
+        ids, streams = self._add(request_id, prompts, params, req.priority, model)
         if req.stream:
             return StreamingResponse(self._sse_guard(self._completion_stream(req, model, request_id, streams), ids),
                                      media_type="text/event-stream")

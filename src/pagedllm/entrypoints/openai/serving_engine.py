@@ -160,23 +160,35 @@ class OpenAIServing:
         return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                          total_tokens=prompt_tokens + completion_tokens, prompt_tokens_details=details)
 
-    def model_name(self, requested: Optional[str]) -> str:
-        if requested is None:
-            return self.served_model_names[0]
-        if requested not in self.served_model_names:
-            raise APIError(404, f"The model `{requested}` does not exist; served: {self.served_model_names}",
-                           param="model")
-        return requested
+    models: Optional[Any] = None  # serving_models.ServingModels: the base names and the LoRA adapters
 
-    def _add(self, request_id: str, prompts: list[dict[str, Any]], params: SamplingParams, priority: int
-             ) -> tuple[list[str], list[AsyncIterator]]:
+    def model_name(self, requested: Optional[str]) -> str:
+        if self.models is not None:
+            name, _ = self.models.resolve(requested)
+            if name:
+                return name
+            served = self.served_model_names + list(self.models.loras)
+        else:
+            if requested is None:
+                return self.served_model_names[0]
+            if requested in self.served_model_names:
+                return requested
+            served = self.served_model_names
+        raise APIError(404, f"The model `{requested}` does not exist; served: {served}", param="model")
+
+    def lora_request(self, model: str) -> Optional[Any]:
+        return self.models.resolve(model)[1] if self.models is not None else None
+
+    def _add(self, request_id: str, prompts: list[dict[str, Any]], params: SamplingParams, priority: int,
+             model: Optional[str] = None) -> tuple[list[str], list[AsyncIterator]]:
+        lora = self.lora_request(model) if model is not None else None
         ids, streams = [], []
         try:
             for i, prompt in enumerate(prompts):
                 rid = f"{request_id}-{i}" if len(prompts) > 1 else request_id
                 if self.request_logger is not None:
                     self.request_logger.log_inputs(rid, prompt.get("prompt"), prompt.get("prompt_token_ids"), params)
-                streams.append(self.engine.add_request(rid, prompt, params, priority=priority))
+                streams.append(self.engine.add_request(rid, prompt, params, priority=priority, lora_request=lora))
                 ids.append(rid)
         except BaseException:
             self.engine.abort(ids)

@@ -10,6 +10,8 @@ from typing import Any, Callable, Optional
 
 from pydantic import BaseModel, Field
 
+from pagedllm.utils import held_back  # noqa: F401  (the parsers' shared helper)
+
 
 def make_tool_call_id() -> str:
     """An id shaped like OpenAI's (``call_`` + 24 random characters)."""
@@ -91,17 +93,6 @@ def normalize_arguments(args_text: str) -> Optional[str]:
     except json.JSONDecodeError:
         return None
     return json.dumps(value, ensure_ascii=False) if isinstance(value, dict) else None
-
-
-def held_back(text: str, markers: tuple[str, ...]) -> int:
-    """How many trailing characters of ``text`` could be the start of one of ``markers``."""
-    best = 0
-    for marker in markers:
-        for n in range(min(len(marker) - 1, len(text)), 0, -1):
-            if text.endswith(marker[:n]):
-                best = max(best, n)
-                break
-    return best
 
 
 class ToolParser:

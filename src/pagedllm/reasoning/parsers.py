@@ -5,7 +5,7 @@ from typing import Any, Callable, Optional
 
 from pydantic import BaseModel
 
-from pagedllm.entrypoints.openai.tool_parsers.base import held_back
+from pagedllm.utils import held_back
 
 
 class ReasoningDelta(BaseModel):
@@ -60,6 +60,16 @@ class ReasoningParser:
         if self.end_token_id is None:
             raise ValueError(f"the tokenizer has no {self.end_tag!r} token: this reasoning parser does not fit it")
         return self.end_token_id in token_ids
+
+    def prompt_ends_reasoning(self, prompt_token_ids: list[int]) -> bool:
+        """The prompt itself closed the reasoning (Qwen3 with ``enable_thinking=False`` puts an
+        empty ``<think></think>`` block there): the reply is all answer. An end tag counts only
+        after the last start tag (an open ``<think>`` in R1's prompt means the reply reasons)."""
+        if self.end_token_id is None or self.end_token_id not in prompt_token_ids:
+            return False
+        last_end = len(prompt_token_ids) - 1 - prompt_token_ids[::-1].index(self.end_token_id)
+        starts = [i for i, t in enumerate(prompt_token_ids) if t == self.start_token_id]
+        return not starts or starts[-1] < last_end
 
     def extract_content_ids(self, token_ids: list[int]) -> list[int]:
         """The token ids after the end tag (all of them once the reasoning is over)."""

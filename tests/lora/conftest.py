@@ -1,0 +1,13 @@
+"""The LoRA kernels under test (tests/triton_env.py: the interpreter without a GPU)."""
+from __future__ import annotations
+
+import pytest
+
+from tests.triton_env import import_interpreted, kernel_module
+
+import_interpreted("pagedllm.ops.triton_lora")
+
+
+@pytest.fixture
+def triton_lora(monkeypatch):
+    return kernel_module("pagedllm.ops.triton_lora", "_shrink_kernel", monkeypatch)
