@@ -11,7 +11,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pagedllm.ops.cpu_linear import cpu_linear
+
 SCORING_FUNCS = ("softmax", "sigmoid")
+CPU_ONEDNN_MIN_ROWS = 16
 
 
 def route(router_logits: torch.Tensor, top_k: int, scoring: str = "softmax",
@@ -51,6 +54,7 @@ def fused_experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, we
     pairs = pairs[order]
     counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
     flat_weights = weights.reshape(-1).float()
+    on_cpu = x.device.type == "cpu"
     out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
     start = 0
     for expert, n in enumerate(counts):
@@ -59,8 +63,10 @@ def fused_experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, we
         expert_pairs = pairs[start:start + n]
         start += n
         tokens = expert_pairs // top_k
-        gate_up = F.linear(x[tokens], w13[expert])
-        y = F.linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], w2[expert])
+        # On CPU oneDNN beats MKL's sgemm on a few dozen rows (measured 1.4-2.2x); on a handful its call costs more.
+        linear = cpu_linear if on_cpu and n >= CPU_ONEDNN_MIN_ROWS else F.linear
+        gate_up = linear(x[tokens], w13[expert])
+        y = linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], w2[expert])
         out.index_add_(0, tokens, y.float() * flat_weights[expert_pairs, None])
     return out.to(x.dtype)
 
