@@ -2,7 +2,7 @@
 # One device call does the whole GPU pass: correctness tests, then the benchmarks, then a
 # short table. Usage (on the device machine, repo root): scripts/gpu_pass.sh [STAGES]
 # STAGES is a comma list of: tests, throughput, throughput8b, latency, startup, structured, lora,
-# moe, quant, embed (default: startup,tests,throughput,throughput8b,latency).
+# moetune, moe, quant, embed (default: startup,tests,throughput,throughput8b,latency).
 # Needs the SmolLM2 tokenizer saved under .gpu/tokenizer (carried with the call).
 set -uo pipefail
 export PYTHONPATH=src:.${PYTHONPATH:+:$PYTHONPATH} PAGEDLLM_TEST_TOKENIZER_DIR=.gpu/tokenizer HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -33,7 +33,7 @@ if stage tests; then
   python -m pytest -q -rfE -p no:cacheprovider tests/attention tests/ops tests/sample tests/gpu tests/worker tests/engine/test_correctness.py tests/engine/test_correctness_archs.py tests/structured_output tests/engine/test_structured_outputs.py \
     tests/engine/test_async_scheduling.py tests/engine/test_gc_freeze.py tests/engine/test_engine_defaults.py \
     tests/engine/test_spec_decode.py tests/engine/test_sliding_window.py tests/engine/test_structured_reasoning.py \
-    tests/lora ${EXTRA_TESTS:-} > "$OUT/tests.log" 2>&1
+    tests/lora tests/model/test_moe_models.py tests/engine/test_routed_experts.py ${EXTRA_TESTS:-} > "$OUT/tests.log" 2>&1
   echo "   tests rc=$?"; tail -15 "$OUT/tests.log" | cut -c1-300
 fi
 stage throughput && bench throughput python -m pagedllm.benchmarks.throughput --shape qwen3-0.6b
@@ -42,6 +42,13 @@ stage throughput8b && bench throughput8b python -m pagedllm.benchmarks.throughpu
 stage latency && bench latency python -m pagedllm.benchmarks.latency --shape llama3-8b --batch-sizes 1,32
 stage structured && bench structured python -m pagedllm.benchmarks.structured --shape qwen3-0.6b --tokenizer .gpu/tokenizer
 stage lora && bench lora python -m pagedllm.benchmarks.lora --shape llama3-8b
+# MoE (issue 16): --tune writes the tile table to $OUT (copy it to src/pagedllm/ops/fused_moe_configs.json),
+# and the later moe stages run with it when it is copied in first.
+stage moetune && bench moe_tune python -m pagedllm.benchmarks.moe_kernel --shape qwen3-30b-a3b --tune \
+  --tokens 1,2,4,8,16,32,64,128,256,512,1024,2048,4096 --config-out "$OUT/fused_moe_configs.json"
+stage moe && bench moe_kernel python -m pagedllm.benchmarks.moe_kernel --shape qwen3-30b-a3b
+stage moe && bench moe_throughput python -m pagedllm.benchmarks.throughput --shape qwen3-30b-a3b
+stage moe && bench moe_latency python -m pagedllm.benchmarks.latency --shape qwen3-30b-a3b --batch-sizes 1,32
 echo "== results"
 python - "$RES" <<'PY'
 import json, sys

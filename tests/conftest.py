@@ -78,6 +78,8 @@ def smollm2_tokenizer_dir(tmp_path_factory) -> str:
 
 TINY_ARCHS = ("llama", "qwen2", "qwen3")
 DENSE_ARCHS_16 = ("gemma2", "gemma3", "phi3", "olmo", "olmo2")  # tests/engine/test_correctness_archs.py
+# Issue 16's mixtures of experts: 8 experts top-2, and Qwen3-30B-A3B's 128 experts top-8 scaled down to 32.
+MOE_ARCHS_16 = ("qwen3_moe", "qwen2_moe", "mixtral", "qwen3_moe_many")
 
 
 def _tiny_config(arch: str, vocab_size: int, **overrides):
@@ -115,11 +117,32 @@ def _tiny_config(arch: str, vocab_size: int, **overrides):
         cfg = transformers.OlmoConfig(**common, tie_word_embeddings=False, clip_qkv=2.0, pad_token_id=0)
     elif arch == "olmo2":
         cfg = transformers.Olmo2Config(**common, tie_word_embeddings=False, pad_token_id=0)
+    elif arch in MOE_ARCHS_16:
+        cfg = _tiny_moe_config(arch, common)
     else:
         raise ValueError(arch)
     for k, v in overrides.items():
         setattr(cfg, k, v)
     return cfg
+
+
+def _tiny_moe_config(arch: str, common: dict):
+    import transformers
+
+    moe = dict(num_experts_per_tok=2, moe_intermediate_size=32)
+    if arch == "qwen3_moe":  # renormalised top-k, as Qwen3-30B-A3B
+        return transformers.Qwen3MoeConfig(**common, **moe, num_experts=8, head_dim=32, norm_topk_prob=True,
+                                           tie_word_embeddings=False, rope_theta=1e6)
+    if arch == "qwen3_moe_many":  # 32 experts top-8, a dense first layer (mlp_only_layers)
+        return transformers.Qwen3MoeConfig(**{**common, "num_hidden_layers": 3}, num_experts=32, num_experts_per_tok=8,
+                                           moe_intermediate_size=16, head_dim=16, norm_topk_prob=True,
+                                           mlp_only_layers=[0], tie_word_embeddings=False, rope_theta=1e6)
+    if arch == "qwen2_moe":  # a shared expert; not renormalised; every second layer sparse (decoder_sparse_step)
+        return transformers.Qwen2MoeConfig(**{**common, "num_hidden_layers": 4}, **moe, num_experts=8,
+                                           shared_expert_intermediate_size=48, decoder_sparse_step=2,
+                                           norm_topk_prob=False, tie_word_embeddings=False, rope_theta=1e6)
+    return transformers.MixtralConfig(**{**common, "intermediate_size": 32}, num_local_experts=8,
+                                      num_experts_per_tok=2, tie_word_embeddings=False, rope_theta=1e6)
 
 
 def build_tiny_model(arch: str, out_dir: str, tokenizer_dir: str, seed: int = 0, **overrides) -> str:

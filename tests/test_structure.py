@@ -46,7 +46,8 @@ ROOMS: dict[str, int] = {
     "sample": 2,
     "ops": 2,
     "distributed": 2,
-    "lora": 2,  # adapters: requests, PEFT loading, slots on the linears, the runner's manager
+    "lora": 2,  # adapters: requests, PEFT loading, slots on the linears
+    "lora.manager": 3,  # the runner's adapters: device slots, host cache, its input-batch column
     # 1: the shared vocabulary every room may read (no torch here)
     "config": 1,
     "sampling_params": 1,

@@ -42,6 +42,7 @@ class ModelConfig:
     override_generation_config: dict = field(default_factory=dict)
     enforce_eager: bool = False
     enable_sleep_mode: bool = False  # LLM.sleep / wake_up may free and restore weights and KV cache
+    enable_return_routed_experts: bool = False  # CompletionOutput.routed_experts (MoE models)
 
     @property
     def vocab_size(self) -> int:
@@ -142,6 +143,8 @@ class ParallelConfig:
     # "uni": in the engine core's process; "mp": one process per rank on this host; "ray": Ray actors
     distributed_executor_backend: str = "uni"
     device_ids: tuple[int, ...] | None = None  # each rank's GPU among the visible ones (None: rank r on GPU r)
+    # MoE layers: each tensor rank holds num_experts / tp whole experts instead of every expert's slice.
+    enable_expert_parallel: bool = False
 
     @property
     def world_size(self) -> int:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -46,6 +47,10 @@ class CompletionOutput:
     logprobs: SampleLogprobs | None
     finish_reason: str | None = None  # "stop", "length", "abort" or None while running
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    # enable_return_routed_experts: a numpy int16 array [num_tokens, num_moe_layers, top_k] of the experts
+    # each MoE layer chose for every token the model computed (the prompt's, then the output's but the
+    # last, which no forward has seen); set once the sample finishes.
+    routed_experts: Any | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

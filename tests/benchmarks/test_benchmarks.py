@@ -12,7 +12,7 @@ import threading
 import pytest
 import torch
 
-from pagedllm.benchmarks import common, cpu_vs_hf, latency, serve, startup, structured, throughput
+from pagedllm.benchmarks import common, cpu_vs_hf, latency, moe_kernel, serve, startup, structured, throughput
 from tests.conftest import TEST_KV_BYTES, build_tiny_model
 
 KV = f"kv_cache_memory_bytes={TEST_KV_BYTES}"
@@ -214,3 +214,18 @@ def test_serve_client_parses_chunked_streams_and_counts_errors(client):
     assert (summary["completed"], summary["errors"], summary["output_tokens"]) == (1, 3, 5)
     assert summary["tpot_ms_p50"] == pytest.approx((good.latency_s - good.ttft_s) / 4 * 1e3, abs=0.01)
     assert summary["itl_ms_p50"] == pytest.approx(statistics.median(good.itl_s) * 1e3, abs=0.01)
+
+
+def test_moe_kernel_times_the_torch_paths_on_cpu_and_tune_table_merges(capsys, tmp_path):
+    moe_kernel.main(["--tiny", "--tokens", "1,32"])
+    rows = _json_lines(capsys)
+    assert [r["num_tokens"] for r in rows] == [1, 32]
+    for row in rows:
+        assert row["benchmark"] == "moe_kernel" and row["shape"] == "tiny-qwen3-moe" and row["top_k"] == 4
+        assert row["torch_ms"] > 0 and row["bmm_loop_ms"] > 0 and "triton_ms" not in row  # no CUDA here
+    table = tmp_path / "configs.json"
+    table.write_text('{"E=8,H=64,I=32": {"1": {"BLOCK_M": 16}}}')
+    moe_kernel._write_table(str(table), "E=8,H=64,I=32", {32: {"BLOCK_M": 32}})
+    moe_kernel._write_table(str(table), "E=16,H=64,I=32", {1: {"BLOCK_M": 64}})
+    assert json.loads(table.read_text()) == {"E=8,H=64,I=32": {"1": {"BLOCK_M": 16}, "32": {"BLOCK_M": 32}},
+                                             "E=16,H=64,I=32": {"1": {"BLOCK_M": 64}}}

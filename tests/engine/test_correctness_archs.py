@@ -1,4 +1,5 @@
-"""Gemma 2, Gemma 3, Phi-3, OLMo and OLMo 2 (issue 16) match transformers in fp32 on CPU as the first three
+"""Gemma 2, Gemma 3, Phi-3, OLMo, OLMo 2 and the mixtures of experts (Qwen3-MoE, Qwen2-MoE, Mixtral,
+32 experts top-8) of issue 16 match transformers in fp32 on CPU as the first three
 families do: greedy tokens on a mixed-length batch (prompts far past the 12-token sliding
 windows) with default settings, every prefill chunked, preemption, prefix-cache hits; prompt
 logprobs within 1e-4. One tiny model per architecture for the module."""
@@ -6,19 +7,32 @@ from __future__ import annotations
 
 import pytest
 from pagedllm import SamplingParams, TokensPrompt
-from tests.conftest import DENSE_ARCHS_16, build_tiny_model
+from tests.conftest import DENSE_ARCHS_16, MOE_ARCHS_16, build_tiny_model
 from tests.engine.test_correctness import (
     generate_ids, hf_greedy, hf_logprobs, make_llm, mixed_prompts, shared_prefix_prompts,
 )
 
+ARCHS = DENSE_ARCHS_16 + MOE_ARCHS_16
+
+
+class _TinyModels(dict):
+    """Each architecture's tiny model, built when a test first asks for it (``-k`` runs build only theirs)."""
+
+    def __init__(self, tmp_path_factory, tokenizer_dir: str):
+        super().__init__()
+        self.tmp_path_factory, self.tokenizer_dir = tmp_path_factory, tokenizer_dir
+
+    def __missing__(self, arch: str) -> str:
+        self[arch] = build_tiny_model(arch, str(self.tmp_path_factory.mktemp(f"tiny-{arch}")), self.tokenizer_dir)
+        return self[arch]
+
 
 @pytest.fixture(scope="module")
 def arch_models(tmp_path_factory, smollm2_tokenizer_dir) -> dict[str, str]:
-    return {arch: build_tiny_model(arch, str(tmp_path_factory.mktemp(f"tiny-{arch}")), smollm2_tokenizer_dir)
-            for arch in DENSE_ARCHS_16}
+    return _TinyModels(tmp_path_factory, smollm2_tokenizer_dir)
 
 
-@pytest.mark.parametrize("arch", DENSE_ARCHS_16)
+@pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_matches_transformers_default_chunked_and_preempted(arch_models, arch):
     model_dir = arch_models[arch]
     prompts = mixed_prompts()
@@ -31,7 +45,7 @@ def test_greedy_matches_transformers_default_chunked_and_preempted(arch_models, 
     assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0
 
 
-@pytest.mark.parametrize("arch", DENSE_ARCHS_16)
+@pytest.mark.parametrize("arch", ARCHS)
 def test_prefix_cache_hits_and_prompt_logprobs(arch_models, arch):
     model_dir = arch_models[arch]
     llm = make_llm(model_dir, block_size=8)

@@ -97,7 +97,7 @@ def test_unsupported_architecture_lists_every_supported_one():
     with pytest.raises(ValueError, match="not supported") as e:
         get_model_class(["GPTNeoXForCausalLM"])
     for name in ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration", "Phi3ForCausalLM",
-                 "OlmoForCausalLM", "Olmo2ForCausalLM"):
+                 "OlmoForCausalLM", "Olmo2ForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM"):
         assert name in SUPPORTED_ARCHITECTURES and name in str(e.value)
 
 

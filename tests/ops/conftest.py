@@ -7,7 +7,7 @@ from tests.triton_env import ON_GPU, import_interpreted, kernel_module
 
 DEVICE = "cuda" if ON_GPU else "cpu"
 
-import_interpreted("pagedllm.ops.triton_ops", "pagedllm.ops.triton_gemv")
+import_interpreted("pagedllm.ops.triton_ops", "pagedllm.ops.triton_gemv", "pagedllm.ops.triton_fused_moe")
 
 
 @pytest.fixture
@@ -18,3 +18,8 @@ def triton_ops(monkeypatch):
 @pytest.fixture
 def triton_gemv(monkeypatch):
     return kernel_module("pagedllm.ops.triton_gemv", "_small_m_gemm_kernel", monkeypatch)
+
+
+@pytest.fixture
+def triton_fused_moe(monkeypatch):
+    return kernel_module("pagedllm.ops.triton_fused_moe", "_moe_gate_up_kernel", monkeypatch)

@@ -37,12 +37,28 @@ SHAPES = {
         rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                       "original_max_position_embeddings": 8192},
     ),
+    # Issue 16's MoE shape: 128 experts top-8 (3B of 30B parameters active per token).
+    "qwen3-30b-a3b": dict(
+        architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048, num_hidden_layers=48,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, intermediate_size=6144,
+        moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[], vocab_size=151936, tie_word_embeddings=False, rope_theta=1e6,
+        rms_norm_eps=1e-6, max_position_embeddings=40960, hidden_act="silu", dtype="bfloat16",
+        bos_token_id=151643, eos_token_id=151645,
+    ),
     # Small enough for a 2-core CPU smoke run of the same code path.
     "tiny-llama": dict(
         architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=256, num_hidden_layers=4,
         num_attention_heads=8, num_key_value_heads=4, intermediate_size=768, vocab_size=32000,
         tie_word_embeddings=False, rope_theta=1e4, rms_norm_eps=1e-5, max_position_embeddings=4096,
         hidden_act="silu", dtype="bfloat16", bos_token_id=1, eos_token_id=2,
+    ),
+    "tiny-qwen3-moe": dict(
+        architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=256, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=32, intermediate_size=768, moe_intermediate_size=128,
+        num_experts=16, num_experts_per_tok=4, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+        vocab_size=32000, tie_word_embeddings=False, rope_theta=1e6, rms_norm_eps=1e-6,
+        max_position_embeddings=4096, hidden_act="silu", dtype="bfloat16", bos_token_id=1, eos_token_id=2,
     ),
 }
 
@@ -64,17 +80,26 @@ def write_shape(shape: str, tokenizer_dir: str | None = None, **overrides) -> st
     return folder
 
 
-def weight_bytes(config: dict, itemsize: int = 2) -> int:
-    """Parameter bytes of a Llama-family shape: embeddings, layers, final norm, lm_head if untied."""
+def weight_bytes(config: dict, itemsize: int = 2, active_only: bool = False) -> int:
+    """Parameter bytes of a Llama-family or Qwen3-MoE shape: embeddings, layers, final norm, lm_head
+    if untied. ``active_only``: what one token reads (of each MoE layer only its top-k experts)."""
     hidden, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
     heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
     head_dim = config.get("head_dim") or hidden // heads
     attn = hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden
-    norms = 2 * hidden + (2 * head_dim if config["model_type"] == "qwen3" else 0)
-    per_layer = attn + 3 * hidden * inter + norms
+    norms = 2 * hidden + (2 * head_dim if config["model_type"] in ("qwen3", "qwen3_moe") else 0)
     params = vocab * hidden * (1 if config.get("tie_word_embeddings") else 2) + hidden
-    params += config["num_hidden_layers"] * per_layer
+    for layer in range(config["num_hidden_layers"]):
+        params += attn + norms + _mlp_params(config, layer, active_only)
     return params * itemsize
+
+
+def _mlp_params(config: dict, layer: int, active_only: bool) -> int:
+    hidden, experts = config["hidden_size"], config.get("num_experts", 0)
+    if not experts or layer in config.get("mlp_only_layers", []) or (layer + 1) % config["decoder_sparse_step"]:
+        return 3 * hidden * config["intermediate_size"]
+    used = config["num_experts_per_tok"] if active_only else experts
+    return used * 3 * hidden * config["moe_intermediate_size"] + experts * hidden  # experts + router
 
 
 def parse_engine_args(text: str) -> dict:

@@ -9,9 +9,10 @@ per step is the difference of the medians over the output_len - 1 decode steps:
     ms_per_step = (median(total) - median(ttft)) / (output_len - 1)
 
 At batch 1 that is ms per output token; at batch B each step yields B tokens. For batch 1
-the memory roofline is the weight bytes (from the config shape) over the device's measured
-copy bandwidth ((bytes read + bytes written) / time of copying a --copy-mib tensor, median
-of repeats, timed with CUDA events): roofline_fraction = roofline_ms / ms_per_step.
+the memory roofline is the weight bytes one token reads (from the config shape; of a MoE layer
+only its top-k experts) over the device's measured copy bandwidth ((bytes read + bytes written)
+/ time of copying a --copy-mib tensor, median of repeats, timed with CUDA events):
+roofline_fraction = roofline_ms / ms_per_step.
 """
 from __future__ import annotations
 
@@ -121,7 +122,7 @@ def main(argv: list[str] | None = None) -> None:
                   "e2e_s": round(total_s, 4), "ms_per_step": round(step_ms, 3),
                   "decode_tok_s": round(batch * 1e3 / step_ms, 1)}
         if batch == 1:
-            wbytes = weight_bytes(config, itemsize)
+            wbytes = weight_bytes(config, itemsize, active_only=True)  # MoE: one token reads its top-k experts
             roofline_ms = wbytes / bandwidth * 1e3
             result.update(weight_bytes=wbytes, copy_bandwidth_gb_s=round(bandwidth / 1e9, 1),
                           roofline_ms=round(roofline_ms, 3), roofline_fraction=round(roofline_ms / step_ms, 3))

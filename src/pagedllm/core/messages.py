@@ -28,6 +28,8 @@ class EngineCoreOutput:
     new_token_ids: list[int]
     new_logprobs: list[PositionLogprobs] | None = None
     new_prompt_logprobs: list[PositionLogprobs] | None = None
+    # enable_return_routed_experts: (first position, expert ids [n, moe_layers, top_k]) computed this step
+    new_routed_experts: tuple[int, Any] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0

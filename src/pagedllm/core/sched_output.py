@@ -65,3 +65,6 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
     # Speculative decoding with a draft model: the draft's guess of each request's next tokens.
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # enable_return_routed_experts: per request, (first position, expert ids [n, moe_layers, top_k])
+    # of the positions this step computed (from 0 when the request (re)started: prefix hits too).
+    routed_experts: dict[str, tuple[int, Any]] = field(default_factory=dict)

@@ -298,7 +298,8 @@ class Scheduler:
             if request is None:  # aborted while the step ran
                 continue
             prompt_lps = result.prompt_logprobs.get(req_id)
-            if not token_ids and prompt_lps is None:
+            routed = result.routed_experts.get(req_id)
+            if not token_ids and prompt_lps is None and routed is None:
                 continue
             if self.config.tracks_in_flight:
                 request.num_output_placeholders -= len(token_ids)
@@ -325,6 +326,7 @@ class Scheduler:
                 req_id, new_token_ids,
                 new_logprobs=[lp] if lp is not None and new_token_ids else None,
                 new_prompt_logprobs=prompt_lps,
+                new_routed_experts=routed,
                 finish_reason=request.status.finish_reason,
                 stop_reason=request.stop_reason,
                 num_cached_tokens=max(request.num_cached_tokens, 0),

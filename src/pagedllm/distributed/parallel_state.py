@@ -16,12 +16,15 @@ _TP_SIZE = 1
 _PP_RANK = 0
 _PP_SIZE = 1
 _TP_GROUP = None  # None: the default group (when the whole world is one tensor-parallel group)
+_EXPERT_PARALLEL = False  # MoE layers place whole experts on the tensor-parallel ranks
 
 
-def init_distributed(rank: int, tp_size: int, pp_size: int, init_method: str, backend: str | None = None) -> None:
+def init_distributed(rank: int, tp_size: int, pp_size: int, init_method: str, backend: str | None = None,
+                     enable_expert_parallel: bool = False) -> None:
     """Join the world of ``tp_size * pp_size`` ranks and build the tensor-parallel groups;
-    ``backend`` None picks nccl on CUDA, gloo on CPU."""
-    global _TP_RANK, _TP_SIZE, _PP_RANK, _PP_SIZE, _TP_GROUP
+    ``backend`` None picks nccl on CUDA, gloo on CPU. ``enable_expert_parallel``: MoE layers
+    hold whole experts per tensor rank instead of every expert's slice."""
+    global _TP_RANK, _TP_SIZE, _PP_RANK, _PP_SIZE, _TP_GROUP, _EXPERT_PARALLEL
     world_size = tp_size * pp_size
     if tp_size < 1 or pp_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not in a world of {pp_size} pipeline stage(s) x {tp_size} tensor rank(s)")
@@ -41,16 +44,17 @@ def init_distributed(rank: int, tp_size: int, pp_size: int, init_method: str, ba
                     group = g
     _PP_RANK, _TP_RANK = divmod(rank, tp_size)
     _TP_SIZE, _PP_SIZE, _TP_GROUP = tp_size, pp_size, group
+    _EXPERT_PARALLEL = bool(enable_expert_parallel)
 
 
 def destroy_distributed() -> None:
-    global _TP_RANK, _TP_SIZE, _PP_RANK, _PP_SIZE, _TP_GROUP
+    global _TP_RANK, _TP_SIZE, _PP_RANK, _PP_SIZE, _TP_GROUP, _EXPERT_PARALLEL
     if _TP_SIZE * _PP_SIZE > 1:
         import torch.distributed as dist
 
         if dist.is_initialized():
             dist.destroy_process_group()
-    _TP_RANK, _TP_SIZE, _PP_RANK, _PP_SIZE, _TP_GROUP = 0, 1, 0, 1, None
+    _TP_RANK, _TP_SIZE, _PP_RANK, _PP_SIZE, _TP_GROUP, _EXPERT_PARALLEL = 0, 1, 0, 1, None, False
 
 
 def get_tp_rank() -> int:
@@ -59,6 +63,11 @@ def get_tp_rank() -> int:
 
 def get_tp_size() -> int:
     return _TP_SIZE
+
+
+def expert_parallel_enabled() -> bool:
+    """Whether MoE layers split their experts over the tensor-parallel ranks (whole experts each)."""
+    return _EXPERT_PARALLEL and _TP_SIZE > 1
 
 
 def get_pp_rank() -> int:

@@ -86,6 +86,12 @@ class EngineArgs:
     # The GPUs of ranks 0..world_size-1, as indices among the visible ones (an RL framework's
     # device_mapping); None: GPU r for rank r (one rank: the current GPU).
     device_ids: list[int] | None = None
+    # MoE models: place whole experts on the tensor-parallel ranks (num_experts / tp each) instead of
+    # slicing every expert's intermediate size over them.
+    enable_expert_parallel: bool = False
+    # MoE models, for RL: each CompletionOutput.routed_experts holds the experts every MoE layer chose
+    # for every computed token (vLLM's option).
+    enable_return_routed_experts: bool = False
     # Structured outputs: {"backend": "auto"|"xgrammar"|"guidance", "compile_timeout_s", "max_spec_bytes",
     # "max_nesting_depth", ...} (config.StructuredOutputsConfig); guided_decoding_backend is
     # vLLM's older flag for the backend alone.
@@ -302,6 +308,7 @@ class EngineArgs:
             generation_config=self.generation_config,
             override_generation_config=dict(self.override_generation_config or {}),
             enforce_eager=self.enforce_eager, enable_sleep_mode=bool(self.enable_sleep_mode),
+            enable_return_routed_experts=self._routed_experts_option(hf_config),
         )
         cache_config = CacheConfig(
             block_size=self.block_size or 16, gpu_memory_utilization=self.gpu_memory_utilization,
@@ -324,6 +331,20 @@ class EngineArgs:
                             log_stats=not self.disable_log_stats, parallel_config=parallel_config,
                             structured_outputs_config=structured, speculative_config=speculative,
                             lora_config=lora, draft_model_config=draft)
+
+    def _routed_experts_option(self, hf_config: Any) -> bool:
+        if not self.enable_return_routed_experts:
+            return False
+        if _num_experts(hf_config) is None:
+            raise ValueError("enable_return_routed_experts needs a mixture-of-experts model; "
+                             f"{(getattr(hf_config, 'architectures', None) or ['this model'])[0]} has no experts")
+        if self.pipeline_parallel_size > 1:
+            raise ValueError("enable_return_routed_experts cannot be combined with pipeline_parallel_size > 1 "
+                             "(the last stage, which reports outputs, does not see the other stages' layers)")
+        if self._speculative_config() is not None:
+            raise ValueError("enable_return_routed_experts cannot be combined with speculative decoding yet "
+                             "(rejected draft positions would need their routing rolled back)")
+        return True
 
     def _parallel_config(self, hf_config: Any, device: str) -> ParallelConfig:
         tp = self.tensor_parallel_size
@@ -355,8 +376,23 @@ class EngineArgs:
             if torch.cuda.device_count() < tp * pp:
                 raise ValueError(f"tensor_parallel_size={tp} x pipeline_parallel_size={pp} needs {tp * pp} GPUs, "
                                  f"{torch.cuda.device_count()} visible (CUDA_VISIBLE_DEVICES)")
+        expert_parallel = bool(self.enable_expert_parallel) and tp > 1
+        num_experts = _num_experts(hf_config)
+        if expert_parallel and num_experts and num_experts % tp:
+            raise ValueError(f"enable_expert_parallel: tensor_parallel_size={tp} must divide the model's "
+                             f"{num_experts} experts (each rank holds whole experts)")
         return ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=self.pipeline_parallel_size,
-                              distributed_executor_backend=backend, device_ids=device_ids)
+                              distributed_executor_backend=backend, device_ids=device_ids,
+                              enable_expert_parallel=expert_parallel)
+
+
+def _num_experts(hf_config: Any) -> int | None:
+    """Routed experts per MoE layer, by the names the MoE configs use (None: a dense model)."""
+    for key in ("num_experts", "num_local_experts", "n_routed_experts"):
+        v = getattr(hf_config, key, None)
+        if isinstance(v, int) and v > 0:
+            return v
+    return None
 
 
 def _derive_max_model_len(hf_config: Any) -> int:

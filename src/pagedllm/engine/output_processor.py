@@ -29,6 +29,8 @@ class RequestState:
     stop_reason: int | str | None = None
     num_sent_tokens: int = 0  # for DELTA outputs
     num_sent_logprobs: int = 0
+    # enable_return_routed_experts: (first position, ids [n, layers, top_k]) as the steps report them
+    routed_chunks: list[tuple[int, Any]] = field(default_factory=list)
 
     def completion(self, delta: bool) -> CompletionOutput:
         finished = self.finish_reason is not None
@@ -42,7 +44,22 @@ class RequestState:
             self.num_sent_logprobs = len(self.logprobs or [])
         return CompletionOutput(self.index, text, tokens, self.cumulative_logprob,
                                 list(logprobs) if logprobs is not None else None,
-                                self.finish_reason, self.stop_reason)
+                                self.finish_reason, self.stop_reason,
+                                routed_experts=self.routed_experts() if finished else None)
+
+    def routed_experts(self) -> Any | None:
+        """The routed expert ids of every computed token [prompt + output - 1, layers, top_k]; a
+        position reported twice (recomputed after preemption) keeps its latest rows."""
+        if not self.routed_chunks:
+            return None
+        import numpy as np
+
+        rows = self.routed_chunks[0][1]
+        num_tokens = len(self.parent.prompt_token_ids) + len(self.token_ids) - 1
+        out = np.zeros((num_tokens, *rows.shape[1:]), dtype=rows.dtype)
+        for first, chunk in self.routed_chunks:
+            out[first:first + len(chunk)] = chunk[:max(num_tokens - first, 0)]
+        return out
 
 
 @dataclass
@@ -145,6 +162,8 @@ class OutputProcessor:
             if out.first_scheduled_time is not None and m.first_scheduled_time is None:
                 m.first_scheduled_time = out.first_scheduled_time
             parent.num_cached_tokens = out.num_cached_tokens
+            if out.new_routed_experts is not None:
+                state.routed_chunks.append(out.new_routed_experts)
             if out.new_prompt_logprobs is not None and parent.prompt_logprobs is not None and state.index == 0:
                 parent.prompt_logprobs.extend(self._to_logprob_dicts(out.new_prompt_logprobs))
             if out.new_token_ids:

@@ -161,3 +161,19 @@ class LoRAManager:
         ids_buf.copy_(torch.from_numpy(host_ids), non_blocking=False)
         tiles_buf.copy_(torch.from_numpy(host_tiles), non_blocking=False)
         set_graph_mapping(ids_buf, tiles_buf)
+
+
+def lora_manager_for(input_batch: Any, config: Any, model: nn.Module, device: torch.device,
+                     model_dtype: torch.dtype) -> LoRAManager | None:
+    """With enable_lora: LoRA slots on the projections, and each request's adapter id as an
+    input-batch column; None without."""
+    lc = config.lora_config
+    if lc is None:
+        return None
+    from pagedllm.model.loader import TORCH_DTYPES
+    from pagedllm.worker.input_batch import Column
+
+    dtype = model_dtype if lc.lora_dtype == "auto" else TORCH_DTYPES[lc.lora_dtype]
+    input_batch.add_column(Column("lora_id", np.int64, 0, lambda new: new.lora_request.lora_int_id
+                                  if new.lora_request is not None else 0))
+    return LoRAManager(model, lc, config.model_config.hf_config, device, dtype)

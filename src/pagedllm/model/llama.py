@@ -95,10 +95,12 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, config, layer_idx: int, rotary_emb: RotaryEmbedding, qkv_bias: bool, o_bias: bool,
-                 qk_norm: bool, norm_cls: type[nn.Module] = RMSNorm, attn_cls: type[Attention] = Attention):
+                 qk_norm: bool, norm_cls: type[nn.Module] = RMSNorm, attn_cls: type[Attention] = Attention,
+                 mlp: nn.Module | None = None):
+        """``mlp``: the feed-forward block when it is not the dense MLP (a mixture of experts)."""
         super().__init__()
         self.self_attn = attn_cls(config, layer_idx, rotary_emb, qkv_bias, o_bias, qk_norm)
-        self.mlp = MLP(config, bias=getattr(config, "mlp_bias", False))
+        self.mlp = mlp if mlp is not None else MLP(config, bias=getattr(config, "mlp_bias", False))
         self.input_layernorm = norm_cls(config.hidden_size, getattr(config, "rms_norm_eps", 1e-6))
         self.post_attention_layernorm = norm_cls(config.hidden_size, getattr(config, "rms_norm_eps", 1e-6))
 
@@ -240,11 +242,7 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if not self.model.holds_weight(name):
                 continue  # another pipeline stage's
-            shard_id = None
-            for part, (fused_part, shard) in self.stacked_params.items():
-                if part in name:
-                    name, shard_id = name.replace(part, fused_part), shard
-                    break
+            name, shard_id = self.stacked_name(name)
             if name not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}")
             param = params[name]
@@ -256,13 +254,24 @@ class LlamaForCausalLM(nn.Module):
             except ValueError as e:
                 raise ValueError(f"loading {name!r} (shard {shard_id}): {e}") from None
             shards_seen.setdefault(name, set()).add(shard_id)
-        expected = {".qkv_proj.": {"q", "k", "v"}, ".gate_up_proj.": {0, 1}}
         loaded = set()
         for name, seen in shards_seen.items():
-            need = next((s for part, s in expected.items() if part in name), {None})
-            if None in seen or need <= seen:  # a fused tensor in the checkpoint covers all shards
+            if None in seen or self.shards_needed(name) <= seen:  # a fused tensor in the checkpoint covers all
                 loaded.add(name)
         return loaded
+
+    def stacked_name(self, name: str) -> tuple[str, object]:
+        """(our parameter name, shard id) of a checkpoint tensor: a fused parameter's part gets
+        its shard id, any other tensor None."""
+        for part, (fused_part, shard) in self.stacked_params.items():
+            if part in name:
+                return name.replace(part, fused_part), shard
+        return name, None
+
+    def shards_needed(self, name: str) -> set:
+        """The shard ids that together fill parameter ``name`` ({None}: it loads whole)."""
+        expected = {".qkv_proj.": {"q", "k", "v"}, ".gate_up_proj.": {0, 1}}
+        return next((shards for part, shards in expected.items() if part in name), {None})
 
 
 class MistralForCausalLM(LlamaForCausalLM):

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 from torch import nn
 
+from pagedllm.model.mixtral import MixtralForCausalLM
 from pagedllm.model.olmo import Olmo2ForCausalLM, OlmoForCausalLM
+from pagedllm.model.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from pagedllm.model.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3ForConditionalGeneration
 from pagedllm.model.llama import (
     LlamaForCausalLM, MistralForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
@@ -20,6 +22,9 @@ SUPPORTED_ARCHITECTURES: dict[str, type[nn.Module]] = {
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "OlmoForCausalLM": OlmoForCausalLM,
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
 }
 
 # Vision-language checkpoints served as their text model: the loader swaps in ``text_config``.

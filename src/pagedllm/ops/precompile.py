@@ -40,7 +40,7 @@ ENV = "PAGEDLLM_PARALLEL_COMPILE"  # its name (defined in envs): 0 turns the poo
 
 # The modules whose kernels a start-up compiles; the pool's processes import them up front.
 KERNEL_MODULES = ("pagedllm.ops.triton_ops", "pagedllm.ops.triton_gemv", "pagedllm.attention.triton_kernels",
-                  "pagedllm.sample.triton_sampler")
+                  "pagedllm.sample.triton_sampler", "pagedllm.ops.triton_fused_moe")
 
 
 def precompile_available() -> bool:

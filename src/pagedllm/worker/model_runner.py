@@ -28,8 +28,10 @@ from pagedllm.structured_output.bitmask import apply_grammar
 from pagedllm.worker import cuda_graphs
 from pagedllm.worker.cuda_graphs import CudaGraphs
 from pagedllm.worker.device_buffers import DeviceBuffers
-from pagedllm.worker.input_batch import CachedRequestState, Column, InputBatch
+from pagedllm.lora.manager import lora_manager_for
+from pagedllm.worker.input_batch import CachedRequestState, InputBatch
 from pagedllm.worker.spec_draft import DraftModel
+from pagedllm.worker.routed_experts import RoutedExpertsCapture, split_routed
 from pagedllm.worker.spec_verify import verify_drafts
 
 logger = logging.getLogger("pagedllm")
@@ -87,7 +89,7 @@ class ModelRunner:
         self._buffers = DeviceBuffers(self.max_num_tokens, self.max_num_reqs, max_blocks_per_req, device)
         self.graphs = CudaGraphs(self._buffers, device, getattr(self.attn_backend, "cuda_graph_safe", False),
                                  self.pp_size, self.max_num_reqs, self.max_num_tokens, sc.max_model_len)
-        self.lora = self._lora_manager(config, model, device)
+        self.lora = lora_manager_for(self.input_batch, config, model, device, self.dtype)
         # Speculative decoding with a draft model (worker/spec_draft.py).
         self.draft = None if draft_model is None else DraftModel(
             self, draft_model, config.speculative_config.num_speculative_tokens)
@@ -95,23 +97,17 @@ class ModelRunner:
         self._pending: _PendingOutput | None = None
         self._prev_sampled: torch.Tensor | None = None
         self._prev_index: dict[str, int] = {}
-
-    def _lora_manager(self, config: EngineConfig, model: nn.Module, device: torch.device):
-        """With enable_lora: LoRA slots on the projections, and each request's adapter id as a column."""
-        if config.lora_config is None:
-            return None
-        from pagedllm.lora.manager import LoRAManager
-
-        lc = config.lora_config
-        dtype = self.dtype if lc.lora_dtype == "auto" else TORCH_DTYPES[lc.lora_dtype]
-        self.input_batch.add_column(Column("lora_id", np.int64, 0, lambda new: new.lora_request.lora_int_id
-                                           if new.lora_request is not None else 0))
-        return LoRAManager(model, lc, config.model_config.hf_config, device, dtype)
+        self.routed_experts = None  # enable_return_routed_experts: rows by KV slot, beside the cache
+        if config.model_config.enable_return_routed_experts:
+            self.routed_experts = RoutedExpertsCapture(model, max(self.max_num_tokens, self.max_num_reqs + 16),
+                                                       self.block_size, device)
+        # What lives beside the KV cache, block for block: the draft's cache, the routed experts.
+        self._kv_extras = [x for x in (self.draft, self.routed_experts) if x is not None]
 
     # ---- KV cache ---------------------------------------------------------------------------
     def kv_cache_bytes_per_block(self) -> int:
-        draft = self.draft.kv_cache_bytes_per_block() if self.draft is not None else 0
-        return len(self.attn_layers) * int(np.prod(self._kv_shape(1))) * self.dtype.itemsize + draft
+        extras = sum(x.bytes_per_block() for x in self._kv_extras)
+        return len(self.attn_layers) * int(np.prod(self._kv_shape(1))) * self.dtype.itemsize + extras
 
     def _kv_shape(self, num_blocks: int) -> tuple[int, ...]:
         layer = self.attn_layers[0]
@@ -122,8 +118,8 @@ class ModelRunner:
         self.kv_caches = [self._zeros(self._kv_shape(num_blocks)) for _ in self.attn_layers]
         for layer, cache in zip(self.attn_layers, self.kv_caches):
             layer.kv_cache = cache
-        if self.draft is not None:
-            self.draft.initialize_kv_cache(num_blocks)
+        for extra in self._kv_extras:
+            extra.allocate(num_blocks)
 
     def free_kv_cache(self) -> None:
         """Drop every reference to the KV cache (sleep mode); initialize_kv_cache rebuilds it.
@@ -132,8 +128,8 @@ class ModelRunner:
         self.kv_caches = []
         for layer in self.attn_layers:
             layer.kv_cache = None
-        if self.draft is not None:
-            self.draft.free_kv_cache()
+        for extra in self._kv_extras:
+            extra.free()
 
     def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
         if self.device.type != "cpu":
@@ -260,6 +256,9 @@ class ModelRunner:
                 self._prev_sampled = out.sampled_token_ids
                 self._prev_index = {state.req_id: j for j, state in enumerate(sampling)}
         pending.prompt_logprobs = self._prompt_logprobs(states, batch, hidden)
+        if self.routed_experts is not None:
+            pending.routed = self.routed_experts.collect(sched, req_ids, self.input_batch.block_table_cpu, rows,
+                                                         batch.starts, batch.query_start_loc)
         if self.draft is not None:  # the step's tokens land, then the draft guesses the next ones
             output = self.draft.after_step(pending.result())
             return _PendingOutput.done(output) if non_block else output
@@ -398,6 +397,7 @@ class _PendingOutput:
         self.prompt_logprobs: dict[str, list[PositionLogprobs]] = {}
         # Speculative decoding: (row in req_ids, state, emitted tokens) of the drafted requests.
         self.spec: list[tuple[int, CachedRequestState, list[int]]] = []
+        self.routed = None  # (spans, device rows) of enable_return_routed_experts
         self._result: ModelRunnerOutput | None = None
 
     @classmethod
@@ -443,6 +443,7 @@ class _PendingOutput:
         if self.runner is not None:
             self.runner.land_sampled(self, self.states + [s for _, s, _ in self.spec],
                                      tokens + [t for _, _, t in self.spec])
-        self._result = ModelRunnerOutput(self.req_ids, sampled_lists, logprobs, self.prompt_logprobs)
+        self._result = ModelRunnerOutput(self.req_ids, sampled_lists, logprobs, self.prompt_logprobs,
+                                         split_routed(*self.routed) if self.routed is not None else {})
         self.runner = self.states = self.sampler_output = None
         return self._result

@@ -33,14 +33,14 @@ class DraftModel:
     def _shape(self, layer: nn.Module, num_blocks: int) -> tuple[int, ...]:
         return kv_cache_shape(num_blocks, self.runner.block_size, layer.num_kv_heads, layer.head_dim)
 
-    def kv_cache_bytes_per_block(self) -> int:
+    def bytes_per_block(self) -> int:
         return sum(int(np.prod(self._shape(layer, 1))) for layer in self.attn_layers) * self.runner.dtype.itemsize
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
+    def allocate(self, num_blocks: int) -> None:
         for layer in self.attn_layers:
             layer.kv_cache = self.runner._zeros(self._shape(layer, num_blocks))
 
-    def free_kv_cache(self) -> None:
+    def free(self) -> None:
         for layer in self.attn_layers:
             layer.kv_cache = None
 

@@ -44,7 +44,8 @@ class Worker:
             if distributed_init_method is None:
                 raise ValueError("a world size > 1 needs a distributed_init_method for the process groups")
             init_distributed(rank, pc.tensor_parallel_size, pc.pipeline_parallel_size, distributed_init_method,
-                             backend="nccl" if self.device.type == "cuda" else "gloo")
+                             backend="nccl" if self.device.type == "cuda" else "gloo",
+                             enable_expert_parallel=pc.enable_expert_parallel)
         mc = config.model_config
         torch.manual_seed(mc.seed)
         resolved = ResolvedModel(path=mc.path, gguf_file=mc.gguf_file, hf_config=mc.hf_config)

@@ -1,0 +1,151 @@
+"""The fused-MoE kernel alone: the Triton kernel (CUDA) against the torch reference path and a naive
+loop of one ``torch.bmm`` per expert, at 1, 32, 256 and 4096 tokens of a shape's MoE layer
+(default qwen3-30b-a3b: 128 experts top-8, hidden 2048, moe_intermediate 768). Random bf16
+inputs, softmax top-k routing of random router logits. One JSON line per token count: the median
+time of each path over --iters calls (CUDA events on a GPU), and the Triton result's largest
+difference from the reference.
+
+--tune times a grid of tile configs per token count and writes the fastest into the kernel's
+table (ops/fused_moe_configs.json, or --config-out), keyed by (experts, hidden, intermediate per
+rank, batch bucket); --tp sizes the intermediate per rank as tensor parallelism slices it.
+--tiny runs a small shape on the CPU (the torch paths only) as a smoke test.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import time
+
+from pagedllm.benchmarks.common import SHAPES, emit, int_list, print_table
+
+TUNE_GRID = {"BLOCK_M": (16, 32, 64, 128), "BLOCK_N": (32, 64, 128), "BLOCK_K": (64, 128), "num_warps": (4, 8),
+             "num_stages": (3, 4)}
+
+
+def _time_ms(fn, iters: int, device: str) -> float:
+    import torch
+
+    fn()  # warm-up (and compile)
+    times = []
+    for _ in range(iters):
+        if device.startswith("cuda"):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def _inputs(num_experts: int, hidden: int, inter: int, top_k: int, num_tokens: int, dtype, device: str):
+    import torch
+
+    from pagedllm.ops.fused_moe import route
+
+    g = torch.Generator(device="cpu").manual_seed(num_tokens)
+    x = torch.randn(num_tokens, hidden, generator=g).to(device, dtype)
+    w13 = (torch.randn(num_experts, 2 * inter, hidden, generator=g) / hidden ** 0.5).to(device, dtype)
+    w2 = (torch.randn(num_experts, hidden, inter, generator=g) / inter ** 0.5).to(device, dtype)
+    weights, ids = route(torch.randn(num_tokens, num_experts, generator=g).to(device), top_k, renormalize=True)
+    return x, w13, w2, weights, ids
+
+
+def _tune(args_t, iters: int, device: str) -> tuple[dict, float]:
+    from pagedllm.ops.triton_fused_moe import fused_experts_triton
+
+    best, best_ms = None, float("inf")
+    for values in itertools.product(*TUNE_GRID.values()):
+        config = dict(zip(TUNE_GRID, values))
+        try:
+            ms = _time_ms(lambda: fused_experts_triton(*args_t, config=config), iters, device)
+        except Exception:  # a tile the GPU cannot hold (shared memory): not a candidate
+            continue
+        if ms < best_ms:
+            best, best_ms = config, ms
+    return best, best_ms
+
+
+def _write_table(path: str, key: str, tuned: dict[int, dict]) -> None:
+    try:
+        with open(path) as f:
+            table = json.load(f)
+    except (OSError, ValueError):
+        table = {}
+    entry = table.setdefault(key, {})
+    entry.update({str(bucket): config for bucket, config in sorted(tuned.items())})
+    with open(path, "w") as f:
+        json.dump(table, f, indent=1, sort_keys=True)
+        f.write("\n")
+
+
+def run(args) -> list[dict]:
+    import torch
+
+    from pagedllm.ops import fused_moe
+
+    shape = SHAPES[args.shape]
+    num_experts, hidden, top_k = shape["num_experts"], shape["hidden_size"], shape["num_experts_per_tok"]
+    inter = shape["moe_intermediate_size"] // args.tp
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device.startswith("cuda") else "float32"))
+    use_triton = device.startswith("cuda")
+    if use_triton:
+        from pagedllm.ops import triton_fused_moe
+
+    rows, tuned = [], {}
+    for num_tokens in args.tokens:
+        inputs = _inputs(num_experts, hidden, inter, top_k, num_tokens, dtype, device)
+        row = {"benchmark": "moe_kernel", "shape": args.shape, "num_experts": num_experts, "hidden": hidden,
+               "inter_per_rank": inter, "top_k": top_k, "num_tokens": num_tokens, "dtype": str(dtype)[6:],
+               "torch_ms": round(_time_ms(lambda: fused_moe.fused_experts_torch(*inputs), args.iters, device), 4),
+               "bmm_loop_ms": round(_time_ms(lambda: fused_moe.fused_experts_bmm_loop(*inputs), args.iters, device), 4)}
+        if use_triton:
+            config = None
+            if args.tune:
+                config, _ = _tune(inputs, max(3, args.iters // 4), device)
+                tuned[triton_fused_moe.batch_bucket(num_tokens)] = config
+            config = config or triton_fused_moe.get_config(num_experts, hidden, inter, num_tokens, top_k)
+            run_triton = lambda: triton_fused_moe.fused_experts_triton(*inputs, config=config)  # noqa: E731
+            triton_ms = _time_ms(run_triton, args.iters, device)
+            ref = fused_moe.fused_experts_torch(*inputs).float()
+            row.update(triton_ms=round(triton_ms, 4), speedup_vs_torch=round(row["torch_ms"] / triton_ms, 2),
+                       speedup_vs_bmm_loop=round(row["bmm_loop_ms"] / triton_ms, 2), config=config,
+                       max_abs_diff=float((run_triton().float() - ref).abs().max()))
+        emit(row)
+        rows.append(row)
+    if tuned:
+        path = args.config_out or triton_fused_moe.CONFIG_FILE
+        _write_table(path, triton_fused_moe.config_key(num_experts, hidden, inter), tuned)
+        print(f"wrote {len(tuned)} tuned config(s) to {path}")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    moe_shapes = sorted(name for name, cfg in SHAPES.items() if "num_experts" in cfg)
+    p.add_argument("--shape", choices=moe_shapes, default="qwen3-30b-a3b")
+    p.add_argument("--tokens", type=int_list, help="token counts (default 1,32,256,4096; with --tiny 1,32,256)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks slicing the intermediate size")
+    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], help="default: bfloat16 on CUDA")
+    p.add_argument("--device", help="default: cuda when available, else cpu (torch paths only)")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--tune", action="store_true", help="search tile configs and write the fastest to the table")
+    p.add_argument("--config-out", help="the table to write with --tune (default: the kernel's own)")
+    p.add_argument("--tiny", action="store_true", help="the tiny-qwen3-moe shape, few iterations (a CPU smoke run)")
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.shape, args.iters = "tiny-qwen3-moe", min(args.iters, 3)
+    args.tokens = args.tokens or ([1, 32, 256] if args.tiny else [1, 32, 256, 4096])
+    rows = run(args)
+    print_table(rows, ["num_tokens", "triton_ms", "torch_ms", "bmm_loop_ms", "speedup_vs_torch", "max_abs_diff"])
+
+
+if __name__ == "__main__":
+    main()

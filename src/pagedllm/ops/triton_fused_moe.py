@@ -1,0 +1,263 @@
+"""The fused-MoE Triton kernel: (token, slot) pairs sorted by expert and padded to the tile
+height, one grouped GEMM for gate/up with SiLU-and-mul in its epilogue, one grouped GEMM for
+down scaled by the routing weight, then the top-k sum.
+
+``align_pairs`` (torch, no host sync: CUDA graphs capture it) lays the pairs out so that every
+``BLOCK_M`` rows of the sorted order belong to one expert; each program of a GEMM takes one such
+block and one ``BLOCK_N`` column tile, reading that expert's weights. Tile sizes come from
+``fused_moe_configs.json`` by (experts, hidden, intermediate, batch bucket), which
+``pagedllm.benchmarks.moe_kernel --tune`` rewrites; shapes it lacks take ``default_config``.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+CONFIG_FILE = os.path.join(os.path.dirname(__file__), "fused_moe_configs.json")
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+# Larger batches run in chunks of this many tokens: the intermediate buffers stay bounded.
+CHUNK_TOKENS = 8192
+ALIGN_ONE_LAUNCH_MAX_PAIRS = 4096  # (token, slot) pairs up to which align_pairs_triton lays them out
+
+
+@triton.jit
+def _moe_gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr, num_pairs, top_k, N, K,
+                        stride_xm, stride_we, stride_wn, stride_om,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+    """out[row] = silu(x[token] @ gate_e^T) * (x[token] @ up_e^T) for the BLOCK_M sorted rows of
+    this program's block (expert e), over its BLOCK_N columns of the intermediate size N."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    if expert < 0:
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_pairs_ptr + offs_m)
+    row_ok = pairs < num_pairs
+    tokens = (pairs // top_k).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + tokens[:, None] * stride_xm + offs_k[None, :]
+    g_ptrs = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+    u_ptrs = g_ptrs + N * stride_wn
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, tl.cdiv(K, BLOCK_K)):
+        k_ok = offs_k < K - k0 * BLOCK_K
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if IEEE:
+            acc_g = tl.dot(a, g, acc_g, input_precision="ieee")
+            acc_u = tl.dot(a, u, acc_u, input_precision="ieee")
+        else:
+            acc_g = tl.dot(a, g, acc_g)
+            acc_u = tl.dot(a, u, acc_u)
+        a_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+    dtype = out_ptr.dtype.element_ty
+    gate = acc_g.to(dtype).to(tl.float32)  # rounded where F.linear rounds
+    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)  # and F.silu
+    out = act * acc_u.to(dtype).to(tl.float32)
+    out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, out.to(dtype), mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _moe_down_kernel(a_ptr, w_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr, weights_ptr, num_pairs, N, K,
+                     stride_am, stride_we, stride_wn, stride_om,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+    """out[pair] = weight[pair] * (a[row] @ down_e^T) for this block's sorted rows, over BLOCK_N
+    of the hidden size N; a holds the gate/up kernel's rows in sorted order."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    if expert < 0:
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_pairs_ptr + offs_m)
+    row_ok = pairs < num_pairs
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :]
+    w_ptrs = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, tl.cdiv(K, BLOCK_K)):
+        k_ok = offs_k < K - k0 * BLOCK_K
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if IEEE:
+            acc = tl.dot(a, w, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, w, acc)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    dtype = out_ptr.dtype.element_ty
+    weight = tl.load(weights_ptr + pairs, mask=row_ok, other=0.0)
+    y = acc.to(a_ptr.dtype.element_ty).to(tl.float32) * weight[:, None]
+    out_ptrs = out_ptr + pairs[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, y.to(dtype), mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _moe_align_kernel(ids_ptr, sorted_pairs_ptr, block_expert_ptr, cursor_ptr, num_pairs, num_experts, max_blocks,
+                      BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr, CHUNK_B: tl.constexpr):
+    """align_pairs in one program: count each expert's pairs (atomics), pad the counts to BLOCK_M
+    and prefix-sum them into each expert's first row, give every block its expert, then place each
+    pair at its expert's next free row. The order of pairs within an expert's rows is whatever the
+    atomics give: each row is computed on its own, so results do not depend on it."""
+    e_offs = tl.arange(0, E_PAD)
+    e_ok = e_offs < num_experts
+    tl.store(cursor_ptr + e_offs, tl.zeros([E_PAD], dtype=tl.int32))
+    for r0 in range(0, max_blocks * BLOCK_M, CHUNK):
+        rows = r0 + tl.arange(0, CHUNK)
+        tl.store(sorted_pairs_ptr + rows, tl.zeros([CHUNK], dtype=tl.int32) + num_pairs,
+                 mask=rows < max_blocks * BLOCK_M)
+    tl.debug_barrier()
+    for p0 in range(0, num_pairs, CHUNK):
+        pairs = p0 + tl.arange(0, CHUNK)
+        expert = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1).to(tl.int32)
+        tl.atomic_add(cursor_ptr + expert, 1, mask=expert >= 0)
+    tl.debug_barrier()
+    counts = tl.load(cursor_ptr + e_offs, mask=e_ok, other=0)
+    blocks = (counts + BLOCK_M - 1) // BLOCK_M
+    block_end = tl.cumsum(blocks, 0)
+    tl.debug_barrier()  # every count is read before the cursors overwrite them
+    tl.store(cursor_ptr + e_offs, (block_end - blocks) * BLOCK_M, mask=e_ok)
+    for b0 in range(0, max_blocks, CHUNK_B):
+        b = b0 + tl.arange(0, CHUNK_B)
+        before = (block_end[None, :] <= b[:, None]) & e_ok[None, :]
+        owner = tl.sum(before.to(tl.int32), axis=1)  # experts whose blocks all end before b
+        tl.store(block_expert_ptr + b, tl.where(owner < num_experts, owner, -1), mask=b < max_blocks)
+    tl.debug_barrier()
+    for p0 in range(0, num_pairs, CHUNK):
+        pairs = p0 + tl.arange(0, CHUNK)
+        expert = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1).to(tl.int32)
+        row = tl.atomic_add(cursor_ptr + expert, 1, mask=expert >= 0)
+        tl.store(sorted_pairs_ptr + row, pairs, mask=expert >= 0)
+
+
+def align_pairs_triton(local_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``align_pairs``' layout from one Triton launch (the torch version takes a dozen small
+    kernels per layer, which a decode step feels); the same blocks, pairs in any order within an expert."""
+    num_pairs = local_ids.numel()
+    max_blocks = min(num_experts, num_pairs) + triton.cdiv(num_pairs, block_m)
+    e_pad = triton.next_power_of_2(num_experts)
+    sorted_pairs = torch.empty(max_blocks * block_m, dtype=torch.int32, device=local_ids.device)
+    block_expert = torch.empty(max_blocks, dtype=torch.int32, device=local_ids.device)
+    cursor = torch.empty(e_pad, dtype=torch.int32, device=local_ids.device)
+    _moe_align_kernel[(1,)](local_ids.reshape(-1), sorted_pairs, block_expert, cursor, num_pairs, num_experts,
+                            max_blocks, BLOCK_M=block_m, E_PAD=e_pad, CHUNK=1024,
+                            CHUNK_B=max(16, min(64, 8192 // e_pad)), num_warps=4)
+    return sorted_pairs, block_expert
+
+
+def align_pairs(local_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sorted_pairs [max_blocks * block_m] int32, block_expert [max_blocks] int32): the flat
+    (token, slot) pair indices grouped by expert, each expert's run padded to a multiple of
+    ``block_m`` with ``num_pairs`` (a row the kernels skip), and each block's expert (-1 past the
+    last used block). Pairs whose expert is -1 (another rank's) are left out. Shapes depend on the
+    pair count only, and nothing is read back to the host: a CUDA graph can hold it."""
+    flat = local_ids.reshape(-1).long()
+    num_pairs = flat.numel()
+    bucket = torch.where(flat >= 0, flat, num_experts)  # bucket E: not on this rank
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=flat.device)
+    counts.scatter_add_(0, bucket, torch.ones_like(bucket))
+    blocks = (counts[:num_experts] + block_m - 1) // block_m
+    block_end = torch.cumsum(blocks, 0)
+    row_begin = torch.cat([(block_end - blocks) * block_m, block_end[-1:] * 0 - 1])  # bucket E: dropped
+    count_begin = torch.cumsum(counts, 0) - counts
+    sorted_bucket, order = torch.sort(bucket, stable=True)
+    rank_in_expert = torch.arange(num_pairs, device=flat.device) - count_begin[sorted_bucket]
+    max_blocks = min(num_experts, num_pairs) + triton.cdiv(num_pairs, block_m)
+    max_rows = max_blocks * block_m
+    dest = torch.where(sorted_bucket < num_experts, row_begin[sorted_bucket] + rank_in_expert, max_rows)
+    sorted_pairs = torch.full((max_rows + 1,), num_pairs, dtype=torch.int32, device=flat.device)
+    sorted_pairs.scatter_(0, dest, order.to(torch.int32))
+    block_expert = torch.searchsorted(block_end, torch.arange(max_blocks, device=flat.device), right=True)
+    block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
+    return sorted_pairs[:max_rows], block_expert
+
+
+def default_config(num_tokens: int, top_k: int, num_experts: int) -> dict:
+    """Tiles when the table has no entry: short blocks when each expert sees few tokens, and then
+    narrow, deep column tiles (the step streams expert weights: more programs, longer loads)."""
+    per_expert = num_tokens * top_k / max(num_experts, 1)
+    if per_expert <= 16:
+        return {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}
+    if per_expert <= 64:
+        return {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3}
+    return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}
+
+
+def batch_bucket(num_tokens: int) -> int:
+    """The table's batch bucket for a batch: the smallest bucket that holds it (the largest past them)."""
+    return next((b for b in BATCH_BUCKETS if b >= num_tokens), BATCH_BUCKETS[-1])
+
+
+def config_key(num_experts: int, hidden: int, inter: int) -> str:
+    return f"E={num_experts},H={hidden},I={inter}"
+
+
+@functools.lru_cache(maxsize=1)
+def _config_table() -> dict:
+    if not os.path.isfile(CONFIG_FILE):
+        return {}
+    with open(CONFIG_FILE) as f:
+        return json.load(f)
+
+
+def reload_config_table() -> None:
+    _config_table.cache_clear()
+
+
+def get_config(num_experts: int, hidden: int, inter: int, num_tokens: int, top_k: int) -> dict:
+    """Tile config for this rank's expert shape and batch: the table's entry, else the default."""
+    entry = _config_table().get(config_key(num_experts, hidden, inter), {})
+    return dict(entry.get(str(batch_bucket(num_tokens))) or default_config(num_tokens, top_k, num_experts))
+
+
+def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                         ids: torch.Tensor, expert_map: torch.Tensor | None = None,
+                         config: dict | None = None) -> torch.Tensor:
+    """``fused_experts_torch``'s result [T, H] from the two grouped-GEMM kernels; ``config``
+    overrides the table's tiles (the benchmark's tuning)."""
+    num_tokens = x.shape[0]
+    if num_tokens > CHUNK_TOKENS:
+        return torch.cat([fused_experts_triton(x[i:i + CHUNK_TOKENS], w13, w2, weights[i:i + CHUNK_TOKENS],
+                                               ids[i:i + CHUNK_TOKENS], expert_map, config)
+                          for i in range(0, num_tokens, CHUNK_TOKENS)])
+    num_experts, two_inter, hidden = w13.shape
+    inter, top_k = two_inter // 2, ids.shape[1]
+    if x.stride(-1) != 1 or w13.stride(-1) != 1 or w2.stride(-1) != 1 or w2.shape != (num_experts, hidden, inter):
+        raise ValueError(f"fused_experts_triton: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}")
+    cfg = config or get_config(num_experts, hidden, inter, num_tokens, top_k)
+    block_m, launch = cfg["BLOCK_M"], {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+    local_ids = ids if expert_map is None else expert_map[ids]
+    # One program counts every pair: right for decode-sized batches (where launches dominate), while
+    # large prefills, whose pairs would queue on a few atomics, take the torch sort.
+    align = align_pairs_triton if local_ids.numel() <= ALIGN_ONE_LAUNCH_MAX_PAIRS else align_pairs
+    sorted_pairs, block_expert = align(local_ids, num_experts, block_m)
+    num_pairs = ids.numel()
+    ieee = x.dtype == torch.float32
+    act = torch.empty(sorted_pairs.numel(), inter, dtype=x.dtype, device=x.device)
+    grid = (block_expert.numel(), triton.cdiv(inter, cfg["BLOCK_N"]))
+    _moe_gate_up_kernel[grid](x, w13, act, sorted_pairs, block_expert, num_pairs, top_k, inter, hidden,
+                              x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), BLOCK_M=block_m,
+                              BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], IEEE=ieee, **launch)
+    # Pairs routed to another rank's experts are never written: they must read as zero.
+    alloc = torch.empty if expert_map is None else torch.zeros
+    per_pair = alloc(num_pairs, hidden, dtype=x.dtype, device=x.device)
+    grid = (block_expert.numel(), triton.cdiv(hidden, cfg["BLOCK_N"]))
+    _moe_down_kernel[grid](act, w2, per_pair, sorted_pairs, block_expert, weights.reshape(-1).float().contiguous(),
+                           num_pairs, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1), per_pair.stride(0),
+                           BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], IEEE=ieee, **launch)
+    return per_pair.view(num_tokens, top_k, hidden).sum(dim=1)  # accumulated in float32, rounded once

@@ -1,0 +1,129 @@
+"""The fused-MoE Triton kernel against the torch reference (Triton's interpreter without a GPU):
+random inputs, uneven expert loads, an expert no token picks, tiles taller than an expert's run,
+hidden and intermediate sizes not multiples of the tiles, experts held by another rank (expert
+parallelism). And the torch reference itself against a per-token loop, and routing as
+transformers routes."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedllm.ops.fused_moe import fused_experts_bmm_loop, fused_experts_torch, route
+from tests.ops.conftest import DEVICE
+
+NUM_EXPERTS, HIDDEN, INTER = 6, 40, 24
+
+
+def _inputs(num_tokens: int, top_k: int, dtype: torch.dtype, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_tokens, HIDDEN, generator=g)
+    w13 = torch.randn(NUM_EXPERTS, 2 * INTER, HIDDEN, generator=g) / HIDDEN ** 0.5
+    w2 = torch.randn(NUM_EXPERTS, HIDDEN, INTER, generator=g) / INTER ** 0.5
+    # Uneven loads: expert 0 is favoured, expert 3 is never picked.
+    logits = torch.randn(num_tokens, NUM_EXPERTS, generator=g) + torch.tensor([2.0, 0.5, 0.0, -1e4, -0.5, 0.3])
+    weights, ids = route(logits, top_k, renormalize=True)
+    return [t.to(DEVICE) for t in (x.to(dtype), w13.to(dtype), w2.to(dtype), weights, ids)]
+
+
+def _per_token_loop(x, w13, w2, weights, ids):
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            gate, up = (w13[e].double() @ x[t].double()).chunk(2)
+            out[t] += weights[t, j].double() * (w2[e].double() @ (F.silu(gate) * up))
+    return out
+
+
+def test_torch_reference_equals_a_per_token_loop():
+    x, w13, w2, weights, ids = (t.cpu() for t in _inputs(23, 2, torch.float32))
+    assert 3 not in ids.tolist() and (ids == 0).sum() > (ids == 2).sum()  # uneven, one expert idle
+    exact = _per_token_loop(x, w13, w2, weights, ids)
+    torch.testing.assert_close(fused_experts_torch(x, w13, w2, weights, ids).double(), exact, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fused_experts_bmm_loop(x, w13, w2, weights, ids).double(), exact, atol=1e-5, rtol=1e-5)
+    # Expert parallelism: two "ranks" holding experts {0, 2, 4} and {1, 3, 5} sum to the whole.
+    halves = []
+    for rank in range(2):
+        mine = torch.arange(rank, NUM_EXPERTS, 2)
+        expert_map = torch.full((NUM_EXPERTS,), -1, dtype=torch.long)
+        expert_map[mine] = torch.arange(len(mine))
+        halves.append(fused_experts_torch(x, w13[mine], w2[mine], weights, ids, expert_map))
+    torch.testing.assert_close((halves[0] + halves[1]).double(), exact, atol=1e-5, rtol=1e-5)
+
+
+def test_sigmoid_routing_and_renormalisation():
+    logits = torch.tensor([[0.0, 2.0, 1.0, -1.0]])
+    weights, ids = route(logits, 2, scoring="sigmoid")
+    assert ids.tolist() == [[1, 2]]
+    torch.testing.assert_close(weights, torch.sigmoid(torch.tensor([[2.0, 1.0]])))
+    weights, _ = route(logits, 2, scoring="softmax", renormalize=True)
+    torch.testing.assert_close(weights, torch.softmax(torch.tensor([[2.0, 1.0]]), -1))
+    with pytest.raises(ValueError, match="scoring function 'relu'"):
+        route(logits, 2, scoring="relu")
+
+
+def test_align_pairs_groups_by_expert_and_pads_each_run(triton_fused_moe):
+    ids = torch.tensor([[2, 0], [2, 1], [2, 0], [-1, 2]])  # expert 3 idle; one pair on another rank
+    sorted_pairs, block_expert = triton_fused_moe.align_pairs(ids, num_experts=4, block_m=2)
+    pad = ids.numel()
+    assert block_expert.tolist()[:4] == [0, 1, 2, 2] and set(block_expert.tolist()[4:]) == {-1}
+    assert sorted_pairs.tolist()[:8] == [1, 5, 3, pad, 0, 2, 4, 7]
+    assert set(sorted_pairs.tolist()[8:]) == {pad}
+
+
+@pytest.mark.parametrize("num_tokens,top_k,num_experts,block_m", [(4, 2, 4, 2), (1, 8, 32, 16), (37, 3, 6, 16)])
+def test_one_launch_align_gives_the_torch_layout(triton_fused_moe, num_tokens, top_k, num_experts, block_m):
+    g = torch.Generator().manual_seed(num_tokens)
+    ids = torch.randint(0, num_experts, (num_tokens, top_k), generator=g)
+    ids[0, 0] = -1  # a pair on another rank
+    ids[ids == 1] = 2  # expert 1 idle
+    want_pairs, want_blocks = triton_fused_moe.align_pairs(ids, num_experts, block_m)
+    got_pairs, got_blocks = triton_fused_moe.align_pairs_triton(ids.to(DEVICE), num_experts, block_m)
+    assert got_blocks.tolist() == want_blocks.tolist()
+    got_rows, want_rows = got_pairs.cpu().view(-1, block_m), want_pairs.view(-1, block_m)
+    for expert in set(want_blocks.tolist()):  # each expert's blocks hold the same pairs (in any order)
+        mine = want_blocks == expert
+        assert sorted(got_rows[mine].flatten().tolist()) == sorted(want_rows[mine].flatten().tolist())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens,top_k,block_m,one_launch_align", [
+    (1, 2, None, True), (19, 2, 16, True), (9, 3, 32, False)])  # None: the default tiles
+def test_triton_kernel_matches_torch_reference(triton_fused_moe, monkeypatch, dtype, num_tokens, top_k, block_m,
+                                               one_launch_align):
+    if not one_launch_align:  # the torch sort that large batches take
+        monkeypatch.setattr(triton_fused_moe, "ALIGN_ONE_LAUNCH_MAX_PAIRS", 0)
+    x, w13, w2, weights, ids = _inputs(num_tokens, top_k, dtype, seed=num_tokens)
+    config = {"BLOCK_M": block_m, "BLOCK_N": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 2} if block_m else None
+    got = triton_fused_moe.fused_experts_triton(x, w13, w2, weights, ids, config=config)
+    want = fused_experts_torch(x, w13, w2, weights, ids)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    assert got.shape == want.shape and got.dtype == dtype
+    torch.testing.assert_close(got.float(), want.float(), **tol)
+
+
+def test_triton_kernel_with_experts_on_another_rank(triton_fused_moe):
+    x, w13, w2, weights, ids = _inputs(13, 2, torch.float32, seed=5)
+    mine = torch.tensor([1, 3, 5], device=DEVICE)  # expert 3 idle: this rank runs two experts
+    expert_map = torch.full((NUM_EXPERTS,), -1, dtype=torch.long, device=DEVICE)
+    expert_map[mine] = torch.arange(3, device=DEVICE)
+    config = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "num_warps": 4, "num_stages": 2}
+    got = triton_fused_moe.fused_experts_triton(x, w13[mine], w2[mine], weights, ids, expert_map, config=config)
+    want = fused_experts_torch(x, w13[mine], w2[mine], weights, ids, expert_map)
+    assert want.abs().sum() > 0 and (want == 0).all(dim=1).any()  # some tokens have no expert here
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_tile_config_table_lookup(triton_fused_moe, tmp_path, monkeypatch):
+    tuned = {"BLOCK_M": 32, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}
+    path = tmp_path / "configs.json"
+    path.write_text('{"E=8,H=64,I=32": {"32": %s}}' % str(tuned).replace("'", '"'))
+    monkeypatch.setattr(triton_fused_moe, "CONFIG_FILE", str(path))
+    triton_fused_moe.reload_config_table()
+    try:
+        assert triton_fused_moe.get_config(8, 64, 32, 20, 2) == tuned  # 20 tokens: the 32 bucket
+        assert triton_fused_moe.get_config(8, 64, 32, 300, 2) == triton_fused_moe.default_config(300, 2, 8)
+        assert triton_fused_moe.get_config(16, 64, 32, 20, 2) == triton_fused_moe.default_config(20, 2, 16)
+    finally:
+        triton_fused_moe.reload_config_table()
