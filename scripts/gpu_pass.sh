@@ -36,12 +36,20 @@ if stage tests; then
     tests/lora tests/model/test_moe_models.py tests/engine/test_routed_experts.py ${EXTRA_TESTS:-} > "$OUT/tests.log" 2>&1
   echo "   tests rc=$?"; tail -15 "$OUT/tests.log" | cut -c1-300
 fi
+if stage quicktests; then  # the GPU paths new since the last full pass
+  echo "== quicktests"
+  python -m pytest -q -rfE -p no:cacheprovider tests/gpu tests/ops tests/lora/test_lora.py tests/lora/test_triton_lora.py \
+    tests/engine/test_spec_draft.py tests/model/test_moe_models.py tests/engine/test_routed_experts.py \
+    tests/engine/test_structured_reasoning.py > "$OUT/quicktests.log" 2>&1
+  echo "   quicktests rc=$?"; tail -12 "$OUT/quicktests.log" | cut -c1-300
+fi
 stage throughput && bench throughput python -m pagedllm.benchmarks.throughput --shape qwen3-0.6b
 stage throughput && bench throughput_run2 python -m pagedllm.benchmarks.throughput --shape qwen3-0.6b
 stage throughput8b && bench throughput8b python -m pagedllm.benchmarks.throughput --shape llama3-8b
 stage latency && bench latency python -m pagedllm.benchmarks.latency --shape llama3-8b --batch-sizes 1,32
 stage structured && bench structured python -m pagedllm.benchmarks.structured --shape qwen3-0.6b --tokenizer .gpu/tokenizer
 stage lora && bench lora python -m pagedllm.benchmarks.lora --shape llama3-8b
+stage specdraft && bench spec_draft env PAGEDLLM_SPEC_FORCE_ACCEPT=1 python -m pagedllm.benchmarks.spec_draft
 # MoE (issue 16): --tune writes the tile table to $OUT (copy it to src/pagedllm/ops/fused_moe_configs.json),
 # and the later moe stages run with it when it is copied in first.
 stage moetune && bench moe_tune python -m pagedllm.benchmarks.moe_kernel --shape qwen3-30b-a3b --tune \

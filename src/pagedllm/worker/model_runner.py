@@ -444,6 +444,6 @@ class _PendingOutput:
             self.runner.land_sampled(self, self.states + [s for _, s, _ in self.spec],
                                      tokens + [t for _, _, t in self.spec])
         self._result = ModelRunnerOutput(self.req_ids, sampled_lists, logprobs, self.prompt_logprobs,
-                                         split_routed(*self.routed) if self.routed is not None else {})
+                                         routed_experts=split_routed(*self.routed) if self.routed is not None else {})
         self.runner = self.states = self.sampler_output = None
         return self._result
