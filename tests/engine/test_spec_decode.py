@@ -229,3 +229,26 @@ def test_the_counters_reach_prometheus_and_the_cli_takes_the_config():
     assert 'pagedllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="0"} 4.0' in text
     ns = make_parser().parse_args(["serve", "m", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 5}'])
     assert engine_args_from(ns).speculative_config == {"method": "ngram", "num_speculative_tokens": 5}
+
+
+def test_constrained_and_penalised_requests_decode_one_token_per_step_beside_drafted_ones(spec_llm, reference):
+    """A grammar or a penalty keeps its request off speculation (exact as without it); the
+    unconstrained request beside them still verifies drafts."""
+    from pagedllm import StructuredOutputsParams
+
+    core = spec_llm.llm_engine.engine_core
+    saved, core.proposer = core.proposer, OracleProposer(reference, wrong_every=10 ** 9)
+    try:
+        before = _stats(spec_llm)
+        choice = SamplingParams(temperature=0.0, max_tokens=8, structured_outputs=StructuredOutputsParams(
+            choice=["alpha", "beta"]))
+        penalised = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, repetition_penalty=1.3)
+        outs = spec_llm.generate([PROMPTS[3], PROMPTS[3], PROMPTS[3]], [choice, penalised, GREEDY], use_tqdm=False)
+    finally:
+        core.proposer = saved
+    assert outs[0].outputs[0].text in ("alpha", "beta")
+    assert list(outs[2].prompt_token_ids) + list(outs[2].outputs[0].token_ids) == reference[3]
+    after = _stats(spec_llm)
+    drafted_steps = after.spec_num_drafts - before.spec_num_drafts
+    assert 0 < drafted_steps <= len(reference[3])  # only the plain request drafted
+    assert core.kv_cache_manager.num_free_blocks == core.kv_cache_manager.num_blocks

@@ -149,6 +149,7 @@ def test_bad_adapters_are_refused_before_the_engine_and_it_serves_on(llm, tiny_m
     qwen_adapter = _make_adapter(tiny_models["qwen3"], str(tmp_path / "qwen"), 4, 8, ["q_proj"], False, seed=9)
     head_adapter = _make_adapter(tiny_models["llama"], str(tmp_path / "head"), 4, 8, ["q_proj", "lm_head"], False,
                                  seed=9)
+    _generate(llm, adapters["all8"], PROMPTS[:1])  # id 1 names all8 from here on
     for lora, match in ((LoRARequest("x", 7, str(tmp_path / "missing")), "is not a folder"),
                         (LoRARequest("q", 8, qwen_adapter), "does not fit|base model needs"),
                         (LoRARequest("h", 9, head_adapter), "lm_head"),
@@ -162,6 +163,8 @@ def test_bad_adapters_are_refused_before_the_engine_and_it_serves_on(llm, tiny_m
     plain = LLM(tiny_models["llama"], kv_cache_memory_bytes=TEST_KV_BYTES, dtype="float32", max_model_len=64)
     with pytest.raises(ValueError, match="enable_lora=True"):
         _generate(plain, adapters["all8"])
+    with pytest.raises(ValueError, match="enable_lora is not supported with tensor or pipeline parallelism"):
+        LLM(tiny_models["llama"], enable_lora=True, tensor_parallel_size=2, max_model_len=64)
     with pytest.raises(ValueError, match="lora_int_id must be a positive integer"):
         LoRARequest("z", 0, "/tmp")
     assert _generate(llm, adapters["all8"]) == list(_peft_greedy(tiny_models["llama"], adapters["all8"].lora_path))
