@@ -101,6 +101,15 @@ class ModelRunner:
         if config.model_config.enable_return_routed_experts:
             self.routed_experts = RoutedExpertsCapture(model, max(self.max_num_tokens, self.max_num_reqs + 16),
                                                        self.block_size, device)
+        # Pooling models: the model's pooler, each running request's PoolingParams.
+        mc = config.model_config
+        self.pooler = None
+        if mc.runner_type == "pooling":
+            from pagedllm.model.pooler import Pooler
+
+            self.pooler = Pooler(model.pooling_kind, mc.pooler_config)
+        self.is_encoder = mc.is_encoder
+        self._pooling_params: dict[str, object] = {}
         # What lives beside the KV cache, block for block: the draft's cache, the routed experts.
         self._kv_extras = [x for x in (self.draft, self.routed_experts) if x is not None]
 
@@ -208,6 +217,8 @@ class ModelRunner:
         handle whose ``result()`` waits for them, and the next step may be launched first
         (async scheduling: its decodes read their input tokens from the device)."""
         self.input_batch.update(sched)
+        if self.pooler is not None:
+            self._track_pooling(sched)
         req_ids = [c.req_id for c in sched.scheduled_cached_reqs] + [n.req_id for n in sched.scheduled_new_reqs]
         if not req_ids:
             return _PendingOutput.done(ModelRunnerOutput([], [])) if non_block else ModelRunnerOutput([], [])
@@ -224,6 +235,9 @@ class ModelRunner:
             self.lora.prepare_step(lora_ids, counts, batch.graph_size)
         if batch.graph_size is not None:
             hidden = self.graphs.replay(batch.graph_size, len(req_ids), lora=lora_ids is not None)
+        elif self.is_encoder:
+            hidden = self.model(batch.input_ids, batch.positions, batch.attn_metadata,
+                                token_type_ids=self._token_types(states, batch))
         else:
             hidden = self._run_model(batch.input_ids, batch.positions, batch.attn_metadata)
         if lora_ids is not None:
@@ -232,6 +246,9 @@ class ModelRunner:
             self.draft.follow(batch)
         if not self.is_last_stage:  # the last stage samples; the engine reads its output
             output = ModelRunnerOutput(req_ids, [[] for _ in req_ids])
+            return _PendingOutput.done(output) if non_block else output
+        if self.pooler is not None:  # pooling models: the prompts that ended this step are pooled
+            output = ModelRunnerOutput(req_ids, [[] for _ in req_ids], pooler_output=self._pool(states, batch, hidden))
             return _PendingOutput.done(output) if non_block else output
 
         sample_rows = batch.sample_rows
@@ -273,6 +290,54 @@ class ModelRunner:
         self.input_batch.append_sampled(states, tokens)
         if self._pending is pending:
             self._pending = None
+
+    # ---- pooling models ----------------------------------------------------------------------
+    def _track_pooling(self, sched: SchedulerOutput) -> None:
+        gone = sched.finished_req_ids | sched.preempted_req_ids
+        self.pooler.forget(gone)
+        for r in gone:
+            self._pooling_params.pop(r, None)
+        for new in sched.scheduled_new_reqs:
+            if new.pooling_params is None:
+                raise ValueError(f"request {new.req_id} asks to generate from a pooling model")
+            self._pooling_params[new.req_id] = new.pooling_params
+
+    def _token_types(self, states: list[CachedRequestState], batch: _Batch) -> torch.Tensor | None:
+        """BERT token types of the step's tokens (encoders run whole prompts), or None when no
+        prompt has any (all type 0)."""
+        types = [self._pooling_params[s.req_id].extra_kwargs.get("token_type_ids") for s in states]
+        if not any(types):
+            return None
+        flat = np.zeros(batch.num_tokens, dtype=np.int64)
+        for i, t in enumerate(types):
+            if t:
+                flat[batch.query_start_loc[i]:batch.query_start_loc[i + 1]] = t
+        return torch.from_numpy(flat).to(self.device, non_blocking=True)
+
+    def _pool(self, states: list[CachedRequestState], batch: _Batch, hidden: torch.Tensor) -> dict[str, np.ndarray]:
+        """Feed each request's rows to the pooler; the requests whose prompt ended get their
+        result. Requests asking alike (task, activation, dimensions) go through the head together."""
+        ended = set(batch.sample_rows)
+        qsl = batch.query_start_loc
+        groups: dict[tuple, list[tuple[str, torch.Tensor]]] = {}
+        for i, s in enumerate(states):
+            lo, hi, start = qsl[i], qsl[i + 1], batch.starts[i]
+            pooled = self.pooler.add_chunk(s.req_id, hidden[lo:hi], s.token_ids[start:start + hi - lo], start,
+                                           i in ended)
+            if pooled is not None:
+                p = self._pooling_params[s.req_id]
+                key = (p.task, p.use_activation, p.dimensions, pooled.dim() == 1)
+                groups.setdefault(key, []).append((s.req_id, pooled))
+        out: dict[str, np.ndarray] = {}
+        for (task, activation, dims, stackable), items in groups.items():
+            if stackable:
+                data = self.pooler.head(self.model, torch.stack([t for _, t in items]), task, activation, dims)
+                rows = data.cpu().numpy()
+                out.update((r, rows[j]) for j, (r, _) in enumerate(items))
+            else:
+                for r, t in items:
+                    out[r] = self.pooler.head(self.model, t, task, activation, dims).cpu().numpy()
+        return out
 
     def _step_lora_ids(self, sched: SchedulerOutput, rows: np.ndarray) -> np.ndarray | None:
         """Each request's adapter id this step (0: none), or None when no request has one."""
