@@ -61,7 +61,7 @@ def test_decoder_last_token_across_chunks_and_prefix_hits(qwen_last, pooling_mod
     again = qwen_last.embed(TEXTS, use_tqdm=False)
     assert sum(o.num_cached_tokens for o in again) > 0
     torch.testing.assert_close(torch.tensor([o.outputs.embedding for o in again]), got, atol=1e-5, rtol=0)
-    assert qwen_last.llm_engine.engine_core.executor.worker.model_runner.pooler.num_partial() == 0
+    assert qwen_last.llm_engine.engine_core.executor.worker.model_runner.pooling.pooler.num_partial() == 0
 
 
 def test_decoder_mean_across_chunks_and_preemption(pooling_models):
@@ -86,7 +86,7 @@ def test_decoder_mean_across_chunks_and_preemption(pooling_models):
         outs += engine.step()
     assert core.scheduler.num_preemptions == 1 and request.num_preemptions == 1
     _check(outs[0].outputs.data[None], ref[3:4], raw=False)
-    assert core.executor.worker.model_runner.pooler.num_partial() == 0
+    assert core.executor.worker.model_runner.pooling.pooler.num_partial() == 0
 
 
 def test_encode_gives_the_raw_pooled_states_and_activation_switches(qwen_last):
@@ -131,7 +131,7 @@ def test_bad_input_is_refused_and_the_engine_keeps_serving(qwen_last, pooling_mo
     engine.step()
     engine.abort_request("x")
     engine.step()
-    assert engine.engine_core.executor.worker.model_runner.pooler.num_partial() == 0
+    assert engine.engine_core.executor.worker.model_runner.pooling.pooler.num_partial() == 0
 
 
 def test_runner_and_task_arguments(pooling_models):

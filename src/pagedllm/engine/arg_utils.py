@@ -279,6 +279,7 @@ class EngineArgs:
     def create_engine_config(self, usage_context: str | None = None) -> EngineConfig:
         """``usage_context="llm_class"`` (the offline ``LLM``) picks vLLM's offline default token
         budget on large GPUs (see ``_default_max_num_batched_tokens``)."""
+        from pagedllm.engine.pooling_args import pooling_setup, prefix_caching
         from pagedllm.model.loader import resolve_model
 
         self._validate()
@@ -289,7 +290,7 @@ class EngineArgs:
         resolved = resolve_model(self.model or default_model(), revision=self.revision,
                                  trust_remote_code=self.trust_remote_code, hf_overrides=self.hf_overrides)
         hf_config = resolved.hf_config
-        runner, convert, pooler, is_encoder, pooling_kind = self._pooling_setup(resolved)
+        runner, convert, pooler, is_encoder, pooling_kind = pooling_setup(self, resolved)
         derived_max_len = _derive_max_model_len(hf_config)
         max_model_len = self.max_model_len or derived_max_len
         if self.max_model_len and derived_max_len and self.max_model_len > derived_max_len:
@@ -332,7 +333,7 @@ class EngineArgs:
             block_size=self.block_size or 16, gpu_memory_utilization=self.gpu_memory_utilization,
             num_gpu_blocks_override=self.num_gpu_blocks_override,
             kv_cache_memory_bytes=self.kv_cache_memory_bytes,
-            enable_prefix_caching=self._prefix_caching(pooler, is_encoder),
+            enable_prefix_caching=prefix_caching(self.enable_prefix_caching, pooler, is_encoder),
         )
         scheduler_config = SchedulerConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched, max_model_len=max_model_len,
@@ -349,46 +350,6 @@ class EngineArgs:
                             log_stats=not self.disable_log_stats, parallel_config=parallel_config,
                             structured_outputs_config=structured, speculative_config=speculative,
                             lora_config=lora, draft_model_config=draft)
-
-    def _pooling_setup(self, resolved: Any) -> tuple[str, str, Any, bool, str | None]:
-        """(runner, convert, pooler config, is_encoder); refuses what pooling models cannot combine with."""
-        from pagedllm.model.pooling_setup import resolve_pooling
-
-        if self.pooler_config is not None and self.override_pooler_config is not None:
-            raise ValueError("give pooler_config or its older name override_pooler_config, not both")
-        runner, convert, pooler, is_encoder, kind = resolve_pooling(
-            resolved.hf_config, resolved.path, self.runner, self.convert, self.task,
-            self.pooler_config if self.pooler_config is not None else self.override_pooler_config)
-        if runner != "pooling":
-            return runner, convert, pooler, is_encoder, kind
-        for name, value in (("speculative_config", self.speculative_config or self.speculative_model),
-                            ("enable_lora", self.enable_lora), ("async_scheduling", self.async_scheduling),
-                            ("enable_return_routed_experts", self.enable_return_routed_experts)):
-            if value:
-                raise ValueError(f"{name} does not apply to pooling models (runner='pooling'): they only prefill")
-        if is_encoder and self.pipeline_parallel_size > 1:
-            raise ValueError("pipeline_parallel_size > 1 is not supported for encoder models")
-        tokens = getattr(resolved.hf_config, "classifier_from_token", None)
-        if tokens:  # Qwen3-Reranker: the two tokens' ids, read with the model's tokenizer
-            from transformers import AutoTokenizer
-
-            tok = AutoTokenizer.from_pretrained(self.tokenizer or resolved.path,
-                                                trust_remote_code=self.trust_remote_code)
-            ids = [tok.convert_tokens_to_ids(t) for t in tokens]
-            if any(i is None or i == tok.unk_token_id for i in ids):
-                raise ValueError(f"classifier_from_token {tokens!r}: not tokens of the model's vocabulary")
-            resolved.hf_config._classifier_token_ids = ids
-        return runner, convert, pooler, is_encoder, kind
-
-    def _prefix_caching(self, pooler: Any, is_encoder: bool) -> bool:
-        """On by default; pooling that reads every prompt token (MEAN, CLS, ALL, STEP) or an
-        encoder's bidirectional states cannot reuse cached prefixes, so it is off there."""
-        reuses = pooler is None or (not is_encoder and pooler.pooling_type == "LAST")
-        if self.enable_prefix_caching and not reuses:
-            raise ValueError(f"enable_prefix_caching=True does not apply to {'an encoder' if is_encoder else ''}"
-                             f"{'' if is_encoder else pooler.pooling_type + ' pooling'}: every prompt token's state "
-                             "is needed")
-        return reuses if self.enable_prefix_caching is None else self.enable_prefix_caching
 
     def _routed_experts_option(self, hf_config: Any) -> bool:
         if not self.enable_return_routed_experts:

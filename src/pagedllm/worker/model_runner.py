@@ -23,13 +23,15 @@ from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.distributed import get_pp_size, is_first_pp_rank, is_last_pp_rank, pp_recv, pp_send
 from pagedllm.model.loader import TORCH_DTYPES
 from pagedllm.sample.metadata import SamplingMetadataBuilder
-from pagedllm.sample.sampler import Sampler, SamplingMetadata, compute_logprobs_with_ranks
+from pagedllm.sample.sampler import Sampler, SamplingMetadata
 from pagedllm.structured_output.bitmask import apply_grammar
 from pagedllm.worker import cuda_graphs
 from pagedllm.worker.cuda_graphs import CudaGraphs
 from pagedllm.worker.device_buffers import DeviceBuffers
 from pagedllm.lora.manager import lora_manager_for
 from pagedllm.worker.input_batch import CachedRequestState, InputBatch
+from pagedllm.worker.pooling import PoolingSteps
+from pagedllm.worker.prompt_logprobs import prompt_logprobs
 from pagedllm.worker.spec_draft import DraftModel
 from pagedllm.worker.routed_experts import RoutedExpertsCapture, split_routed
 from pagedllm.worker.spec_verify import verify_drafts
@@ -101,15 +103,9 @@ class ModelRunner:
         if config.model_config.enable_return_routed_experts:
             self.routed_experts = RoutedExpertsCapture(model, max(self.max_num_tokens, self.max_num_reqs + 16),
                                                        self.block_size, device)
-        # Pooling models: the model's pooler, each running request's PoolingParams.
-        mc = config.model_config
-        self.pooler = None
-        if mc.runner_type == "pooling":
-            from pagedllm.model.pooler import Pooler
-
-            self.pooler = Pooler(model.pooling_kind, mc.pooler_config)
-        self.is_encoder = mc.is_encoder
-        self._pooling_params: dict[str, object] = {}
+        # Pooling models (worker/pooling.py): prompts in, pooled outputs back, nothing sampled.
+        self.pooling = PoolingSteps(model, config.model_config, device) \
+            if config.model_config.runner_type == "pooling" else None
         # What lives beside the KV cache, block for block: the draft's cache, the routed experts.
         self._kv_extras = [x for x in (self.draft, self.routed_experts) if x is not None]
 
@@ -217,8 +213,8 @@ class ModelRunner:
         handle whose ``result()`` waits for them, and the next step may be launched first
         (async scheduling: its decodes read their input tokens from the device)."""
         self.input_batch.update(sched)
-        if self.pooler is not None:
-            self._track_pooling(sched)
+        if self.pooling is not None:
+            self.pooling.track(sched)
         req_ids = [c.req_id for c in sched.scheduled_cached_reqs] + [n.req_id for n in sched.scheduled_new_reqs]
         if not req_ids:
             return _PendingOutput.done(ModelRunnerOutput([], [])) if non_block else ModelRunnerOutput([], [])
@@ -235,9 +231,9 @@ class ModelRunner:
             self.lora.prepare_step(lora_ids, counts, batch.graph_size)
         if batch.graph_size is not None:
             hidden = self.graphs.replay(batch.graph_size, len(req_ids), lora=lora_ids is not None)
-        elif self.is_encoder:
+        elif self.pooling is not None and self.pooling.is_encoder:
             hidden = self.model(batch.input_ids, batch.positions, batch.attn_metadata,
-                                token_type_ids=self._token_types(states, batch))
+                                token_type_ids=self.pooling.token_types(states, batch.query_start_loc, batch.num_tokens))
         else:
             hidden = self._run_model(batch.input_ids, batch.positions, batch.attn_metadata)
         if lora_ids is not None:
@@ -247,8 +243,9 @@ class ModelRunner:
         if not self.is_last_stage:  # the last stage samples; the engine reads its output
             output = ModelRunnerOutput(req_ids, [[] for _ in req_ids])
             return _PendingOutput.done(output) if non_block else output
-        if self.pooler is not None:  # pooling models: the prompts that ended this step are pooled
-            output = ModelRunnerOutput(req_ids, [[] for _ in req_ids], pooler_output=self._pool(states, batch, hidden))
+        if self.pooling is not None:  # the prompts that ended this step are pooled
+            pooled = self.pooling.pool(states, batch.query_start_loc, batch.starts, set(batch.sample_rows), hidden)
+            output = ModelRunnerOutput(req_ids, [[] for _ in req_ids], pooler_output=pooled)
             return _PendingOutput.done(output) if non_block else output
 
         sample_rows = batch.sample_rows
@@ -272,7 +269,7 @@ class ModelRunner:
                 pending.launch_copy(sampling, out, self._buffers.sampled_tokens_host(len(sampling)))
                 self._prev_sampled = out.sampled_token_ids
                 self._prev_index = {state.req_id: j for j, state in enumerate(sampling)}
-        pending.prompt_logprobs = self._prompt_logprobs(states, batch, hidden)
+        pending.prompt_logprobs = prompt_logprobs(self.model, states, batch.starts, batch.query_start_loc, hidden)
         if self.routed_experts is not None:
             pending.routed = self.routed_experts.collect(sched, req_ids, self.input_batch.block_table_cpu, rows,
                                                          batch.starts, batch.query_start_loc)
@@ -290,54 +287,6 @@ class ModelRunner:
         self.input_batch.append_sampled(states, tokens)
         if self._pending is pending:
             self._pending = None
-
-    # ---- pooling models ----------------------------------------------------------------------
-    def _track_pooling(self, sched: SchedulerOutput) -> None:
-        gone = sched.finished_req_ids | sched.preempted_req_ids
-        self.pooler.forget(gone)
-        for r in gone:
-            self._pooling_params.pop(r, None)
-        for new in sched.scheduled_new_reqs:
-            if new.pooling_params is None:
-                raise ValueError(f"request {new.req_id} asks to generate from a pooling model")
-            self._pooling_params[new.req_id] = new.pooling_params
-
-    def _token_types(self, states: list[CachedRequestState], batch: _Batch) -> torch.Tensor | None:
-        """BERT token types of the step's tokens (encoders run whole prompts), or None when no
-        prompt has any (all type 0)."""
-        types = [self._pooling_params[s.req_id].extra_kwargs.get("token_type_ids") for s in states]
-        if not any(types):
-            return None
-        flat = np.zeros(batch.num_tokens, dtype=np.int64)
-        for i, t in enumerate(types):
-            if t:
-                flat[batch.query_start_loc[i]:batch.query_start_loc[i + 1]] = t
-        return torch.from_numpy(flat).to(self.device, non_blocking=True)
-
-    def _pool(self, states: list[CachedRequestState], batch: _Batch, hidden: torch.Tensor) -> dict[str, np.ndarray]:
-        """Feed each request's rows to the pooler; the requests whose prompt ended get their
-        result. Requests asking alike (task, activation, dimensions) go through the head together."""
-        ended = set(batch.sample_rows)
-        qsl = batch.query_start_loc
-        groups: dict[tuple, list[tuple[str, torch.Tensor]]] = {}
-        for i, s in enumerate(states):
-            lo, hi, start = qsl[i], qsl[i + 1], batch.starts[i]
-            pooled = self.pooler.add_chunk(s.req_id, hidden[lo:hi], s.token_ids[start:start + hi - lo], start,
-                                           i in ended)
-            if pooled is not None:
-                p = self._pooling_params[s.req_id]
-                key = (p.task, p.use_activation, p.dimensions, pooled.dim() == 1)
-                groups.setdefault(key, []).append((s.req_id, pooled))
-        out: dict[str, np.ndarray] = {}
-        for (task, activation, dims, stackable), items in groups.items():
-            if stackable:
-                data = self.pooler.head(self.model, torch.stack([t for _, t in items]), task, activation, dims)
-                rows = data.cpu().numpy()
-                out.update((r, rows[j]) for j, (r, _) in enumerate(items))
-            else:
-                for r, t in items:
-                    out[r] = self.pooler.head(self.model, t, task, activation, dims).cpu().numpy()
-        return out
 
     def _step_lora_ids(self, sched: SchedulerOutput, rows: np.ndarray) -> np.ndarray | None:
         """Each request's adapter id this step (0: none), or None when no request has one."""
@@ -429,25 +378,6 @@ class ModelRunner:
         buf.end_step()
         return _Batch(ids_d, pos_d, md, total, qsl_list, starts, graph_size, sample_rows, sample_batch_rows,
                       sample_index, temperature, spec_counts)
-
-    def _prompt_logprobs(self, states: list[CachedRequestState], batch: _Batch, hidden: torch.Tensor
-                         ) -> dict[str, list[PositionLogprobs]]:
-        """Logprobs of prompt tokens 1.. for the positions this step computed (chunk by chunk)."""
-        result: dict[str, list[PositionLogprobs]] = {}
-        for i, state in enumerate(states):
-            k = state.sampling_params.prompt_logprobs
-            start = batch.starts[i]
-            end = min(start + (batch.query_start_loc[i + 1] - batch.query_start_loc[i]), state.num_prompt_tokens - 1)
-            if k is None or start >= end:
-                continue
-            lo = batch.query_start_loc[i]
-            logits = self.model.compute_logits(hidden[lo:lo + end - start])
-            logprobs = torch.log_softmax(logits.float(), dim=-1)
-            targets = torch.tensor(state.token_ids[start + 1:end + 1], device=self.device)
-            num_top = logprobs.shape[-1] if k < 0 else k
-            ids, lps, ranks = compute_logprobs_with_ranks(logprobs, targets, num_top)
-            result[state.req_id] = list(zip(ids.tolist(), lps.tolist(), ranks.tolist()))
-        return result
 
 
 class _PendingOutput:
