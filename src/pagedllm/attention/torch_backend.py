@@ -54,17 +54,21 @@ class TorchAttentionBackend(AttentionBackend):
     @staticmethod
     def _bidirectional(query, key, value, metadata: AttentionMetadata, scale):
         """Encoders: each sequence is whole in this step (no chunks, no cache), so its new K/V
-        are its context; nothing is written to the cache."""
-        out = torch.empty_like(query)
+        are its context; nothing is written to the cache. The sequences are attended in one
+        padded batch (a key mask hides the padding), as one fused SDPA call."""
         qsl = metadata.query_start_loc_cpu
-        for i in range(metadata.num_reqs):
-            start, end = qsl[i], qsl[i + 1]
-            if end - start != metadata.seq_lens_cpu[i]:
-                raise ValueError("bidirectional attention needs each sequence whole in one step")
-            q, k, v = (t[start:end].transpose(0, 1) for t in (query, key, value))
-            o = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=q.shape[0] != k.shape[0])
-            out[start:end] = o.transpose(0, 1)
-        return out
+        lens = [qsl[i + 1] - qsl[i] for i in range(metadata.num_reqs)]
+        if lens != [int(n) for n in metadata.seq_lens_cpu]:
+            raise ValueError("bidirectional attention needs each sequence whole in one step")
+        longest, device = max(lens), query.device
+        pos = torch.arange(longest, device=device)
+        starts = torch.tensor(qsl[:-1], device=device)[:, None]
+        valid = pos[None, :] < torch.tensor(lens, device=device)[:, None]  # [B, L]
+        index = torch.where(valid, starts + pos[None, :], starts)  # padding rows repeat the first token
+        q, k, v = (t[index].transpose(1, 2) for t in (query, key, value))  # [B, H, L, D]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=valid[:, None, None, :], scale=scale,
+                                           enable_gqa=q.shape[1] != k.shape[1])
+        return o.transpose(1, 2)[valid]  # back to the flat rows, in order
 
     @staticmethod
     def _gather(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
