@@ -2,7 +2,7 @@
 # One device call does the whole GPU pass: correctness tests, then the benchmarks, then a
 # short table. Usage (on the device machine, repo root): scripts/gpu_pass.sh [STAGES]
 # STAGES is a comma list of: tests, throughput, throughput8b, latency, startup, structured, lora,
-# moetune, moe, quant, embed (default: startup,tests,throughput,throughput8b,latency).
+# moetune, moe, quant, pooling, embed, moedebug (default: startup,tests,throughput,throughput8b,latency).
 # Needs the SmolLM2 tokenizer saved under .gpu/tokenizer (carried with the call).
 set -uo pipefail
 export PYTHONPATH=src:.${PYTHONPATH:+:$PYTHONPATH} PAGEDLLM_TEST_TOKENIZER_DIR=.gpu/tokenizer HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -57,6 +57,23 @@ stage moetune && bench moe_tune python -m pagedllm.benchmarks.moe_kernel --shape
 stage moe && bench moe_kernel python -m pagedllm.benchmarks.moe_kernel --shape qwen3-30b-a3b
 stage moe && bench moe_throughput python -m pagedllm.benchmarks.throughput --shape qwen3-30b-a3b
 stage moe && bench moe_latency python -m pagedllm.benchmarks.latency --shape qwen3-30b-a3b --batch-sizes 1,32
+# Pooling (issue 22): the encoders' non-causal Triton path and the pooling engine on the GPU against
+# sentence-transformers / transformers (the server tests need fastapi, not on the device), then
+# embedding throughput against sentence-transformers in the same run.
+if stage pooling; then
+  echo "== pooling tests"
+  python -m pytest -q -rfE -p no:cacheprovider tests/attention/test_bidirectional.py tests/pooling \
+    --ignore=tests/pooling/test_pooling_server.py > "$OUT/pooling_tests.log" 2>&1
+  echo "   pooling tests rc=$?"; tail -8 "$OUT/pooling_tests.log" | cut -c1-300
+fi
+stage embed && bench embed python -m pagedllm.benchmarks.embed
+# One test with synchronous launches: where a kernel faults, the traceback names it.
+if stage moedebug; then
+  echo "== moedebug"
+  CUDA_LAUNCH_BLOCKING=1 python -m pytest -q -x -rfE -p no:cacheprovider tests/gpu/test_gpu_moe.py -k qwen2_moe \
+    > "$OUT/moedebug.log" 2>&1
+  echo "   moedebug rc=$?"; grep -E "Error|error|\.py:[0-9]+" "$OUT/moedebug.log" | tail -25 | cut -c1-300
+fi
 echo "== results"
 python - "$RES" <<'PY'
 import json, sys
