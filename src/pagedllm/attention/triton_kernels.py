@@ -379,7 +379,7 @@ def unified_attention(
     _check_attention_inputs(q, kv_cache, out, sliding_window, logits_soft_cap)
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
-    dim_pad = triton.next_power_of_2(head_dim)
+    dim_pad = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16
     ieee = q.dtype == torch.float32
     common = dict(
         NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=group_pad, BLOCK_SIZE=kv_cache.shape[2],

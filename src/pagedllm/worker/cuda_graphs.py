@@ -134,21 +134,32 @@ def profile_run(runner, num_tokens: int) -> None:
     """One forward + sample at the largest step size, to measure peak activation memory."""
     dev, model = runner.device, runner.model
     num_blocks = -(-num_tokens // runner.block_size)
-    with runner.scratch_kv_cache(num_blocks):
-        positions = torch.arange(num_tokens, device=dev)
+    # Pooling models run whole prompts of at most max_model_len (absolute position tables end there).
+    longest = runner.config.scheduler_config.max_model_len if runner.pooling is not None else num_tokens
+    lens = [longest] * (num_tokens // longest) + ([num_tokens % longest] if num_tokens % longest else [])
+    qsl = [0]
+    for n in lens:
+        qsl.append(qsl[-1] + n)
+    blocks_each = -(-longest // runner.block_size)
+    with runner.scratch_kv_cache(max(num_blocks, blocks_each * len(lens))):
+        positions = torch.cat([torch.arange(n, device=dev) for n in lens])
         md = AttentionMetadata(
-            num_actual_tokens=num_tokens, slot_mapping=positions.clone(),
-            block_tables=torch.arange(num_blocks, dtype=torch.int32, device=dev)[None],
-            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=dev),
-            query_start_loc_cpu=[0, num_tokens], seq_lens_cpu=[num_tokens],
-            max_query_len=num_tokens, max_seq_len=num_tokens,
+            num_actual_tokens=num_tokens, slot_mapping=torch.cat(
+                [torch.arange(n, device=dev) + i * blocks_each * runner.block_size for i, n in enumerate(lens)]),
+            block_tables=torch.arange(blocks_each * len(lens), dtype=torch.int32, device=dev).view(len(lens), -1),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
+            query_start_loc_cpu=qsl, seq_lens_cpu=lens, max_query_len=max(lens), max_seq_len=max(lens),
         )
         hidden = model(torch.zeros(num_tokens, dtype=torch.long, device=dev), positions, md,
                        runner.dummy_intermediate(num_tokens))
         if not runner.is_last_stage:
             return
         num_rows = min(runner.max_num_reqs, num_tokens)
+        if runner.pooling is not None:  # no logits: the head of as many pooled rows as a step can end
+            if hasattr(model, "classify"):
+                model.classify(hidden[:num_rows])
+            return
         logits = model.compute_logits(hidden[:num_rows])
         runner.sampler(logits, SamplingMetadata(
             temperature=torch.ones(num_rows, device=dev), all_greedy=False, all_random=True,
@@ -172,7 +183,10 @@ def warm_up_kernels(runner) -> None:
     )
     hidden = model(torch.zeros(3, dtype=torch.long, device=dev), torch.tensor([0, 0, 1], device=dev), md,
                    runner.dummy_intermediate(3))
-    if runner.is_last_stage:
+    if runner.is_last_stage and runner.pooling is not None:
+        if hasattr(model, "classify"):
+            model.classify(hidden[1:])
+    elif runner.is_last_stage:
         logits = model.compute_logits(hidden[1:])
         runner.sampler(logits, SamplingMetadata(temperature=torch.tensor([1.0, 0.0], device=dev),
                                                 all_greedy=False, all_random=False))
