@@ -101,6 +101,14 @@ class CacheConfig:
     num_gpu_blocks_override: int | None
     kv_cache_memory_bytes: int | None
     enable_prefix_caching: bool
+    # "auto": the model dtype; "fp8_e4m3" / "fp8_e5m2": one byte per element, dequantized by a
+    # per-layer K and V scale (attention/kv_quant.py). EngineArgs resolves "fp8" to "fp8_e4m3".
+    cache_dtype: str = "auto"
+    calculate_kv_scales: bool = False  # the scales from the first step's K/V instead of 1.0 / the checkpoint's
+
+    @property
+    def fp8_kv_cache(self) -> bool:
+        return self.cache_dtype != "auto"
 
 
 @dataclass

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from pagedllm.attention.backend import AttentionMetadata, kv_cache_shape
+from pagedllm.attention.kv_quant import is_fp8, kv_cache_torch_dtype
 from pagedllm.attention.selector import get_attention_backend
 from pagedllm.config import EngineConfig
 from pagedllm.core.messages import PositionLogprobs
@@ -63,6 +64,7 @@ class ModelRunner:
         self.device = device
         self.dtype = TORCH_DTYPES[config.model_config.dtype]
         self.block_size = config.cache_config.block_size
+        self.kv_dtype = kv_cache_torch_dtype(config.cache_config.cache_dtype, self.dtype)
         self.vocab_size = config.model_config.vocab_size
         self.attn_backend = get_attention_backend(device)
         self.attn_layers = [m for m in model.modules() if hasattr(m, "kv_cache") and hasattr(m, "attn_backend")]
@@ -103,11 +105,36 @@ class ModelRunner:
                                                        self.block_size, device)
         # What lives beside the KV cache, block for block: the draft's cache, the routed experts.
         self._kv_extras = [x for x in (self.draft, self.routed_experts) if x is not None]
+        # FP8 KV cache with calculate_kv_scales: the first real step sets every layer's scales.
+        self._kv_scales_pending = self._check_fp8_kv_cache()
+
+    def _check_fp8_kv_cache(self) -> bool:
+        """Log how an fp8 cache gets its scales; whether the first step must compute them."""
+        cc = self.config.cache_config
+        if not is_fp8(self.kv_dtype):
+            if cc.calculate_kv_scales:
+                logger.warning("calculate_kv_scales=True has no effect with kv_cache_dtype='auto'")
+            return False
+        if self.device.type == "cuda" and self.kv_dtype == torch.float8_e4m3fn \
+                and torch.cuda.get_device_capability(self.device) < (8, 9):
+            raise ValueError("kv_cache_dtype='fp8_e4m3' needs a GPU of compute capability 8.9 or newer (Ada, Hopper) "
+                             "for the Triton kernels; use 'fp8_e5m2' or 'auto'")
+        layers = self.attn_layers + (self.draft.attn_layers if self.draft is not None else [])
+        from_checkpoint = sum(bool(getattr(layer, "kv_scale_from_checkpoint", False)) for layer in layers)
+        if cc.calculate_kv_scales:
+            how = "computed from the first step's K/V (amax / 200 for K, amax / 100 for V)"
+        elif from_checkpoint:
+            how = f"from the checkpoint for {from_checkpoint} of {len(layers)} attention layers, 1.0 elsewhere"
+        else:
+            how = ("1.0: the checkpoint has no k_scale / v_scale; K/V past the fp8 range saturate "
+                   "(calculate_kv_scales=True computes them from the first step)")
+        logger.info("FP8 KV cache (%s): scales %s", cc.cache_dtype, how)
+        return cc.calculate_kv_scales
 
     # ---- KV cache ---------------------------------------------------------------------------
     def kv_cache_bytes_per_block(self) -> int:
         extras = sum(x.bytes_per_block() for x in self._kv_extras)
-        return len(self.attn_layers) * int(np.prod(self._kv_shape(1))) * self.dtype.itemsize + extras
+        return len(self.attn_layers) * int(np.prod(self._kv_shape(1))) * self.kv_dtype.itemsize + extras
 
     def _kv_shape(self, num_blocks: int) -> tuple[int, ...]:
         layer = self.attn_layers[0]
@@ -132,12 +159,13 @@ class ModelRunner:
             extra.free()
 
     def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """A zeroed KV cache tensor in the cache dtype."""
         if self.device.type != "cpu":
-            return torch.zeros(shape, dtype=self.dtype, device=self.device)
+            return torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         # calloc hands out fresh zero pages without touching them: a 4 GiB CPU cache costs
         # no start-up time and only the memory actually written.
-        nbytes = int(np.prod(shape)) * self.dtype.itemsize
-        return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(self.dtype).view(shape)
+        nbytes = int(np.prod(shape)) * self.kv_dtype.itemsize
+        return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(self.kv_dtype).view(shape)
 
     @contextlib.contextmanager
     def scratch_kv_cache(self, num_blocks: int):
@@ -145,7 +173,7 @@ class ModelRunner:
         blocks instead of its own (start-up forwards that must leave the real one alone)."""
         saved = [layer.kv_cache for layer in self.attn_layers]
         for layer in self.attn_layers:
-            layer.kv_cache = torch.zeros(self._kv_shape(num_blocks), dtype=self.dtype, device=self.device)
+            layer.kv_cache = torch.zeros(self._kv_shape(num_blocks), dtype=self.kv_dtype, device=self.device)
         try:
             yield
         finally:
@@ -339,7 +367,9 @@ class ModelRunner:
                 num_actual_tokens=total, slot_mapping=slots_d, block_tables=bt_d, query_start_loc=qsl_d,
                 seq_lens=seq_d, query_start_loc_cpu=qsl_list, seq_lens_cpu=seq_lens.tolist(),
                 max_query_len=int(counts.max()), max_seq_len=int(seq_lens.max()),
+                calculate_kv_scales=self._kv_scales_pending,
             )
+            self._kv_scales_pending = False
         if inflight:
             dst, src = (buf.upload(name, np.fromiter(x, dtype=np.int64, count=len(inflight)))
                         for name, x in zip(("inflight_dst", "inflight_src"), zip(*inflight)))

@@ -34,7 +34,7 @@ class DraftModel:
         return kv_cache_shape(num_blocks, self.runner.block_size, layer.num_kv_heads, layer.head_dim)
 
     def bytes_per_block(self) -> int:
-        return sum(int(np.prod(self._shape(layer, 1))) for layer in self.attn_layers) * self.runner.dtype.itemsize
+        return sum(int(np.prod(self._shape(layer, 1))) for layer in self.attn_layers) * self.runner.kv_dtype.itemsize
 
     def allocate(self, num_blocks: int) -> None:
         for layer in self.attn_layers:
