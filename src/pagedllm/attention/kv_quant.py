@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from pagedllm.distributed.parallel_state import tensor_model_parallel_max
+
 # CacheConfig.cache_dtype -> the cache's torch dtype ("auto": the model dtype, not listed).
 FP8_KV_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 # Largest finite value of each: writes saturate there (a plain cast would give NaN for e4m3fn
@@ -57,9 +59,14 @@ def as_bytes(cache: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def calculate_kv_scales_(kv_scale: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
     """Set ``kv_scale`` in place from this batch's K/V (vLLM's ``calc_kv_scales``): amax over
-    the constants above; a tensor of zeros keeps scale 1.0. Device ops only: no host sync."""
-    if key.numel() == 0:
-        return
-    amax = torch.stack([key.detach().abs().amax().float(), value.detach().abs().amax().float()])
+    the constants above; a tensor of zeros keeps scale 1.0. Device ops only: no host sync. Every
+    tensor-parallel rank calls this in the same step (its all-reduce pairs with theirs)."""
+    if key.numel() == 0:  # no tokens: amax 0 (scale 1.0 below), still joining the other ranks' all-reduce
+        amax = torch.zeros(2, device=kv_scale.device)
+    else:
+        amax = torch.stack([key.detach().abs().amax().float(), value.detach().abs().amax().float()])
+    # Tensor parallel: every rank holds some KV heads; the max over all of them gives each rank
+    # the scales one rank would compute (so TP=2 reads the cache as TP=1 does).
+    amax = tensor_model_parallel_max(amax)
     scales = amax / torch.tensor([K_SCALE_CONSTANT, V_SCALE_CONSTANT], device=amax.device)
     kv_scale.copy_(torch.where(scales > 0, scales, torch.ones_like(scales)))
