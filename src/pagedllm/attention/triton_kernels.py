@@ -24,6 +24,13 @@ cut into parts run by separate programs (grid axis 1), which write unnormalised 
 outputs with their running max and sum; a second small kernel merges them. The split count
 is a runtime value (the grid's second extent), so one compiled variant serves every count up
 to ``MAX_SPLITS``: a fresh machine compiles two kernels for split decodes, not two per count.
+
+FP8 KV cache (``kv_cache`` in float8 e4m3fn / e5m2, ``kv_scale`` = float32 ``[k_scale, v_scale]``
+on the device, read through a pointer so CUDA graphs see later values): the KV write stores
+``saturate(x / scale)`` (IEEE division and round-to-nearest-even, bit for bit torch's); the
+attention loop widens each K/V tile to q's dtype (exact) before the dots and folds the
+scales in once, k_scale into the score multiplier and v_scale into the accumulator. A model-
+dtype cache compiles the same code as before (``KV_FP8`` / ``FP8_MAX`` are constexpr switches).
 """
 from __future__ import annotations
 
