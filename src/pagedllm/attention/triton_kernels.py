@@ -400,7 +400,7 @@ def unified_attention(
     gives correct results. ``num_kv_splits`` forces the split-KV path (None: a heuristic that
     splits only decode batches too small to fill the GPU). ``logits_soft_cap``: scores
     ``cap * tanh(s / cap)`` before masking (its own compiled variant; None: the kernels without it).
-    ``kv_scale``: float32 ``[k_scale, v_scale]`` of an fp8 cache (read as ``cache x scale``).
+    ``kv_scale``: float32 ``[k_scale, v_scale]`` of an fp8 cache, read as ``cache x scale`` (else unused).
     """
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = seq_lens.shape[0]
@@ -419,8 +419,7 @@ def unified_attention(
     # K and V halves as two pointers: the distance between them (num_blocks x block bytes, past
     # 2**31 elements for large caches) would otherwise be an argument Triton types i32 or i64
     # by its value, one compiled variant per kind of cache size.
-    args = [q, out, kv_cache[0], kv_cache[1], block_tables, seq_lens, query_start_loc,
-            query_start_loc if kv_scale is None else kv_scale]  # (an unused pointer without fp8)
+    args = [q, out, *kv_cache.unbind(), block_tables, seq_lens, query_start_loc, q if kv_scale is None else kv_scale]
     scalars = _scalar_args(q, out, kv_cache, block_tables, scale, num_seqs, sliding_window, logits_soft_cap)
 
     decode_only = max_query_len == 1

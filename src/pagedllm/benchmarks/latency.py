@@ -125,7 +125,8 @@ def main(argv: list[str] | None = None) -> None:
         total_s = _time_generate(llm, prompts, full, args.num_iters)
         step_ms = (total_s - ttft_s) * 1e3 / (args.output_len - 1)
         result = {"benchmark": "latency", "engine": "pagedllm", "shape": args.model or args.shape, "dtype": dtype,
-                  "kv_cache_dtype": kv_cache_dtype, "enforce_eager": args.enforce_eager, "batch_size": batch, "input_len": args.input_len,
+                  "kv_cache_dtype": kv_cache_dtype, "enforce_eager": args.enforce_eager, "batch_size": batch,
+                  "input_len": args.input_len,
                   "output_len": args.output_len, "num_iters": args.num_iters, "ttft_ms": round(ttft_s * 1e3, 2),
                   "e2e_s": round(total_s, 4), "ms_per_step": round(step_ms, 3),
                   "decode_tok_s": round(batch * 1e3 / step_ms, 1)}

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from pagedllm.attention.backend import AttentionMetadata, kv_cache_shape
-from pagedllm.attention.kv_quant import is_fp8, kv_cache_torch_dtype
+from pagedllm.attention.kv_quant import kv_cache_torch_dtype
 from pagedllm.attention.selector import get_attention_backend
 from pagedllm.config import EngineConfig
 from pagedllm.core.messages import PositionLogprobs
@@ -31,6 +31,7 @@ from pagedllm.worker.cuda_graphs import CudaGraphs
 from pagedllm.worker.device_buffers import DeviceBuffers
 from pagedllm.lora.manager import lora_manager_for
 from pagedllm.worker.input_batch import CachedRequestState, InputBatch
+from pagedllm.worker.kv_cache import check_fp8_kv_cache, zeroed_cache
 from pagedllm.worker.spec_draft import DraftModel
 from pagedllm.worker.routed_experts import RoutedExpertsCapture, split_routed
 from pagedllm.worker.spec_verify import verify_drafts
@@ -106,30 +107,8 @@ class ModelRunner:
         # What lives beside the KV cache, block for block: the draft's cache, the routed experts.
         self._kv_extras = [x for x in (self.draft, self.routed_experts) if x is not None]
         # FP8 KV cache with calculate_kv_scales: the first real step sets every layer's scales.
-        self._kv_scales_pending = self._check_fp8_kv_cache()
-
-    def _check_fp8_kv_cache(self) -> bool:
-        """Log how an fp8 cache gets its scales; whether the first step must compute them."""
-        cc = self.config.cache_config
-        if not is_fp8(self.kv_dtype):
-            if cc.calculate_kv_scales:
-                logger.warning("calculate_kv_scales=True has no effect with kv_cache_dtype='auto'")
-            return False
-        if self.device.type == "cuda" and self.kv_dtype == torch.float8_e4m3fn \
-                and torch.cuda.get_device_capability(self.device) < (8, 9):
-            raise ValueError("kv_cache_dtype='fp8_e4m3' needs a GPU of compute capability 8.9 or newer (Ada, Hopper) "
-                             "for the Triton kernels; use 'fp8_e5m2' or 'auto'")
-        layers = self.attn_layers + (self.draft.attn_layers if self.draft is not None else [])
-        from_checkpoint = sum(bool(getattr(layer, "kv_scale_from_checkpoint", False)) for layer in layers)
-        if cc.calculate_kv_scales:
-            how = "computed from the first step's K/V (amax / 200 for K, amax / 100 for V)"
-        elif from_checkpoint:
-            how = f"from the checkpoint for {from_checkpoint} of {len(layers)} attention layers, 1.0 elsewhere"
-        else:
-            how = ("1.0: the checkpoint has no k_scale / v_scale; K/V past the fp8 range saturate "
-                   "(calculate_kv_scales=True computes them from the first step)")
-        logger.info("FP8 KV cache (%s): scales %s", cc.cache_dtype, how)
-        return cc.calculate_kv_scales
+        all_attn = self.attn_layers + (self.draft.attn_layers if self.draft else [])
+        self._kv_scales_pending = check_fp8_kv_cache(config.cache_config, self.kv_dtype, all_attn, device)
 
     # ---- KV cache ---------------------------------------------------------------------------
     def kv_cache_bytes_per_block(self) -> int:
@@ -141,8 +120,8 @@ class ModelRunner:
         return kv_cache_shape(num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        # Zeroed, so padded reads in a batched kernel only ever see finite values.
-        self.kv_caches = [self._zeros(self._kv_shape(num_blocks)) for _ in self.attn_layers]
+        shape = self._kv_shape(num_blocks)
+        self.kv_caches = [zeroed_cache(shape, self.kv_dtype, self.device) for _ in self.attn_layers]
         for layer, cache in zip(self.attn_layers, self.kv_caches):
             layer.kv_cache = cache
         for extra in self._kv_extras:
@@ -157,15 +136,6 @@ class ModelRunner:
             layer.kv_cache = None
         for extra in self._kv_extras:
             extra.free()
-
-    def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
-        """A zeroed KV cache tensor in the cache dtype."""
-        if self.device.type != "cpu":
-            return torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
-        # calloc hands out fresh zero pages without touching them: a 4 GiB CPU cache costs
-        # no start-up time and only the memory actually written.
-        nbytes = int(np.prod(shape)) * self.kv_dtype.itemsize
-        return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(self.kv_dtype).view(shape)
 
     @contextlib.contextmanager
     def scratch_kv_cache(self, num_blocks: int):

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from pagedllm.attention.backend import AttentionMetadata, kv_cache_shape
+from pagedllm.worker.kv_cache import zeroed_cache
 
 if TYPE_CHECKING:
     from pagedllm.worker.input_batch import CachedRequestState
@@ -38,7 +39,7 @@ class DraftModel:
 
     def allocate(self, num_blocks: int) -> None:
         for layer in self.attn_layers:
-            layer.kv_cache = self.runner._zeros(self._shape(layer, num_blocks))
+            layer.kv_cache = zeroed_cache(self._shape(layer, num_blocks), self.runner.kv_dtype, self.runner.device)
 
     def free(self) -> None:
         for layer in self.attn_layers:
