@@ -51,6 +51,7 @@ ROOMS: dict[str, int] = {
     # 1: the shared vocabulary every room may read (no torch here)
     "config": 1,
     "sampling_params": 1,
+    "pooling_params": 1,
     "structured_params": 1,
     "outputs": 1,
     "inputs": 1,

@@ -24,6 +24,11 @@ _LAZY = {
     "TokensPrompt": "pagedllm.inputs",
     "TextPrompt": "pagedllm.inputs",
     "LoRARequest": "pagedllm.lora.request",
+    "PoolingParams": "pagedllm.pooling_params",
+    "PoolingRequestOutput": "pagedllm.outputs",
+    "EmbeddingRequestOutput": "pagedllm.outputs",
+    "ClassificationRequestOutput": "pagedllm.outputs",
+    "ScoringRequestOutput": "pagedllm.outputs",
 }
 
 __all__ = [*_LAZY, "__version__"]
@@ -41,6 +46,8 @@ if TYPE_CHECKING:
     from pagedllm.entrypoints.llm import LLM
     from pagedllm.inputs import TextPrompt, TokensPrompt
     from pagedllm.lora.request import LoRARequest
-    from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
+    from pagedllm.outputs import (ClassificationRequestOutput, CompletionOutput, EmbeddingRequestOutput, Logprob,
+                                  PoolingRequestOutput, RequestOutput, ScoringRequestOutput)
+    from pagedllm.pooling_params import PoolingParams
     from pagedllm.sampling_params import (GuidedDecodingParams, RequestOutputKind, SamplingParams,
                                           StructuredOutputsParams)

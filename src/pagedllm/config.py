@@ -43,6 +43,13 @@ class ModelConfig:
     enforce_eager: bool = False
     enable_sleep_mode: bool = False  # LLM.sleep / wake_up may free and restore weights and KV cache
     enable_return_routed_experts: bool = False  # CompletionOutput.routed_experts (MoE models)
+    # "generate" or "pooling" (vLLM's runner); a pooling model's pooler settings, and how a
+    # generative checkpoint was converted ("embed" | "classify" | "reward"; "none": it is one).
+    runner_type: str = "generate"
+    convert: str = "none"
+    pooler_config: "PoolerConfig | None" = None
+    pooling_kind: str | None = None  # a pooling model's head: "embed" | "classify" | "reward"
+    is_encoder: bool = False  # bidirectional attention (BERT, XLM-R): whole prompts, no KV kept
 
     @property
     def vocab_size(self) -> int:
@@ -92,6 +99,59 @@ class ModelConfig:
         if eos is None:
             return set()
         return {eos} if isinstance(eos, int) else set(eos)
+
+
+POOLING_TYPES = ("LAST", "CLS", "MEAN", "ALL", "STEP")
+
+
+@dataclass
+class PoolerConfig:
+    """How a pooling model turns hidden states into its output (vLLM's ``pooler_config``):
+    ``pooling_type`` picks the tokens (LAST, CLS: the first, MEAN, ALL, STEP: those equal to
+    ``step_tag_id``); ``use_activation`` normalises embeddings, softmaxes (or, one label,
+    sigmoids) class logits; ``dimensions``: the output size a Matryoshka model allows
+    truncating to (None: only its full size)."""
+
+    pooling_type: str | None = None  # None: the task's default for the model
+    use_activation: bool | None = None
+    dimensions: int | None = None
+    matryoshka_dimensions: list[int] | None = None
+    step_tag_id: int | None = None
+    returned_token_ids: list[int] | None = None
+    enable_chunked_processing: bool | None = None  # accepted for vLLM's configs
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any] | None) -> "PoolerConfig":
+        values = dict(values or {})
+        for old in ("normalize", "softmax", "activation"):  # vLLM's older names of use_activation
+            if old in values:
+                v = values.pop(old)
+                if values.get("use_activation") is None:
+                    values["use_activation"] = v
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown pooler_config key(s) {unknown}; known: {sorted(known)}")
+        cfg = cls(**values)
+        if cfg.pooling_type is not None:
+            cfg.pooling_type = str(cfg.pooling_type).upper()
+            if cfg.pooling_type not in POOLING_TYPES:
+                raise ValueError(f"pooler_config pooling_type must be one of {list(POOLING_TYPES)}, "
+                                 f"got {values['pooling_type']!r}")
+        return cfg
+
+
+# EngineArgs.kv_cache_dtype -> CacheConfig.cache_dtype ("fp8" is e4m3, as in vLLM).
+_KV_CACHE_DTYPES = {"auto": "auto", "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, calculate_kv_scales: bool) -> str:
+    """The cache dtype of the ``kv_cache_dtype`` engine arg ("fp8_e4m3" for "fp8"), checking both args."""
+    if kv_cache_dtype not in _KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {list(_KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+    if not isinstance(calculate_kv_scales, bool):
+        raise ValueError(f"calculate_kv_scales must be True or False, got {calculate_kv_scales!r}")
+    return _KV_CACHE_DTYPES[kv_cache_dtype]
 
 
 @dataclass

@@ -69,3 +69,75 @@ class RequestOutput:
     encoder_prompt: str | None = None
     encoder_prompt_token_ids: list[int] | None = None
     kv_transfer_params: dict | None = field(default=None, repr=False)
+
+
+# ---- pooling models (vLLM's classes and fields) ---------------------------------------------------
+@dataclass
+class PoolingOutput:
+    """``data``: the pooled result as a float32 torch tensor ([dim], or [tokens, dim] for ALL)."""
+
+    data: Any
+
+
+@dataclass
+class PoolingRequestOutput:
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    finished: bool
+    prompt: str | None = None
+    num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput(PoolingRequestOutput):
+    @classmethod
+    def from_base(cls, base: PoolingRequestOutput) -> "EmbeddingRequestOutput":
+        data = base.outputs.data
+        if data.dim() != 1:
+            raise ValueError("embed outputs one vector per prompt; this pooler returned one per token")
+        return cls(base.request_id, EmbeddingOutput(data.tolist()), base.prompt_token_ids, base.finished,
+                   base.prompt, base.num_cached_tokens, base.metrics)
+
+
+@dataclass
+class ClassificationOutput:
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ClassificationRequestOutput(PoolingRequestOutput):
+    @classmethod
+    def from_base(cls, base: PoolingRequestOutput) -> "ClassificationRequestOutput":
+        return cls(base.request_id, ClassificationOutput(base.outputs.data.tolist()), base.prompt_token_ids,
+                   base.finished, base.prompt, base.num_cached_tokens, base.metrics)
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput(PoolingRequestOutput):
+    @classmethod
+    def from_base(cls, base: PoolingRequestOutput) -> "ScoringRequestOutput":
+        data = base.outputs.data
+        if data.numel() != 1:
+            raise ValueError(f"score needs a model with one output label; this one has {data.numel()}")
+        return cls(base.request_id, ScoringOutput(float(data.reshape(-1)[0])), base.prompt_token_ids,
+                   base.finished, base.prompt, base.num_cached_tokens, base.metrics)

@@ -60,8 +60,11 @@ class AttentionBackend:
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
         kv_scale: torch.Tensor | None = None,
+        causal: bool = True,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        """``sliding_window``: a query at position p sees keys at positions > p - window.
+        """``causal=False``: every query sees its whole sequence (encoders; the whole sequence
+        is in this step, never chunked).
+        ``sliding_window``: a query at position p sees keys at positions > p - window.
         ``logits_soft_cap``: scores become ``tanh(s / cap) * cap`` before masking and softmax
         (Gemma 2)."""
         raise NotImplementedError

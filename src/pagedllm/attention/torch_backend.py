@@ -35,8 +35,10 @@ class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
     def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata, scale, sliding_window=None,
-                logits_soft_cap=None, kv_scale=None):
+                logits_soft_cap=None, causal=True, kv_scale=None):
         n = metadata.num_actual_tokens
+        if not causal:
+            return self._bidirectional(query, key, value, metadata, scale)
         fp8 = self.check_kv_scale(key, value, kv_cache, metadata, kv_scale)
         write_to_paged_cache(key[:n], value[:n], kv_cache, metadata.slot_mapping[:n], kv_scale)
         # An fp8 cache is read as (cache dtype -> float32) x scale -> the model dtype; this step's
@@ -59,6 +61,21 @@ class TorchAttentionBackend(AttentionBackend):
             )
         if decode_reqs:
             self._decode(query, read, metadata, decode_reqs, scale, sliding_window, logits_soft_cap, out)
+        return out
+
+    @staticmethod
+    def _bidirectional(query, key, value, metadata: AttentionMetadata, scale):
+        """Encoders: each sequence is whole in this step (no chunks, no cache), so its new K/V
+        are its context; nothing is written to the cache."""
+        out = torch.empty_like(query)
+        qsl = metadata.query_start_loc_cpu
+        for i in range(metadata.num_reqs):
+            start, end = qsl[i], qsl[i + 1]
+            if end - start != metadata.seq_lens_cpu[i]:
+                raise ValueError("bidirectional attention needs each sequence whole in one step")
+            q, k, v = (t[start:end].transpose(0, 1) for t in (query, key, value))
+            o = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=q.shape[0] != k.shape[0])
+            out[start:end] = o.transpose(0, 1)
         return out
 
     @staticmethod

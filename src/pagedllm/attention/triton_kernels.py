@@ -169,6 +169,7 @@ def _attention_kernel(
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     USE_WINDOW: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr,
     Q_LEN_FILTER: tl.constexpr, Q_LEN_THRESHOLD: tl.constexpr, SOFTCAP: tl.constexpr, KV_FP8: tl.constexpr,
+    CAUSAL: tl.constexpr = True,
 ):
     # One flat grid axis, KV head fastest: the programs of one sequence run side by side and
     # read the same cache blocks (each slot holds all KV heads) at about the same time.
@@ -207,8 +208,11 @@ def _attention_kernel(
     q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0)
     q_pos = context_len + q_tok  # absolute position of each row's query token
 
-    # Keys this tile can see: up to its last query token (causal), from the window's start.
-    kv_stop = context_len + tl.minimum(q_start + BLOCK_Q, q_len)
+    # Keys this tile can see: up to its last query token (causal; else all), from the window's start.
+    if CAUSAL:
+        kv_stop = context_len + tl.minimum(q_start + BLOCK_Q, q_len)
+    else:
+        kv_stop = seq_len
     kv_first = 0
     if USE_WINDOW:
         kv_first = tl.maximum(context_len + q_start - window + 1, 0)
@@ -253,7 +257,10 @@ def _attention_kernel(
         sc = sc * scale_log2
         if SOFTCAP:  # Gemma 2: cap * tanh(s / cap); scale_log2 is scale / cap, softcap_log2 cap * log2(e)
             sc = _tanh(sc) * softcap_log2
-        visible = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
+        if CAUSAL:
+            visible = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
+        else:  # encoders: every row sees the whole sequence
+            visible = (q_pos[:, None] >= 0) & k_ok[None, :]
         if USE_WINDOW:
             visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
         sc = tl.where(visible, sc, float("-inf"))
@@ -390,9 +397,11 @@ def unified_attention(
     max_query_len: int | None = None,
     num_kv_splits: int | None = None,
     logits_soft_cap: float | None = None,
+    causal: bool = True,
     kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal paged attention for a flat batch; writes ``out`` rows of every token that
+    """Causal paged attention for a flat batch (``causal=False``: bidirectional, for encoders,
+    whose whole sequence is in the step); writes ``out`` rows of every token that
     belongs to a sequence (rows past ``query_start_loc[-1]`` are left as they are).
 
     ``max_query_len`` is only a hint that picks the launch shape (1: decode tiles, one
@@ -400,7 +409,6 @@ def unified_attention(
     gives correct results. ``num_kv_splits`` forces the split-KV path (None: a heuristic that
     splits only decode batches too small to fill the GPU). ``logits_soft_cap``: scores
     ``cap * tanh(s / cap)`` before masking (its own compiled variant; None: the kernels without it).
-    ``kv_scale``: float32 ``[k_scale, v_scale]`` of an fp8 cache, read as ``cache x scale`` (else unused).
     """
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = seq_lens.shape[0]
@@ -415,10 +423,9 @@ def unified_attention(
     common = dict(
         NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=group_pad, BLOCK_SIZE=kv_cache.shape[2],
         HEAD_DIM=head_dim, DIM_PAD=dim_pad, USE_WINDOW=sliding_window is not None, IEEE=ieee,
-        SOFTCAP=logits_soft_cap is not None, KV_FP8=is_fp8(kv_cache.dtype))
-    # K and V halves as two pointers: the distance between them (num_blocks x block bytes, past
-    # 2**31 elements for large caches) would otherwise be an argument Triton types i32 or i64
-    # by its value, one compiled variant per kind of cache size.
+        SOFTCAP=logits_soft_cap is not None, CAUSAL=causal, KV_FP8=is_fp8(kv_cache.dtype))
+    # K and V halves as two pointers: their distance (num_blocks x block bytes, past 2**31 elements for large
+    # caches) would be an argument Triton types i32 or i64 by its value, one compiled variant per cache size.
     args = [q, out, *kv_cache.unbind(), block_tables, seq_lens, query_start_loc, q if kv_scale is None else kv_scale]
     scalars = _scalar_args(q, out, kv_cache, block_tables, scale, num_seqs, sliding_window, logits_soft_cap)
 

@@ -20,6 +20,8 @@ class EngineCoreRequest:
     arrival_time: float
     priority: int = 0
     lora_request: Any = None  # pagedllm.lora.LoRARequest, checked by the processor
+    # A pooling request (pagedllm.PoolingParams): prefill only, its output is pooling_output.
+    pooling_params: Any = None
 
 
 @dataclass
@@ -37,6 +39,8 @@ class EngineCoreOutput:
     # The request failed in the core (e.g. its grammar did not compile): finish_reason "abort" and
     # the message of the ValueError its caller gets.
     error: str | None = None
+    # A pooling request's result (a float32 numpy array), with finish_reason "stop".
+    pooling_output: Any = None
 
     @property
     def finished(self) -> bool:

@@ -35,6 +35,7 @@ class Request:
         arrival_time: float,
         priority: int = 0,
         lora_request: Any = None,
+        pooling_params: Any = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -44,6 +45,7 @@ class Request:
         self.priority = priority
         self.lora_request = lora_request  # its adapter (pagedllm.lora.LoRARequest) or None
         self.lora_int_id = lora_request.lora_int_id if lora_request is not None else 0
+        self.pooling_params = pooling_params  # a pooling request: it ends when its prompt is computed
         self.max_tokens = sampling_params.max_tokens
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
@@ -67,7 +69,7 @@ class Request:
     @classmethod
     def from_engine_core_request(cls, r: EngineCoreRequest) -> "Request":
         return cls(r.request_id, r.prompt_token_ids, r.sampling_params, r.eos_token_id, r.arrival_time, r.priority,
-                   r.lora_request)
+                   r.lora_request, r.pooling_params)
 
     @property
     def num_prompt_tokens(self) -> int:

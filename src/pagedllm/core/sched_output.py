@@ -19,6 +19,7 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     lora_request: Any = None  # the request's LoRA adapter (pagedllm.lora.LoRARequest), if any
+    pooling_params: Any = None  # a pooling request's PoolingParams
 
 
 @dataclass
@@ -68,3 +69,5 @@ class ModelRunnerOutput:
     # enable_return_routed_experts: per request, (first position, expert ids [n, moe_layers, top_k])
     # of the positions this step computed (from 0 when the request (re)started: prefix hits too).
     routed_experts: dict[str, tuple[int, Any]] = field(default_factory=dict)
+    # Pooling models: the requests whose prompt ended this step, and their results (float32 numpy).
+    pooler_output: dict[str, Any] = field(default_factory=dict)

@@ -74,7 +74,7 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already running")
-        if request.num_prompt_tokens >= self.config.max_model_len:
+        if request.num_prompt_tokens >= self.config.max_model_len + (request.pooling_params is not None):
             raise ValueError(
                 f"the prompt has {request.num_prompt_tokens} tokens; with at least one output token "
                 f"this exceeds max_model_len={self.config.max_model_len}"
@@ -237,7 +237,7 @@ class Scheduler:
             new_reqs.append(NewRequestData(
                 request.request_id, request.prompt_token_ids, list(request.output_token_ids),
                 request.sampling_params, self.kv.get_block_ids(request.request_id), num_hit_tokens,
-                request.lora_request,
+                request.lora_request, request.pooling_params,
             ))
             num_scheduled[request.request_id] = num_new
             budget -= num_new
@@ -299,6 +299,14 @@ class Scheduler:
                 continue
             prompt_lps = result.prompt_logprobs.get(req_id)
             routed = result.routed_experts.get(req_id)
+            pooled = result.pooler_output.get(req_id)
+            if pooled is not None:  # a pooling request's prompt is done: so is the request
+                self.running.remove(request)
+                self._finish(request, RequestStatus.FINISHED_STOPPED)
+                outputs.append(EngineCoreOutput(req_id, [], finish_reason="stop", pooling_output=pooled,
+                                                num_cached_tokens=max(request.num_cached_tokens, 0),
+                                                first_scheduled_time=request.first_scheduled_time))
+                continue
             if not token_ids and prompt_lps is None and routed is None:
                 continue
             if self.config.tracks_in_flight:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from pagedllm.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig,
-                             LoRAConfig, SpeculativeConfig, StructuredOutputsConfig)
+                             LoRAConfig, SpeculativeConfig, StructuredOutputsConfig, resolve_kv_cache_dtype)
 
 _DTYPES = {
     "auto": "auto", "half": "float16", "float16": "float16", "fp16": "float16",
@@ -19,8 +19,6 @@ _BLOCK_SIZES = (8, 16, 32, 64, 128)
 _LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")
 _DEVICES = ("auto", "cpu", "cuda")
 _TOKENIZER_MODES = ("auto", "slow", "hf")
-# kv_cache_dtype -> CacheConfig.cache_dtype ("fp8" is e4m3, as in vLLM).
-_KV_CACHE_DTYPES = {"auto": "auto", "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
 _DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 
 
@@ -64,9 +62,7 @@ class EngineArgs:
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     enable_prefix_caching: bool | None = None
-    # "fp8" (= "fp8_e4m3") / "fp8_e5m2": the KV cache in one byte per element, twice the tokens of a
-    # bf16 cache in the same memory; per-layer K/V scales from the checkpoint (k_scale / v_scale),
-    # else 1.0, or from the first step with calculate_kv_scales.
+    # "fp8" (= "fp8_e4m3") / "fp8_e5m2": a 1-byte KV cache with per-layer K/V scales (attention/kv_quant.py)
     kv_cache_dtype: str = "auto"
     calculate_kv_scales: bool = False
     enable_chunked_prefill: bool | None = None
@@ -122,6 +118,15 @@ class EngineArgs:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
     lora_dtype: str = "auto"
+    # Pooling models (vLLM's names): runner "auto" | "generate" | "pooling"; convert "auto" | "none" |
+    # "embed" | "classify" | "reward" (a generative checkpoint served as a pooling model); task, the
+    # older spelling of both; pooler_config (config.PoolerConfig's keys; override_pooler_config is its
+    # older name).
+    runner: str = "auto"
+    convert: str = "auto"
+    task: str | None = None
+    pooler_config: dict[str, Any] | None = None
+    override_pooler_config: dict[str, Any] | None = None
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -150,10 +155,7 @@ class EngineArgs:
             raise bad("load_format", f"one of {list(_LOAD_FORMATS)}")
         if self.device not in _DEVICES and not self.device.startswith("cuda:"):
             raise bad("device", f"one of {list(_DEVICES)} or 'cuda:N'")
-        if self.kv_cache_dtype not in _KV_CACHE_DTYPES:
-            raise bad("kv_cache_dtype", f"one of {list(_KV_CACHE_DTYPES)}")
-        if not isinstance(self.calculate_kv_scales, bool):
-            raise bad("calculate_kv_scales", "True or False")
+        resolve_kv_cache_dtype(self.kv_cache_dtype, self.calculate_kv_scales)
         if self.tokenizer_mode not in _TOKENIZER_MODES:
             raise bad("tokenizer_mode", f"one of {list(_TOKENIZER_MODES)}")
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_gpu_blocks_override",
@@ -281,6 +283,7 @@ class EngineArgs:
     def create_engine_config(self, usage_context: str | None = None) -> EngineConfig:
         """``usage_context="llm_class"`` (the offline ``LLM``) picks vLLM's offline default token
         budget on large GPUs (see ``_default_max_num_batched_tokens``)."""
+        from pagedllm.engine.pooling_args import pooling_setup, prefix_caching
         from pagedllm.model.loader import resolve_model
 
         self._validate()
@@ -291,6 +294,7 @@ class EngineArgs:
         resolved = resolve_model(self.model or default_model(), revision=self.revision,
                                  trust_remote_code=self.trust_remote_code, hf_overrides=self.hf_overrides)
         hf_config = resolved.hf_config
+        runner, convert, pooler, is_encoder, pooling_kind = pooling_setup(self, resolved)
         derived_max_len = _derive_max_model_len(hf_config)
         max_model_len = self.max_model_len or derived_max_len
         if self.max_model_len and derived_max_len and self.max_model_len > derived_max_len:
@@ -299,6 +303,11 @@ class EngineArgs:
                 "(max_position_embeddings); use hf_overrides to raise it knowingly"
             )
         enable_chunked = True if self.enable_chunked_prefill is None else self.enable_chunked_prefill
+        if is_encoder:  # bidirectional attention sees the whole prompt: it is never split
+            if self.enable_chunked_prefill:
+                raise ValueError("enable_chunked_prefill=True does not apply to encoder models (bidirectional "
+                                 "attention needs each prompt whole in one step)")
+            enable_chunked = False
         default_batched = _default_max_num_batched_tokens(usage_context, device)
         max_num_batched = self.max_num_batched_tokens or (
             default_batched if enable_chunked else max(max_model_len, default_batched))
@@ -320,19 +329,23 @@ class EngineArgs:
             override_generation_config=dict(self.override_generation_config or {}),
             enforce_eager=self.enforce_eager, enable_sleep_mode=bool(self.enable_sleep_mode),
             enable_return_routed_experts=self._routed_experts_option(hf_config),
+            runner_type=runner, convert=convert, pooler_config=pooler, is_encoder=is_encoder, pooling_kind=pooling_kind,
         )
+        if runner == "pooling":
+            model_config.enforce_eager = True  # prefill-only steps: no decode graphs to replay
         cache_config = CacheConfig(
             block_size=self.block_size or 16, gpu_memory_utilization=self.gpu_memory_utilization,
             num_gpu_blocks_override=self.num_gpu_blocks_override,
             kv_cache_memory_bytes=self.kv_cache_memory_bytes,
-            enable_prefix_caching=True if self.enable_prefix_caching is None else self.enable_prefix_caching,
-            cache_dtype=_KV_CACHE_DTYPES[self.kv_cache_dtype], calculate_kv_scales=self.calculate_kv_scales,
+            enable_prefix_caching=prefix_caching(self.enable_prefix_caching, pooler, is_encoder),
+            cache_dtype=resolve_kv_cache_dtype(self.kv_cache_dtype, self.calculate_kv_scales),
+            calculate_kv_scales=self.calculate_kv_scales,
         )
         scheduler_config = SchedulerConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched, max_model_len=max_model_len,
             enable_chunked_prefill=enable_chunked, policy=self.scheduling_policy,
-            async_scheduling=(device != "cpu" and self.pipeline_parallel_size == 1 and speculative is None)
-            if self.async_scheduling is None else self.async_scheduling,
+            async_scheduling=(device != "cpu" and self.pipeline_parallel_size == 1 and speculative is None
+                              and runner == "generate") if self.async_scheduling is None else self.async_scheduling,
             max_concurrent_batches=self.pipeline_parallel_size,
             max_loras=lora.max_loras if lora is not None else None,
             num_lookahead_tokens=speculative.num_speculative_tokens

@@ -9,7 +9,9 @@ from pagedllm.core.messages import EngineCoreOutput, EngineCoreRequest, Position
 from pagedllm.engine.detokenizer import IncrementalDetokenizer, decode_token
 from pagedllm.engine.processor import Processor
 from pagedllm.inputs import PromptType
+from pagedllm.outputs import PoolingOutput, PoolingRequestOutput
 from pagedllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestMetrics, RequestOutput, SampleLogprobs
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -31,6 +33,7 @@ class RequestState:
     num_sent_logprobs: int = 0
     # enable_return_routed_experts: (first position, ids [n, layers, top_k]) as the steps report them
     routed_chunks: list[tuple[int, Any]] = field(default_factory=list)
+    pooled: Any = None  # a pooling request's result (numpy)
 
     def completion(self, delta: bool) -> CompletionOutput:
         finished = self.finish_reason is not None
@@ -75,6 +78,7 @@ class ParentRequest:
     prompt_logprobs: PromptLogprobs | None = None
     prompt_logprobs_sent: bool = False
     num_cached_tokens: int = 0
+    pooling: bool = False  # a pooling request: its one child carries ``pooled``
 
     @property
     def finished(self) -> bool:
@@ -107,6 +111,14 @@ def register_request(
     and return the engine-core requests (one per sample) the caller must submit."""
     if not isinstance(request_id, str):
         raise ValueError(f"request_id must be a string, got {type(request_id).__name__}")
+    if isinstance(params, PoolingParams):
+        if lora_request is not None:
+            raise ValueError("lora_request does not apply to pooling requests")
+        text, core_req = processor.process_pooling(request_id, prompt, params, arrival_time, priority)
+        parent = ParentRequest(request_id, text, core_req.prompt_token_ids, core_req.sampling_params,
+                               RequestMetrics(arrival_time=core_req.arrival_time), pooling=True)
+        output_processor.add_request(parent, [request_id], [core_req.sampling_params])
+        return parent, [core_req]
     text, core_req = processor.process(request_id, prompt, params, arrival_time, priority, lora_request)
     params = core_req.sampling_params
     child_ids, child_params = split_samples(request_id, params)
@@ -162,6 +174,10 @@ class OutputProcessor:
             if out.first_scheduled_time is not None and m.first_scheduled_time is None:
                 m.first_scheduled_time = out.first_scheduled_time
             parent.num_cached_tokens = out.num_cached_tokens
+            if out.pooling_output is not None:
+                state.pooled = out.pooling_output
+                m.first_token_time = m.last_token_time = now
+                self.num_prompt_tokens += len(parent.prompt_token_ids)
             if out.new_routed_experts is not None:
                 state.routed_chunks.append(out.new_routed_experts)
             if out.new_prompt_logprobs is not None and parent.prompt_logprobs is not None and state.index == 0:
@@ -209,8 +225,17 @@ class OutputProcessor:
             result.append(d)
         return result
 
-    def _make_output(self, state: RequestState) -> RequestOutput | None:
+    def _make_output(self, state: RequestState) -> RequestOutput | PoolingRequestOutput | None:
         parent = state.parent
+        if parent.pooling:
+            if not parent.finished:
+                return None
+            import torch
+
+            parent.metrics.finished_time = time.time()
+            data = torch.from_numpy(state.pooled) if state.pooled is not None else None
+            return PoolingRequestOutput(parent.request_id, PoolingOutput(data), parent.prompt_token_ids, True,
+                                        parent.prompt, parent.num_cached_tokens, parent.metrics)
         kind = parent.params.output_kind
         finished = parent.finished
         if kind == RequestOutputKind.FINAL_ONLY and not finished:

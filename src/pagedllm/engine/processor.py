@@ -53,6 +53,9 @@ class Processor:
     ) -> tuple[str | None, EngineCoreRequest]:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        if self.model_config.runner_type == "pooling":
+            raise ValueError(f"{self.model_config.architecture} is served as a pooling model: it does not generate "
+                             "(use embed / classify / score / encode)")
         if not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {priority!r}")
         mc = self.model_config
@@ -84,6 +87,67 @@ class Processor:
             params.max_tokens = mc.max_model_len - len(token_ids)
         return text, EngineCoreRequest(request_id, token_ids, params, eos, arrival_time or time.time(), priority,
                                        lora_request)
+
+    def process_pooling(self, request_id: str, prompt: PromptType, params: Any, arrival_time: float | None = None,
+                        priority: int = 0) -> tuple[str | None, EngineCoreRequest]:
+        """A pooling request: its prompt (optionally truncated, whole within max_model_len) and
+        params checked against the model's pooler; it emits no token."""
+        from pagedllm.pooling_params import PoolingParams
+
+        mc = self.model_config
+        if mc.runner_type != "pooling":
+            raise ValueError(f"{mc.architecture} is a generative model: embed / classify / score / encode need a "
+                             "pooling model (runner='pooling', or convert='embed' for a decoder body)")
+        if not isinstance(params, PoolingParams):
+            raise ValueError(f"params must be PoolingParams, got {type(params).__name__}")
+        params = params.clone()
+        self._check_pooling(params)
+        token_types = None
+        if isinstance(prompt, dict) and "token_type_ids" in prompt:
+            token_types = list(prompt["token_type_ids"])
+            prompt = {k: v for k, v in prompt.items() if k != "token_type_ids"}
+        text, token_ids = self.parse_prompt(prompt)
+        if params.truncate_prompt_tokens is not None:
+            keep = mc.max_model_len if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
+            if keep > mc.max_model_len:
+                raise ValueError(f"truncate_prompt_tokens={keep} is more than max_model_len={mc.max_model_len}")
+            token_ids = token_ids[-keep:]
+            token_types = token_types[-keep:] if token_types else None
+        if not token_ids:
+            raise ValueError("the input is empty: at least one token is needed")
+        vocab = mc.vocab_size
+        if min(token_ids) < 0 or max(token_ids) >= vocab:
+            raise ValueError(f"input token ids must be in [0, {vocab}), got {min(token_ids)}..{max(token_ids)}")
+        if len(token_ids) > mc.max_model_len:
+            raise ValueError(f"the input has {len(token_ids)} tokens, more than max_model_len={mc.max_model_len}; "
+                             "shorten it or set truncate_prompt_tokens")
+        if token_types:
+            if len(token_types) != len(token_ids) or not all(t in (0, 1) for t in token_types):
+                raise ValueError("token_type_ids must hold 0 or 1 for every input token")
+            params.extra_kwargs["token_type_ids"] = token_types
+        carrier = SamplingParams(max_tokens=1, detokenize=False)
+        return text, EngineCoreRequest(request_id, token_ids, carrier, None, arrival_time or time.time(), priority,
+                                       None, pooling_params=params)
+
+    def _check_pooling(self, params: Any) -> None:
+        from pagedllm.model.pooler import TASKS
+
+        mc = self.model_config
+        kind = mc.pooling_kind
+        if params.task is None:
+            params.task = "embed" if kind == "embed" else "classify" if kind == "classify" else "reward"
+        if params.task not in TASKS[kind]:
+            raise ValueError(f"task {params.task!r} does not apply to this {kind} model; it serves "
+                             f"{list(TASKS[kind])}")
+        if params.dimensions is not None:
+            if params.task != "embed":
+                raise ValueError("dimensions applies to embeddings only")
+            allowed = mc.pooler_config.matryoshka_dimensions
+            if not allowed:
+                raise ValueError(f"dimensions: model {mc.model!r} does not support matryoshka representation "
+                                 "(it gives only its full size)")
+            if params.dimensions not in allowed:
+                raise ValueError(f"dimensions={params.dimensions} is not one of the model's {allowed}")
 
     def check_lora(self, lora_request: Any, replace: bool = False) -> None:
         """An adapter is read and checked against the model once, before its first request is

@@ -13,7 +13,11 @@ from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.chat_utils import ChatMessage, apply_chat_template
 from pagedllm.inputs import PromptType
 from pagedllm.lora.request import LoRARequest
-from pagedllm.outputs import RequestOutput
+from pagedllm.outputs import (
+    ClassificationRequestOutput, EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput,
+    ScoringOutput, ScoringRequestOutput,
+)
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -170,5 +174,132 @@ class LLM:
             bar.close()
         except BaseException:
             engine.abort_request(ids)  # leave the engine clean for the next call
+            raise
+        return [results[i] for i in ids]
+
+    # ---- pooling models (vLLM's embed / classify / score / reward / encode) ----------------------
+    def encode(self, prompts: PromptType | Sequence[PromptType],
+               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, *, use_tqdm: bool = True,
+               truncate_prompt_tokens: int | None = None, pooling_task: str | None = None,
+               ) -> list[PoolingRequestOutput]:
+        """The pooled outputs of a pooling model, one per prompt, in input order (``data``: a
+        float32 tensor). ``pooling_task`` (embed, classify, score, reward, encode) sets the task of
+        params that name none; None: "encode", the pooled hidden states as they are."""
+        prompts = self._prompt_list(prompts)
+        if pooling_params is None:
+            pooling_params = PoolingParams()
+        params_list = [pooling_params] * len(prompts) if isinstance(pooling_params, PoolingParams) \
+            else list(pooling_params)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"pooling_params has {len(params_list)} entries but there are {len(prompts)} prompts")
+        task = pooling_task or "encode"
+        resolved = []
+        for p in params_list:
+            if not isinstance(p, PoolingParams):
+                raise ValueError(f"pooling_params must be PoolingParams, got {type(p).__name__}")
+            p = p.clone()
+            p.task = p.task or task
+            if truncate_prompt_tokens is not None:
+                p.truncate_prompt_tokens = truncate_prompt_tokens
+            resolved.append(p)
+        return self._run_pooling(prompts, resolved, use_tqdm)
+
+    def embed(self, prompts: PromptType | Sequence[PromptType], pooling_params: PoolingParams | None = None, *,
+              use_tqdm: bool = True, truncate_prompt_tokens: int | None = None) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (``outputs.embedding``)."""
+        out = self.encode(prompts, pooling_params, use_tqdm=use_tqdm, truncate_prompt_tokens=truncate_prompt_tokens,
+                          pooling_task="embed")
+        return [EmbeddingRequestOutput.from_base(o) for o in out]
+
+    def classify(self, prompts: PromptType | Sequence[PromptType], pooling_params: PoolingParams | None = None, *,
+                 use_tqdm: bool = True, truncate_prompt_tokens: int | None = None
+                 ) -> list[ClassificationRequestOutput]:
+        """Class probabilities per prompt (``outputs.probs``)."""
+        out = self.encode(prompts, pooling_params, use_tqdm=use_tqdm, truncate_prompt_tokens=truncate_prompt_tokens,
+                          pooling_task="classify")
+        return [ClassificationRequestOutput.from_base(o) for o in out]
+
+    def reward(self, prompts: PromptType | Sequence[PromptType], pooling_params: PoolingParams | None = None, *,
+               use_tqdm: bool = True, truncate_prompt_tokens: int | None = None) -> list[PoolingRequestOutput]:
+        """A reward model's scores (per token with ALL pooling)."""
+        return self.encode(prompts, pooling_params, use_tqdm=use_tqdm, truncate_prompt_tokens=truncate_prompt_tokens,
+                           pooling_task="reward")
+
+    def score(self, data_1: str | Sequence[str], data_2: str | Sequence[str], /, *, use_tqdm: bool = True,
+              truncate_prompt_tokens: int | None = None, pooling_params: PoolingParams | None = None,
+              ) -> list[ScoringRequestOutput]:
+        """Relevance of each (data_1, data_2) pair: 1:1, 1:N (one query, N documents) or N:N.
+        A cross-encoder (a classification model with one label) scores the pair as one input; an
+        embedding model gives the cosine similarity of the two embeddings."""
+        first = [data_1] if isinstance(data_1, str) else list(data_1)
+        second = [data_2] if isinstance(data_2, str) else list(data_2)
+        if not first or not second:
+            raise ValueError("score needs at least one text on each side")
+        if len(first) == 1:
+            first = first * len(second)
+        if len(first) != len(second):
+            raise ValueError(f"score pairs 1:1, 1:N or N:N; got {len(first)} and {len(second)} texts")
+        if not all(isinstance(t, str) for t in first + second):
+            raise ValueError("score takes texts (strings)")
+        if self.llm_engine.model_config.pooling_kind == "embed":
+            return self._cosine_scores(first, second, use_tqdm, truncate_prompt_tokens, pooling_params)
+        tokenizer = self.get_tokenizer()
+        prompts = []
+        for a, b in zip(first, second):
+            enc = tokenizer(a, b, truncation=truncate_prompt_tokens is not None,
+                            max_length=truncate_prompt_tokens if truncate_prompt_tokens not in (None, -1) else None)
+            prompt = {"prompt_token_ids": enc["input_ids"]}
+            if enc.get("token_type_ids") is not None:
+                prompt["token_type_ids"] = enc["token_type_ids"]
+            prompts.append(prompt)
+        out = self.encode(prompts, pooling_params, use_tqdm=use_tqdm, pooling_task="score")
+        return [ScoringRequestOutput.from_base(o) for o in out]
+
+    def _cosine_scores(self, first: list[str], second: list[str], use_tqdm: bool, truncate: int | None,
+                       pooling_params: PoolingParams | None) -> list[ScoringRequestOutput]:
+        import torch
+
+        texts = list(dict.fromkeys(first + second))
+        params = (pooling_params or PoolingParams()).clone()
+        params.use_activation = True  # cosine of normalised vectors
+        embedded = dict(zip(texts, self.encode(texts, params, use_tqdm=use_tqdm, truncate_prompt_tokens=truncate,
+                                               pooling_task="embed")))
+        out = []
+        for i, (a, b) in enumerate(zip(first, second)):
+            ea, eb = embedded[a], embedded[b]
+            score = float(torch.nn.functional.cosine_similarity(ea.outputs.data, eb.outputs.data, dim=0))
+            out.append(ScoringRequestOutput(f"score-{i}", ScoringOutput(score),
+                                            ea.prompt_token_ids + eb.prompt_token_ids, True))
+        return out
+
+    @staticmethod
+    def _prompt_list(prompts) -> list:
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            return [prompts]
+        return list(prompts)
+
+    def _run_pooling(self, prompts: list[PromptType], params_list: list[PoolingParams], use_tqdm: bool
+                     ) -> list[PoolingRequestOutput]:
+        engine = self.llm_engine
+        ids: list[str] = []
+        try:
+            for prompt, params in zip(prompts, params_list):
+                request_id = str(next(self._counter))
+                engine.add_request(request_id, prompt, params)
+                ids.append(request_id)
+            results: dict[str, PoolingRequestOutput] = {}
+            bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
+            start, in_tokens = time.perf_counter(), 0
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        in_tokens += len(out.prompt_token_ids)
+                        bar.set_postfix_str(f"est. speed input: {in_tokens / (time.perf_counter() - start):.2f} "
+                                            "toks/s", refresh=False)
+                        bar.update(1)
+            bar.close()
+        except BaseException:
+            engine.abort_request(ids)
             raise
         return [results[i] for i in ids]

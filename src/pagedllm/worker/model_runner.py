@@ -24,7 +24,7 @@ from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.distributed import get_pp_size, is_first_pp_rank, is_last_pp_rank, pp_recv, pp_send
 from pagedllm.model.loader import TORCH_DTYPES
 from pagedllm.sample.metadata import SamplingMetadataBuilder
-from pagedllm.sample.sampler import Sampler, SamplingMetadata, compute_logprobs_with_ranks
+from pagedllm.sample.sampler import Sampler, SamplingMetadata
 from pagedllm.structured_output.bitmask import apply_grammar
 from pagedllm.worker import cuda_graphs
 from pagedllm.worker.cuda_graphs import CudaGraphs
@@ -32,6 +32,8 @@ from pagedllm.worker.device_buffers import DeviceBuffers
 from pagedllm.lora.manager import lora_manager_for
 from pagedllm.worker.input_batch import CachedRequestState, InputBatch
 from pagedllm.worker.kv_cache import check_fp8_kv_cache, zeroed_cache
+from pagedllm.worker.pooling import PoolingSteps
+from pagedllm.worker.prompt_logprobs import prompt_logprobs
 from pagedllm.worker.spec_draft import DraftModel
 from pagedllm.worker.routed_experts import RoutedExpertsCapture, split_routed
 from pagedllm.worker.spec_verify import verify_drafts
@@ -104,6 +106,9 @@ class ModelRunner:
         if config.model_config.enable_return_routed_experts:
             self.routed_experts = RoutedExpertsCapture(model, max(self.max_num_tokens, self.max_num_reqs + 16),
                                                        self.block_size, device)
+        # Pooling models (worker/pooling.py): prompts in, pooled outputs back, nothing sampled.
+        self.pooling = PoolingSteps(model, config.model_config, device) \
+            if config.model_config.runner_type == "pooling" else None
         # What lives beside the KV cache, block for block: the draft's cache, the routed experts.
         self._kv_extras = [x for x in (self.draft, self.routed_experts) if x is not None]
         # FP8 KV cache with calculate_kv_scales: the first real step sets every layer's scales.
@@ -206,6 +211,8 @@ class ModelRunner:
         handle whose ``result()`` waits for them, and the next step may be launched first
         (async scheduling: its decodes read their input tokens from the device)."""
         self.input_batch.update(sched)
+        if self.pooling is not None:
+            self.pooling.track(sched)
         req_ids = [c.req_id for c in sched.scheduled_cached_reqs] + [n.req_id for n in sched.scheduled_new_reqs]
         if not req_ids:
             return _PendingOutput.done(ModelRunnerOutput([], [])) if non_block else ModelRunnerOutput([], [])
@@ -222,6 +229,9 @@ class ModelRunner:
             self.lora.prepare_step(lora_ids, counts, batch.graph_size)
         if batch.graph_size is not None:
             hidden = self.graphs.replay(batch.graph_size, len(req_ids), lora=lora_ids is not None)
+        elif self.pooling is not None and self.pooling.is_encoder:
+            hidden = self.model(batch.input_ids, batch.positions, batch.attn_metadata,
+                                token_type_ids=self.pooling.token_types(states, batch.query_start_loc, batch.num_tokens))
         else:
             hidden = self._run_model(batch.input_ids, batch.positions, batch.attn_metadata)
         if lora_ids is not None:
@@ -230,6 +240,10 @@ class ModelRunner:
             self.draft.follow(batch)
         if not self.is_last_stage:  # the last stage samples; the engine reads its output
             output = ModelRunnerOutput(req_ids, [[] for _ in req_ids])
+            return _PendingOutput.done(output) if non_block else output
+        if self.pooling is not None:  # the prompts that ended this step are pooled
+            pooled = self.pooling.pool(states, batch.query_start_loc, batch.starts, set(batch.sample_rows), hidden)
+            output = ModelRunnerOutput(req_ids, [[] for _ in req_ids], pooler_output=pooled)
             return _PendingOutput.done(output) if non_block else output
 
         sample_rows = batch.sample_rows
@@ -253,7 +267,7 @@ class ModelRunner:
                 pending.launch_copy(sampling, out, self._buffers.sampled_tokens_host(len(sampling)))
                 self._prev_sampled = out.sampled_token_ids
                 self._prev_index = {state.req_id: j for j, state in enumerate(sampling)}
-        pending.prompt_logprobs = self._prompt_logprobs(states, batch, hidden)
+        pending.prompt_logprobs = prompt_logprobs(self.model, states, batch.starts, batch.query_start_loc, hidden)
         if self.routed_experts is not None:
             pending.routed = self.routed_experts.collect(sched, req_ids, self.input_batch.block_table_cpu, rows,
                                                          batch.starts, batch.query_start_loc)
@@ -364,25 +378,6 @@ class ModelRunner:
         buf.end_step()
         return _Batch(ids_d, pos_d, md, total, qsl_list, starts, graph_size, sample_rows, sample_batch_rows,
                       sample_index, temperature, spec_counts)
-
-    def _prompt_logprobs(self, states: list[CachedRequestState], batch: _Batch, hidden: torch.Tensor
-                         ) -> dict[str, list[PositionLogprobs]]:
-        """Logprobs of prompt tokens 1.. for the positions this step computed (chunk by chunk)."""
-        result: dict[str, list[PositionLogprobs]] = {}
-        for i, state in enumerate(states):
-            k = state.sampling_params.prompt_logprobs
-            start = batch.starts[i]
-            end = min(start + (batch.query_start_loc[i + 1] - batch.query_start_loc[i]), state.num_prompt_tokens - 1)
-            if k is None or start >= end:
-                continue
-            lo = batch.query_start_loc[i]
-            logits = self.model.compute_logits(hidden[lo:lo + end - start])
-            logprobs = torch.log_softmax(logits.float(), dim=-1)
-            targets = torch.tensor(state.token_ids[start + 1:end + 1], device=self.device)
-            num_top = logprobs.shape[-1] if k < 0 else k
-            ids, lps, ranks = compute_logprobs_with_ranks(logprobs, targets, num_top)
-            result[state.req_id] = list(zip(ids.tolist(), lps.tolist(), ranks.tolist()))
-        return result
 
 
 class _PendingOutput:

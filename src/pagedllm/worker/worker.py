@@ -50,7 +50,7 @@ class Worker:
         torch.manual_seed(mc.seed)
         resolved = ResolvedModel(path=mc.path, gguf_file=mc.gguf_file, hf_config=mc.hf_config)
         model = load_model(resolved, mc.load_format, TORCH_DTYPES[mc.dtype],
-                           self.device, seed=mc.seed, max_model_len=mc.max_model_len)
+                           self.device, seed=mc.seed, max_model_len=mc.max_model_len, convert=mc.convert)
         draft = None
         if config.draft_model_config is not None:  # speculative decoding's draft, sharded as the target
             dmc = config.draft_model_config
@@ -69,7 +69,16 @@ class Worker:
 
     def determine_num_blocks(self) -> int:
         """KV blocks that fit: CPU from kv_cache_memory_bytes, GPU from gpu_memory_utilization
-        after a profiling forward; num_gpu_blocks_override wins."""
+        after a profiling forward; num_gpu_blocks_override wins. An encoder keeps nothing
+        between steps: one step's prompts are all its blocks ever hold."""
+        blocks = self._blocks_that_fit()
+        mc, sc = self.config.model_config, self.config.scheduler_config
+        if mc.is_encoder and self.config.cache_config.num_gpu_blocks_override is None:
+            bs = self.config.cache_config.block_size
+            blocks = min(blocks, -(-sc.max_num_batched_tokens // bs) + sc.max_num_seqs)
+        return blocks
+
+    def _blocks_that_fit(self) -> int:
         cc = self.config.cache_config
         per_block = self.model_runner.kv_cache_bytes_per_block()
         if cc.num_gpu_blocks_override is not None:
