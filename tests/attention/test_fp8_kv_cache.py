@@ -151,7 +151,7 @@ def test_triton_reshape_and_cache_writes_what_torch_writes(kernels, cache_dtype)
     slots = torch.tensor([3, 0, 17, -1, 8, 9, 30, 31, 1])
     caches = []
     for write in ("torch", "triton"):
-        cache = torch.zeros(2, 4, 8, kvh, hd, dtype=cache_dtype, device=DEVICE)
+        cache = torch.zeros(2, 4, 8, kvh, hd, dtype=cache_dtype, device="cpu" if write == "torch" else DEVICE)
         if write == "torch":
             from pagedllm.attention.torch_backend import write_to_paged_cache
 
@@ -192,3 +192,32 @@ def test_triton_fp8_cache_needs_scales(kernels):
         kernels.unified_attention(b.q, cache, b.block_tables, b.qsl, b.seq_lens, 0.1, out)
     with pytest.raises(ValueError, match="kv_scale"):
         kernels.reshape_and_cache(b.k_new, b.v_new, cache, b.slots, torch.ones(2, dtype=torch.float16, device=DEVICE))
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
+def test_a_captured_decode_graph_reads_the_scales_set_after_capture(kernels):
+    """The KV write + attention of a decode batch captured with scales 1.0, replayed after the
+    scales change in place (calculate_kv_scales after graph capture): the replay uses the new ones."""
+    rng = random.Random(12)
+    runs = [(rng.randint(1, 200), 1) for _ in range(8)]
+    b = make_batch(rng, block_size=16, num_kv_heads=2, group=4, head_dim=128, dtype=torch.bfloat16, runs=runs)
+    kv_scale = torch.ones(2, device=DEVICE)
+    cache = torch.zeros(b.cache.shape, dtype=E4M3, device=DEVICE)
+    out = torch.zeros_like(b.q)
+
+    def step():
+        kernels.reshape_and_cache(b.k_new, b.v_new, cache, b.slots, kv_scale)
+        kernels.unified_attention(b.q, cache, b.block_tables, b.qsl, b.seq_lens, 128 ** -0.5, out, max_query_len=1,
+                                  kv_scale=kv_scale)
+
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    kv_scale.copy_(torch.tensor([4.0 / 448, 3.0 / 448]))
+    deq, fp8 = fp8_batch(b, E4M3, kv_scale.cpu())
+    cache.copy_(fp8)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert rel_err(out[:b.num_real_tokens], reference(deq, 128 ** -0.5, None)) < TOL[torch.bfloat16]
