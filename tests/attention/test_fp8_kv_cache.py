@@ -107,18 +107,19 @@ def test_calculate_kv_scales_uses_amax_over_vllm_constants():
 
 
 # ---- Triton kernels -------------------------------------------------------------------------------
-# (block_size, kv_heads, group, head_dim, model dtype, cache dtype, kind, window, splits)
+# (block_size, kv_heads, group, head_dim, model dtype, cache dtype, kind, window, splits, soft cap)
 TRITON_CASES = [
-    (16, 2, 2, 64, torch.bfloat16, E4M3, "mixed", None, None),
-    (8, 1, 4, 32, torch.float16, E5M2, "prefill", 9, None),
-    (16, 2, 4, 64, torch.bfloat16, E4M3, "decode", None, 3),  # split-KV: v_scale on the partials
-    (32, 2, 1, 64, torch.float32, E4M3, "mixed", 12, None),
+    (16, 2, 2, 64, torch.bfloat16, E4M3, "mixed", None, None, None),
+    (8, 1, 4, 32, torch.float16, E5M2, "prefill", 9, None, None),
+    (16, 2, 4, 64, torch.bfloat16, E4M3, "decode", None, 3, None),  # split-KV: v_scale on the partials
+    (32, 2, 1, 64, torch.float32, E4M3, "mixed", 12, None, None),
+    (16, 2, 2, 64, torch.float32, E4M3, "mixed", None, None, 0.5),  # Gemma 2's cap: k_scale inside the tanh
 ]
 
 
 @pytest.mark.parametrize("case", range(len(TRITON_CASES)))
 def test_triton_kernels_with_fp8_cache_match_dequantized_reference(kernels, case):
-    block_size, kvh, group, hd, dtype, cache_dtype, kind, window, splits = TRITON_CASES[case]
+    block_size, kvh, group, hd, dtype, cache_dtype, kind, window, splits, cap = TRITON_CASES[case]
     rng = random.Random(300 + case)
     runs = random_runs(rng, kind, max_ctx=600 if ON_GPU else 40, max_chunk=300 if ON_GPU else 20,
                        max_seqs=12 if ON_GPU else 4)
@@ -131,11 +132,11 @@ def test_triton_kernels_with_fp8_cache_match_dequantized_reference(kernels, case
     out = torch.full_like(b.q, float("nan"))
     hint = 1 if kind == "decode" else max(q for _, q in runs)
     kernels.unified_attention(b.q, cache, b.block_tables, b.qsl, b.seq_lens, hd ** -0.5, out, window,
-                              max_query_len=hint, num_kv_splits=splits, kv_scale=kv_scale)
+                              max_query_len=hint, num_kv_splits=splits, kv_scale=kv_scale, logits_soft_cap=cap)
     got = out[:b.num_real_tokens]
     assert not got.isnan().any()
-    assert rel_err(got, reference(deq, hd ** -0.5, window)) < TOL[dtype]
-    assert rel_err(got, reference(b, hd ** -0.5, window)) < FP8_TOL[cache_dtype]
+    assert rel_err(got, reference(deq, hd ** -0.5, window, cap)) < TOL[dtype]
+    assert rel_err(got, reference(b, hd ** -0.5, window, cap)) < FP8_TOL[cache_dtype]
 
 
 @pytest.mark.parametrize("cache_dtype", [E4M3, E5M2])

@@ -15,7 +15,7 @@ import torch
 from pagedllm import LLM, SamplingParams, TokensPrompt
 from pagedllm.attention.kv_quant import fake_quantize
 from pagedllm.engine.arg_utils import EngineArgs
-from tests.conftest import TEST_KV_BYTES
+from tests.conftest import TEST_KV_BYTES, build_tiny_model
 from tests.engine.test_correctness import generate_ids, make_llm, mixed_prompts, shared_prefix_prompts
 
 # The tiny llama's K/V reach |x| ~ 7.6 / 7.9 in its first step: per-layer scales that put the
@@ -93,28 +93,42 @@ def test_calculate_kv_scales_sets_them_from_the_first_step(tiny_models):
     assert _scales(llm) == first
 
 
-def test_logprobs_equal_transformers_reading_the_same_fake_quantized_kv(tiny_models):
+@pytest.fixture(scope="module")
+def window_models(tmp_path_factory, smollm2_tokenizer_dir) -> dict[str, str]:
+    """Mistral (every layer slides, window 16) and Gemma 2 (a local and a global layer, soft caps)."""
+    return {arch: build_tiny_model(arch, str(tmp_path_factory.mktemp(f"tiny-{arch}-fp8")), smollm2_tokenizer_dir)
+            for arch in ("mistral", "gemma2")}
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma2"])
+def test_logprobs_equal_transformers_reading_the_same_fake_quantized_kv(tiny_models, window_models, arch):
     """The engine's fp8 path is exactly fake quantization of K/V (per layer, x / scale rounded to
-    e4m3, times scale) and nothing else: transformers' attention given those K/V agrees to 1e-4."""
-    import transformers.models.llama.modeling_llama as hf_llama
+    e4m3, times scale) and nothing else: transformers' attention given those K/V agrees to 1e-4,
+    with sliding windows (prompts past Mistral's 16) and Gemma 2's soft caps too."""
+    import importlib
+
     from transformers import AutoModelForCausalLM
 
-    model_dir = tiny_models["llama"]
+    model_dir = {**tiny_models, **window_models}[arch]
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    hf_module = importlib.import_module(type(hf).__module__)  # its eager_attention_forward is looked up there
     llm = make_llm(model_dir, kv_cache_dtype="fp8", calculate_kv_scales=True)
     prompts = mixed_prompts(6)
     sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, prompt_logprobs=0, logprobs=0)
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
     scales = [layer.kv_scale.clone() for layer in _runner(llm).attn_layers]
-    eager = hf_llama.eager_attention_forward
+    eager = hf_module.eager_attention_forward
+
+    calls = []
 
     def fake_quantized_attention(module, q, k, v, *args, **kwargs):
+        calls.append(module.layer_idx)
         s = scales[module.layer_idx]
         return eager(module, q, fake_quantize(k, s[0], torch.float8_e4m3fn),
                      fake_quantize(v, s[1], torch.float8_e4m3fn), *args, **kwargs)
 
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(hf_llama, "eager_attention_forward", fake_quantized_attention)
+        mp.setattr(hf_module, "eager_attention_forward", fake_quantized_attention)
         for prompt, out in zip(prompts, outs):
             gen = list(out.outputs[0].token_ids)
             ids = prompt + gen
@@ -125,6 +139,7 @@ def test_logprobs_equal_transformers_reading_the_same_fake_quantized_kv(tiny_mod
                 assert out.prompt_logprobs[i][ids[i]].logprob == pytest.approx(ref[i - 1, ids[i]].item(), abs=1e-4)
             for j, entry in enumerate(out.outputs[0].logprobs):
                 assert entry[gen[j]].logprob == pytest.approx(ref[len(prompt) - 1 + j, gen[j]].item(), abs=1e-4)
+    assert set(calls) == {0, 1}  # transformers' attention did read the fake-quantized K/V
 
 
 # SmolLM2-135M (the embedded GGUF, float32) over these prompts: |logprob(fp8 cache) - logprob(float32
