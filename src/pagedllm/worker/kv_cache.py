@@ -26,14 +26,16 @@ def zeroed_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
 def check_fp8_kv_cache(cc: CacheConfig, kv_dtype: torch.dtype, layers: list[nn.Module], device: torch.device) -> bool:
     """Refuse an fp8 cache the device's kernels cannot write, log where its scales come from;
     returns whether the first step must compute them (calculate_kv_scales)."""
+    from_checkpoint = sum(bool(getattr(layer, "kv_scale_from_checkpoint", False)) for layer in layers)
     if not is_fp8(kv_dtype):
         if cc.calculate_kv_scales:
             logger.warning("calculate_kv_scales=True has no effect with kv_cache_dtype='auto'")
+        if from_checkpoint:
+            logger.info("The checkpoint carries KV cache scales (k_scale / v_scale): kv_cache_dtype='fp8' uses them")
         return False
     if device.type == "cuda" and kv_dtype == torch.float8_e4m3fn and torch.cuda.get_device_capability(device) < (8, 9):
         raise ValueError("kv_cache_dtype='fp8_e4m3' needs a GPU of compute capability 8.9 or newer (Ada, Hopper) "
                          "for the Triton kernels; use 'fp8_e5m2' or 'auto'")
-    from_checkpoint = sum(bool(getattr(layer, "kv_scale_from_checkpoint", False)) for layer in layers)
     if cc.calculate_kv_scales:
         how = "computed from the first step's K/V (amax / 200 for K, amax / 100 for V)"
     elif from_checkpoint:
