@@ -30,6 +30,10 @@ from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_engine import APIError, error_response
 from pagedllm.entrypoints.openai.serving_models import ServingModels
+from pagedllm.entrypoints.openai.serving_pooling import OpenAIServingPooling
+from pagedllm.entrypoints.openai.protocol_pooling import (
+    ClassificationRequest, EmbeddingRequest, PoolingRequest, RerankRequest, ScoreRequest,
+)
 from pagedllm.version import __version__
 
 logger = logging.getLogger("pagedllm")
@@ -98,7 +102,8 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], args: Optional[Fr
     completion = OpenAIServingCompletion(engine, served_model_names, args.chat_template, **serving_kwargs)
     if args.lora_modules and engine.processor.lora_config is None:
         raise ValueError("--lora-modules needs --enable-lora")
-    serving.models = completion.models = ServingModels(engine, served_model_names, args.lora_modules)
+    pooling = OpenAIServingPooling(engine, served_model_names, args.chat_template, **serving_kwargs)
+    serving.models = completion.models = pooling.models = ServingModels(engine, served_model_names, args.lora_modules)
     metrics_registry = ServerMetrics(served_model_names[0])
     engine.metrics = metrics_registry
 
@@ -121,6 +126,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], args: Optional[Fr
 
     _add_error_handlers(app)
     _add_routes(app, engine, served_model_names, serving, completion, metrics_registry)
+    _add_pooling_routes(app, pooling)
     if envs.PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING:
         _add_lora_routes(app, serving.models)
     return app
@@ -207,6 +213,32 @@ def _add_routes(app: FastAPI, engine: AsyncLLM, served_model_names: list[str], s
         stats = await engine.get_stats()
         return {k: stats[k] for k in ("num_free_blocks", "num_blocks", "num_running", "num_waiting")} | {
             "num_unfinished_requests": engine.get_num_unfinished_requests()}
+
+
+def _add_pooling_routes(app: FastAPI, pooling: OpenAIServingPooling) -> None:
+    """OpenAI's embeddings, and vLLM's pooling, classification, score and rerank endpoints."""
+
+    @app.post("/v1/embeddings")
+    async def embeddings(req: EmbeddingRequest, raw: Request) -> Any:
+        return await pooling.create_embedding(req, raw)
+
+    @app.post("/pooling")
+    async def pool(req: PoolingRequest, raw: Request) -> Any:
+        return await pooling.create_pooling(req, raw)
+
+    @app.post("/classify")
+    async def classify(req: ClassificationRequest, raw: Request) -> Any:
+        return await pooling.create_classify(req, raw)
+
+    for path in ("/score", "/v1/score"):
+        @app.post(path)
+        async def score(req: ScoreRequest, raw: Request) -> Any:
+            return await pooling.create_score(req, raw)
+
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        @app.post(path)
+        async def rerank(req: RerankRequest, raw: Request) -> Any:
+            return await pooling.create_rerank(req, raw)
 
 
 def _add_lora_routes(app: FastAPI, models: ServingModels) -> None:

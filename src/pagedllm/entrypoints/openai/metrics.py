@@ -92,7 +92,10 @@ class ServerMetrics:
             self._last_per_pos = list(stats.spec_accepted_per_pos)
 
     def on_finished(self, output: RequestOutput) -> None:
-        reason = next((c.finish_reason for c in output.outputs if c.finish_reason), "abort")
+        if isinstance(output.outputs, list):
+            reason = next((c.finish_reason for c in output.outputs if c.finish_reason), "abort")
+        else:  # a pooling request's one output
+            reason = "stop" if output.finished and output.outputs.data is not None else "abort"
         self.finished.labels(**self.labels, finished_reason=reason).inc()
         m = output.metrics
         if m is None:

@@ -58,6 +58,8 @@ class ModelCard(OpenAIModel):
     root: Optional[str] = None
     parent: Optional[str] = None  # a LoRA adapter's base model
     max_model_len: Optional[int] = None
+    # What the model serves: "generate", or a pooling model's "embed" / "classify" / "reward".
+    task: Optional[str] = None
 
 
 class ModelList(OpenAIModel):

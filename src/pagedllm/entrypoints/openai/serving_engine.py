@@ -126,6 +126,9 @@ class OpenAIServing:
     def check_request(self, req: SamplingRequest, params: SamplingParams) -> None:
         """Bounds one request's share of the engine: n (and best_of) at most max_num_seqs;
         fields this server does not implement are a 400, other unknown ones logged once."""
+        if self.engine.model_config.runner_type == "pooling":
+            raise APIError(400, f"The model `{self.served_model_names[0]}` is served as a pooling model: it does not "
+                                "generate (use /v1/embeddings, /pooling, /classify, /score or /rerank)")
         for name in req.model_extra or {}:
             if name in UNSUPPORTED_FIELDS:
                 raise BadParam(name, f"{name} is not supported by this server yet ({UNSUPPORTED_FIELDS[name]})")

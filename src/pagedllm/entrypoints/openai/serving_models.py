@@ -63,6 +63,9 @@ class ServingModels:
         return "", None
 
     def cards(self, root: str, max_model_len: int) -> list[ModelCard]:
-        base = [ModelCard(id=name, root=root, max_model_len=max_model_len) for name in self.served_model_names]
+        mc = self.engine.model_config
+        task = mc.pooling_kind if mc.runner_type == "pooling" else "generate"
+        base = [ModelCard(id=name, root=root, max_model_len=max_model_len, task=task)
+                for name in self.served_model_names]
         return base + [ModelCard(id=name, root=r.lora_path, parent=self.served_model_names[0],
                                  max_model_len=max_model_len) for name, r in self.loras.items()]
