@@ -68,8 +68,8 @@ def kernel_module(name: str, kernel: str, monkeypatch):
 
 def _bf16_like_the_gpu(monkeypatch) -> None:
     """The interpreter keeps bfloat16 as raw uint16: its dot multiplies those integers, and its
-    float32 -> bfloat16 cast truncates where the GPU (cvt.rn) rounds to nearest even. Both
-    are made to compute what the GPU computes, for the duration of a test."""
+    float32 -> bfloat16 (and -> fp8) casts truncate where the GPU (cvt.rn) rounds to nearest
+    even. All are made to compute what the GPU computes, for the duration of a test."""
     import numpy as np
     import triton.language as tl
     from triton.runtime import interpreter
@@ -91,7 +91,32 @@ def _bf16_like_the_gpu(monkeypatch) -> None:
             return interpreter.TensorHandle(data.view(torch.int16).numpy().view(np.uint16), dst_type.scalar)
         return original_cast(self, src, dst_type)
 
+    # fp8 casts: the interpreter truncates to fp8 (and rebuilds subnormals by hand) where the GPU's
+    # cvt.rn rounds to nearest even; torch's casts are what the GPU computes (widening is exact).
+    fp8_types = {tl.float8e4nv: torch.float8_e4m3fn, tl.float8e5: torch.float8_e5m2}
+    wide_types = {tl.float32: torch.float32, tl.float16: torch.float16, tl.bfloat16: torch.bfloat16}
+
+    def to_torch(handle):
+        scalar = handle.dtype.scalar
+        data = torch.from_numpy(np.ascontiguousarray(handle.data))
+        return data.view(fp8_types[scalar]) if scalar in fp8_types else \
+            data.view(torch.bfloat16) if scalar == tl.bfloat16 else data
+
+    def create_fp_to_fp(self, src, dst_type, rounding_mode):
+        src_t, dst_t = src.dtype.scalar, dst_type.scalar
+        known = {**fp8_types, **wide_types}
+        if (src_t in fp8_types or dst_t in fp8_types) and src_t in known and dst_t in known:
+            out = to_torch(src).to(known[dst_t])
+            if dst_t in fp8_types:
+                out = out.view(torch.uint8)
+            elif dst_t == tl.bfloat16:
+                out = out.view(torch.int16)
+            return interpreter.TensorHandle(out.numpy().view(interpreter._get_np_dtype(dst_t)), dst_t)
+        return original_fp_to_fp(self, src, dst_type, rounding_mode)
+
     original_dot = interpreter.InterpreterBuilder.create_dot
     original_cast = interpreter.InterpreterBuilder.cast_impl
+    original_fp_to_fp = interpreter.InterpreterBuilder.create_fp_to_fp
     monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
     monkeypatch.setattr(interpreter.InterpreterBuilder, "cast_impl", cast_impl)
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_fp_to_fp", create_fp_to_fp)

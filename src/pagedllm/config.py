@@ -141,6 +141,19 @@ class PoolerConfig:
         return cfg
 
 
+# EngineArgs.kv_cache_dtype -> CacheConfig.cache_dtype ("fp8" is e4m3, as in vLLM).
+_KV_CACHE_DTYPES = {"auto": "auto", "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, calculate_kv_scales: bool) -> str:
+    """The cache dtype of the ``kv_cache_dtype`` engine arg ("fp8_e4m3" for "fp8"), checking both args."""
+    if kv_cache_dtype not in _KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {list(_KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+    if not isinstance(calculate_kv_scales, bool):
+        raise ValueError(f"calculate_kv_scales must be True or False, got {calculate_kv_scales!r}")
+    return _KV_CACHE_DTYPES[kv_cache_dtype]
+
+
 @dataclass
 class CacheConfig:
     block_size: int
@@ -148,6 +161,14 @@ class CacheConfig:
     num_gpu_blocks_override: int | None
     kv_cache_memory_bytes: int | None
     enable_prefix_caching: bool
+    # "auto": the model dtype; "fp8_e4m3" / "fp8_e5m2": one byte per element, dequantized by a
+    # per-layer K and V scale (attention/kv_quant.py). EngineArgs resolves "fp8" to "fp8_e4m3".
+    cache_dtype: str = "auto"
+    calculate_kv_scales: bool = False  # the scales from the first step's K/V instead of 1.0 / the checkpoint's
+
+    @property
+    def fp8_kv_cache(self) -> bool:
+        return self.cache_dtype != "auto"
 
 
 @dataclass

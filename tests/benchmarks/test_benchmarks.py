@@ -62,6 +62,20 @@ def test_structured_compares_json_with_unconstrained_in_one_run(capsys, smollm2_
     assert row["first_request_cold_schema_s"] > 0 and row["first_request_cached_schema_s"] > 0
 
 
+def test_fp8_kv_cache_flag_doubles_the_blocks_and_counts_one_byte_per_kv_element(capsys):
+    throughput.main(["--shape", "tiny-llama", "--num-prompts", "2", "--max-input-len", "8", "--max-output-len", "2",
+                     "--dtype", "float32", "--kv-cache-dtype", "fp8", "--engine-args", KV])
+    (row,) = _json_lines(capsys)
+    assert row["kv_cache_dtype"] == "fp8" and row["output_tokens"] == 2 * 2
+    assert row["num_kv_blocks"] == TEST_KV_BYTES // (16 * common.kv_bytes_per_token(common.SHAPES["tiny-llama"], 1))
+    latency.main(["--shape", "tiny-llama", "--batch-sizes", "1", "--input-len", "8", "--output-len", "2",
+                  "--num-iters", "1", "--num-iters-warmup", "0", "--dtype", "float32", "--copy-mib", "8",
+                  "--kv-cache-dtype", "fp8_e5m2", "--engine-args", KV])
+    (one,) = _json_lines(capsys)
+    assert one["kv_cache_dtype"] == "fp8_e5m2"
+    assert one["kv_bytes"] == 9 * common.kv_bytes_per_token(common.SHAPES["tiny-llama"], 1)
+
+
 def test_latency_reports_each_batch_size_and_the_roofline_at_batch_1(capsys):
     latency.main(["--shape", "tiny-llama", "--batch-sizes", "1,2", "--input-len", "8", "--output-len", "4",
                   "--num-iters", "1", "--num-iters-warmup", "0", "--dtype", "float32", "--copy-mib", "8",
@@ -76,8 +90,10 @@ def test_latency_reports_each_batch_size_and_the_roofline_at_batch_1(capsys):
     one, two = rows
     assert one["weight_bytes"] == common.weight_bytes(common.SHAPES["tiny-llama"], itemsize=4)
     assert one["copy_bandwidth_gb_s"] > 0
-    assert one["roofline_ms"] == pytest.approx(one["weight_bytes"] / (one["copy_bandwidth_gb_s"] * 1e9) * 1e3,
-                                               rel=0.05)
+    # The K/V of the mean context (8 + 4 / 2 tokens) beside the weights, at 4 bytes (float32 cache).
+    assert one["kv_bytes"] == 10 * common.kv_bytes_per_token(common.SHAPES["tiny-llama"], 4)
+    assert one["roofline_ms"] == pytest.approx((one["weight_bytes"] + one["kv_bytes"]) /
+                                               (one["copy_bandwidth_gb_s"] * 1e9) * 1e3, rel=0.05)
     # Both are rounded to 3 decimals: on a slow CPU the fraction is ~0.01, so compare absolutely.
     assert one["roofline_fraction"] == pytest.approx(one["roofline_ms"] / one["ms_per_step"], rel=1e-2, abs=1e-3)
     assert "roofline_fraction" not in two

@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedllm.attention.kv_quant import calculate_kv_scales_, is_fp8
+
 
 @dataclass
 class AttentionMetadata:
@@ -26,6 +28,9 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     max_query_len: int
     max_seq_len: int
+    # FP8 KV cache with calculate_kv_scales: this step's K/V set each layer's scales before they
+    # are written (the runner asks once, on the first real step).
+    calculate_kv_scales: bool = False
 
     @property
     def num_reqs(self) -> int:
@@ -36,7 +41,10 @@ class AttentionBackend:
     """Writes new K/V into the paged cache and attends over it.
 
     ``kv_cache`` for one layer is a tensor ``[2, num_blocks, block_size, num_kv_heads,
-    head_dim]`` (index 0 keys, 1 values).
+    head_dim]`` (index 0 keys, 1 values), in the model dtype or in float8 (e4m3fn / e5m2):
+    then ``kv_scale`` (float32 ``[k_scale, v_scale]``, attention/kv_quant.py) quantizes the
+    writes and dequantizes the reads, and every key and value attended, this step's included,
+    is the one read back from the cache.
     """
 
     name: str = "abstract"
@@ -51,6 +59,7 @@ class AttentionBackend:
         scale: float,
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        kv_scale: torch.Tensor | None = None,
         causal: bool = True,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """``causal=False``: every query sees its whole sequence (encoders; the whole sequence
@@ -59,6 +68,20 @@ class AttentionBackend:
         ``logits_soft_cap``: scores become ``tanh(s / cap) * cap`` before masking and softmax
         (Gemma 2)."""
         raise NotImplementedError
+
+    @staticmethod
+    def check_kv_scale(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
+                       kv_scale: torch.Tensor | None) -> bool:
+        """Whether the cache is fp8 (then ``kv_scale`` must be given); with
+        ``metadata.calculate_kv_scales`` the scales are set from this step's K/V first."""
+        if not is_fp8(kv_cache.dtype):
+            return False
+        if kv_scale is None:
+            raise ValueError(f"a {kv_cache.dtype} KV cache needs kv_scale ([k_scale, v_scale], float32)")
+        if metadata.calculate_kv_scales:
+            n = metadata.num_actual_tokens
+            calculate_kv_scales_(kv_scale, key[:n], value[:n])
+        return True
 
 
 def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:

@@ -5,7 +5,9 @@ time the per-layer KV write + attention captured in a CUDA graph (as the model r
 it), rotating over several caches so repeated replays do not measure L2; the floor is the K/V
 bytes read at the measured device-to-device copy bandwidth. Prefill cases report TFLOP/s of
 the causal attention. Every variant is also checked against a float32 SDPA over the gathered
-K/V (relative error). The table is printed last.
+K/V (relative error). The table is printed last. ``--kv-cache-dtype fp8`` (or fp8_e5m2) runs
+the same cases over an fp8 cache (scales 4/448; the floor counts 1 byte per K/V element, the
+error is against the dequantized cache).
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import statistics
 import torch
 
 from pagedllm.attention import triton_kernels as tk
+from pagedllm.attention.kv_quant import FP8_KV_DTYPES, dequantize, quantize
 
 SHAPES = {"qwen3-0.6b": (16, 8, 128), "llama3-8b": (32, 8, 128)}  # heads, kv heads, head_dim
 BLOCK_SIZE = 16
@@ -35,8 +38,9 @@ def copy_bandwidth_gbs() -> float:
     return 2 * x.numel() / statistics.median(times[2:]) / 1e9
 
 
-def make_case(heads, kv_heads, head_dim, runs, dtype, gen, dev="cuda"):
-    """Random paged batch: runs are (cached context, query length); scattered block tables."""
+def make_case(heads, kv_heads, head_dim, runs, dtype, gen, dev="cuda", kv_dtype=None):
+    """Random paged batch: runs are (cached context, query length); scattered block tables;
+    ``kv_dtype`` an fp8 dtype for an fp8 cache (None: the model dtype)."""
     seq_lens = [c + q for c, q in runs]
     blocks = [-(-s // BLOCK_SIZE) for s in seq_lens]
     num_blocks = sum(blocks) + 1
@@ -60,19 +64,31 @@ def make_case(heads, kv_heads, head_dim, runs, dtype, gen, dev="cuda"):
         slots=torch.cat(slots).to(dev), block_tables=table.to(dev), qsl=qsl.to(dev),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
         out=torch.empty(num_tokens, heads, head_dim, dtype=dtype, device=dev),
-        max_query_len=max(q for _, q in runs), runs=runs,
-    )
+        max_query_len=max(q for _, q in runs), runs=runs, kv_scale=None,
+    ) if kv_dtype is None else _fp8_case(make_case(heads, kv_heads, head_dim, runs, dtype, gen, dev), kv_dtype)
+
+
+def _fp8_case(case, kv_dtype):
+    scale = torch.tensor([4 / 448, 4 / 448], device=case["cache"].device)
+    case["cache"] = torch.stack([quantize(case["cache"][i], scale[i], kv_dtype) for i in (0, 1)])
+    case["kv_scale"] = scale
+    return case
 
 
 def run(case, **kw):
-    tk.reshape_and_cache(case["k"], case["v"], case["cache"], case["slots"])
+    tk.reshape_and_cache(case["k"], case["v"], case["cache"], case["slots"], case["kv_scale"])
     tk.unified_attention(case["q"], case["cache"], case["block_tables"], case["qsl"], case["seq_lens"],
-                         case["q"].shape[-1] ** -0.5, case["out"], max_query_len=case["max_query_len"], **kw)
+                         case["q"].shape[-1] ** -0.5, case["out"], max_query_len=case["max_query_len"],
+                         kv_scale=case["kv_scale"], **kw)
 
 
 def rel_error(case) -> float:
     """Float32 SDPA per sequence over K/V gathered from the cache (after the run wrote them)."""
-    q_all, cache, scale = case["q"].float(), case["cache"].float(), case["q"].shape[-1] ** -0.5
+    q_all, cache, scale = case["q"].float(), case["cache"], case["q"].shape[-1] ** -0.5
+    if case["kv_scale"] is None:
+        cache = cache.float()
+    else:
+        cache = torch.stack([dequantize(cache[i], case["kv_scale"][i], torch.float32) for i in (0, 1)])
     group = q_all.shape[1] // cache.shape[3]
     errs, refs = 0.0, 0.0
     start = 0
@@ -130,12 +146,17 @@ def with_tiles(block_n=None, num_stages=None):
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer cases and no tile sweep")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"])
     args = ap.parse_args(argv)
+    kv_dtype = FP8_KV_DTYPES[{"fp8": "fp8_e4m3"}.get(args.kv_cache_dtype, args.kv_cache_dtype)] \
+        if args.kv_cache_dtype != "auto" else None
+    kv_itemsize = 1 if kv_dtype is not None else 2
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(0)
     dtype = torch.bfloat16
     bw = copy_bandwidth_gbs()
-    print(f"device {torch.cuda.get_device_name()}  copy bandwidth {bw:.0f} GB/s", flush=True)
+    print(f"device {torch.cuda.get_device_name()}  copy bandwidth {bw:.0f} GB/s  KV cache {args.kv_cache_dtype}",
+          flush=True)
     rows = []
     decode = [("llama3-8b", 1, 512), ("llama3-8b", 1, 4096), ("llama3-8b", 32, 384), ("qwen3-0.6b", 256, 1024),
               ("qwen3-0.6b", 64, 2048), ("llama3-8b", 256, 1024)]
@@ -147,9 +168,10 @@ def main(argv=None) -> None:
         variants += [(f"splits={k}", None, None, {"num_kv_splits": k}) for k in (1, 4, 16)]
     for shape, batch, ctx in decode:
         heads, kvh, hd = SHAPES[shape]
-        kv_bytes = batch * ctx * kvh * hd * 2 * dtype.itemsize
+        kv_bytes = batch * ctx * kvh * hd * 2 * kv_itemsize
         n_sets = max(1, min(8, (256 << 20) // kv_bytes))  # rotate caches past L2
-        cases = [make_case(heads, kvh, hd, [(ctx - 1, 1)] * batch, dtype, gen) for _ in range(n_sets)]
+        cases = [make_case(heads, kvh, hd, [(ctx - 1, 1)] * batch, dtype, gen, kv_dtype=kv_dtype)
+                 for _ in range(n_sets)]
         for name, block_n, stages, kw in variants:
             original, patched = with_tiles(block_n, stages)
             tk._tile_config = patched
@@ -169,7 +191,7 @@ def main(argv=None) -> None:
                ("llama3-8b", [(3000, 1024)] + [(800, 1)] * 64)]  # a chunk with a cached prefix, beside decodes
     for shape, runs in prefill[:1] if args.quick else prefill:
         heads, kvh, hd = SHAPES[shape]
-        case = make_case(heads, kvh, hd, runs, dtype, gen)
+        case = make_case(heads, kvh, hd, runs, dtype, gen, kv_dtype=kv_dtype)
         flops = sum(4 * hd * heads * (q * c + q * (q + 1) / 2) for c, q in runs)
         t = time_graphs([case], 20)
         rows.append(dict(case=f"prefill {shape} {len(runs)} seqs {runs[0]}", variant="default", us=round(t * 1e6, 1),

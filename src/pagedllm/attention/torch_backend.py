@@ -5,19 +5,24 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.attention.backend import AttentionBackend, AttentionMetadata
+from pagedllm.attention.kv_quant import as_bytes, dequantize, fake_quantize, is_fp8, quantize
 
 
 def write_to_paged_cache(
-    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    kv_scale: torch.Tensor | None = None,
 ) -> None:
     """Store each new token's K/V at its slot (``block_id * block_size + offset``); slot -1
-    (padding, warm-up) is skipped."""
+    (padding, warm-up) is skipped. An fp8 cache stores ``saturate(x / scale)``."""
     num_kv_heads, head_dim = key.shape[-2:]
     if len(slot_mapping) and bool(slot_mapping.min() < 0):
         keep = slot_mapping >= 0
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
-    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
-    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+    if is_fp8(kv_cache.dtype):
+        key, value = (as_bytes(quantize(x, kv_scale[i], kv_cache.dtype)) for i, x in enumerate((key, value)))
+    cache = as_bytes(kv_cache)
+    cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
+    cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -30,11 +35,18 @@ class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
     def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata, scale, sliding_window=None,
-                logits_soft_cap=None, causal=True):
+                logits_soft_cap=None, causal=True, kv_scale=None):
         n = metadata.num_actual_tokens
         if not causal:
             return self._bidirectional(query, key, value, metadata, scale)
-        write_to_paged_cache(key[:n], value[:n], kv_cache, metadata.slot_mapping[:n])
+        fp8 = self.check_kv_scale(key, value, kv_cache, metadata, kv_scale)
+        write_to_paged_cache(key[:n], value[:n], kv_cache, metadata.slot_mapping[:n], kv_scale)
+        # An fp8 cache is read as (cache dtype -> float32) x scale -> the model dtype; this step's
+        # own K/V are attended as they read back (so a chunked or prefix-cached run sees the same).
+        read = _CacheReader(kv_cache, kv_scale if fp8 else None, query.dtype)
+        if fp8:
+            key = fake_quantize(key, kv_scale[0], kv_cache.dtype)
+            value = fake_quantize(value, kv_scale[1], kv_cache.dtype)
         out = torch.empty_like(query)
         qsl, seq_lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
         decode_reqs: list[int] = []
@@ -44,11 +56,11 @@ class TorchAttentionBackend(AttentionBackend):
                 decode_reqs.append(i)
                 continue
             out[start:end] = self._prefill(
-                query[start:end], key[start:end], value[start:end], kv_cache,
+                query[start:end], key[start:end], value[start:end], read,
                 metadata.block_tables[i], seq_lens[i], scale, sliding_window, logits_soft_cap,
             )
         if decode_reqs:
-            self._decode(query, kv_cache, metadata, decode_reqs, scale, sliding_window, logits_soft_cap, out)
+            self._decode(query, read, metadata, decode_reqs, scale, sliding_window, logits_soft_cap, out)
         return out
 
     @staticmethod
@@ -71,18 +83,18 @@ class TorchAttentionBackend(AttentionBackend):
         return o.transpose(1, 2)[valid]  # back to the flat rows, in order
 
     @staticmethod
-    def _gather(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
-        block_size = cache.shape[1]
-        num_blocks = -(-seq_len // block_size)
-        return cache[block_table[:num_blocks]].flatten(0, 1)[:seq_len]
+    def _gather(read: "_CacheReader", which: int, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+        cache = read.cache[which]
+        num_blocks = -(-seq_len // cache.shape[1])
+        return read(cache[block_table[:num_blocks]].flatten(0, 1)[:seq_len], which)
 
-    def _prefill(self, q, k_new, v_new, kv_cache, block_table, seq_len, scale, sliding_window, soft_cap):
+    def _prefill(self, q, k_new, v_new, read, block_table, seq_len, scale, sliding_window, soft_cap):
         q_len = q.shape[0]
         if seq_len == q_len:  # nothing cached before this chunk: the new K/V are the context
             k, v = k_new, v_new
         else:
-            k = self._gather(kv_cache[0], block_table, seq_len)
-            v = self._gather(kv_cache[1], block_table, seq_len)
+            k = self._gather(read, 0, block_table, seq_len)
+            v = self._gather(read, 1, block_table, seq_len)
         mask = None
         if seq_len != q_len or sliding_window is not None:
             q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
@@ -101,7 +113,7 @@ class TorchAttentionBackend(AttentionBackend):
         )
         return o.transpose(0, 1)
 
-    def _decode(self, query, kv_cache, metadata, reqs, scale, sliding_window, soft_cap, out):
+    def _decode(self, query, read, metadata, reqs, scale, sliding_window, soft_cap, out):
         """One query token per request, all requests in one padded batch.
 
         K and V of every request are gathered with one copy each, then one fused SDPA call
@@ -117,13 +129,13 @@ class TorchAttentionBackend(AttentionBackend):
             tok = torch.tensor([qsl[i] for i in reqs], device=device)
             req_sel = torch.tensor(reqs, device=device)
         b = len(reqs)
-        block_size, num_kv_heads, head_dim = kv_cache.shape[2:]
+        block_size, num_kv_heads, head_dim = read.cache.shape[2:]
         max_blocks = -(-max(metadata.seq_lens_cpu[i] for i in reqs) // block_size)
         block_ids = metadata.block_tables[req_sel, :max_blocks].reshape(-1)
         # On a 2-D [blocks, block_bytes] view index_select is one memcpy per block; on the
         # 4-D cache (or along another dim) it copies slice by slice, several times slower.
-        k = kv_cache[0].flatten(1).index_select(0, block_ids).view(b, -1, num_kv_heads, head_dim)
-        v = kv_cache[1].flatten(1).index_select(0, block_ids).view(b, -1, num_kv_heads, head_dim)
+        k = read(read.cache[0].flatten(1).index_select(0, block_ids), 0).view(b, -1, num_kv_heads, head_dim)
+        v = read(read.cache[1].flatten(1).index_select(0, block_ids), 1).view(b, -1, num_kv_heads, head_dim)
         seq_lens = metadata.seq_lens[req_sel].to(torch.long)[:, None]
         k_pos = torch.arange(k.shape[1], device=device)[None, :]
         valid = k_pos < seq_lens
@@ -143,6 +155,19 @@ class TorchAttentionBackend(AttentionBackend):
                 scale=scale, enable_gqa=query.shape[1] != num_kv_heads,
             )  # [B, H, 1, D]
         out[tok] = o.squeeze(2)
+
+
+class _CacheReader:
+    """The cache as gathered (``cache``: bytes when it is fp8, torch's CPU gathers lack fp8),
+    and its gathered blocks in the model dtype (dequantized: float32 x scale)."""
+
+    def __init__(self, kv_cache: torch.Tensor, kv_scale: torch.Tensor | None, dtype: torch.dtype) -> None:
+        self.cache, self.cache_dtype, self.kv_scale, self.dtype = as_bytes(kv_cache), kv_cache.dtype, kv_scale, dtype
+
+    def __call__(self, gathered: torch.Tensor, which: int) -> torch.Tensor:
+        if self.kv_scale is None:
+            return gathered
+        return dequantize(gathered.view(self.cache_dtype), self.kv_scale[which], self.dtype)
 
 
 def _soft_capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,

@@ -17,12 +17,14 @@ class TritonAttentionBackend(AttentionBackend):
     cuda_graph_safe = True
 
     def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata, scale, sliding_window=None,
-                logits_soft_cap=None, causal=True):
-        reshape_and_cache(key, value, kv_cache, metadata.slot_mapping)
+                logits_soft_cap=None, causal=True, kv_scale=None):
+        fp8 = self.check_kv_scale(key, value, kv_cache, metadata, kv_scale)
+        kv_scale = kv_scale if fp8 else None
+        reshape_and_cache(key, value, kv_cache, metadata.slot_mapping, kv_scale)
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         unified_attention(
             query, kv_cache, metadata.block_tables, metadata.query_start_loc, metadata.seq_lens, scale, out,
             sliding_window, max_query_len=metadata.max_query_len, logits_soft_cap=logits_soft_cap,
-            causal=causal,
+            causal=causal, kv_scale=kv_scale,
         )
         return out

@@ -24,6 +24,13 @@ cut into parts run by separate programs (grid axis 1), which write unnormalised 
 outputs with their running max and sum; a second small kernel merges them. The split count
 is a runtime value (the grid's second extent), so one compiled variant serves every count up
 to ``MAX_SPLITS``: a fresh machine compiles two kernels for split decodes, not two per count.
+
+FP8 KV cache (``kv_cache`` in float8 e4m3fn / e5m2, ``kv_scale`` = float32 ``[k_scale, v_scale]``
+on the device, read through a pointer so CUDA graphs see later values): the KV write stores
+``saturate(x / scale)`` (IEEE division and round-to-nearest-even, bit for bit torch's); the
+attention loop widens each K/V tile to q's dtype (exact) before the dots and folds the
+scales in once, k_scale into the score multiplier and v_scale into the accumulator. A model-
+dtype cache compiles the same code as before (``KV_FP8`` / ``FP8_MAX`` are constexpr switches).
 """
 from __future__ import annotations
 
@@ -34,6 +41,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.attention.kv_quant import FP8_MAX, is_fp8
+
 LOG2_E = math.log2(math.e)
 MAX_SPLITS = 16  # split-KV parts per (token, head) at most
 
@@ -41,11 +50,11 @@ MAX_SPLITS = 16  # split-KV parts per (token, head) at most
 # ---- KV write ----------------------------------------------------------------------------------
 @triton.jit
 def _reshape_and_cache_kernel(
-    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, kv_scale_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_c_block, stride_c_slot, stride_c_head,
     BLOCK_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    HEADS_PAD: tl.constexpr, DIM_PAD: tl.constexpr,
+    HEADS_PAD: tl.constexpr, DIM_PAD: tl.constexpr, FP8_MAX: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -61,15 +70,19 @@ def _reshape_and_cache_kernel(
     k = tl.load(key_ptr + t * stride_kt + h * stride_kh + d, mask=mask)
     v = tl.load(value_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
     dst = block * stride_c_block + off * stride_c_slot + h * stride_c_head + d
+    if FP8_MAX > 0:  # fp8 cache: x / scale (IEEE division, as torch), saturated, rounded to nearest even
+        k = tl.clamp(tl.math.div_rn(k.to(tl.float32), tl.load(kv_scale_ptr)), -FP8_MAX, FP8_MAX)
+        v = tl.clamp(tl.math.div_rn(v.to(tl.float32), tl.load(kv_scale_ptr + 1)), -FP8_MAX, FP8_MAX)
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                      slot_mapping: torch.Tensor) -> None:
+                      slot_mapping: torch.Tensor, kv_scale: torch.Tensor | None = None) -> None:
     """Store token ``t``'s K/V (``[num_tokens, num_kv_heads, head_dim]``, rows may be strided
     views of a fused projection) at flat slot ``slot_mapping[t]`` of ``kv_cache``
-    (``[2, num_blocks, block_size, num_kv_heads, head_dim]``); slot -1 is skipped."""
+    (``[2, num_blocks, block_size, num_kv_heads, head_dim]``); slot -1 is skipped. An fp8 cache
+    stores ``saturate(x / scale)`` with ``kv_scale`` = float32 ``[k_scale, v_scale]``."""
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
@@ -79,14 +92,25 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Te
         raise ValueError(f"key {tuple(key.shape)}, value {tuple(value.shape)} and kv_cache "
                          f"{tuple(kv_cache.shape)} disagree on [num_kv_heads, head_dim]")
     assert key.stride(-1) == 1 and value.stride(-1) == 1 and kv_cache.is_contiguous()
+    fp8_max = _fp8_max(kv_cache, kv_scale)
     _reshape_and_cache_kernel[(num_tokens,)](
-        key, value, kv_cache[0], kv_cache[1], slot_mapping,
+        key, value, kv_cache[0], kv_cache[1], slot_mapping, slot_mapping if kv_scale is None else kv_scale,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         BLOCK_SIZE=kv_cache.shape[2], NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        HEADS_PAD=triton.next_power_of_2(num_kv_heads), DIM_PAD=triton.next_power_of_2(head_dim),
+        HEADS_PAD=triton.next_power_of_2(num_kv_heads), DIM_PAD=triton.next_power_of_2(head_dim), FP8_MAX=fp8_max,
         num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,
     )
+
+
+def _fp8_max(kv_cache: torch.Tensor, kv_scale: torch.Tensor | None) -> float:
+    """The saturation bound of an fp8 cache (its kernels' switch), 0.0 for a cache in the model dtype."""
+    if not is_fp8(kv_cache.dtype):
+        return 0.0
+    if kv_scale is None or kv_scale.dtype != torch.float32 or kv_scale.numel() != 2:
+        raise ValueError(f"a {kv_cache.dtype} KV cache needs kv_scale, float32 [k_scale, v_scale]; got "
+                         f"{None if kv_scale is None else (kv_scale.dtype, tuple(kv_scale.shape))}")
+    return FP8_MAX[kv_cache.dtype]
 
 
 # ---- unified attention -------------------------------------------------------------------------
@@ -135,7 +159,7 @@ def _find_seq(qsl_ptr, pid, num_seqs, BLOCK_Q: tl.constexpr):
 # on them (== 1, % 16 == 0) would compile new variants in the middle of a run.
 @triton.jit(do_not_specialize=["num_seqs", "window", "stride_bt"])
 def _attention_kernel(
-    q_ptr, out_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr,
+    q_ptr, out_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr, kv_scale_ptr,
     part_out_ptr, part_m_ptr, part_l_ptr,  # split-KV partials; unused unless SPLIT
     scale_log2, num_seqs, window, num_heads, softcap_log2,
     stride_qt, stride_qh, stride_ot, stride_oh,
@@ -144,7 +168,7 @@ def _attention_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     USE_WINDOW: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr,
-    Q_LEN_FILTER: tl.constexpr, Q_LEN_THRESHOLD: tl.constexpr, SOFTCAP: tl.constexpr,
+    Q_LEN_FILTER: tl.constexpr, Q_LEN_THRESHOLD: tl.constexpr, SOFTCAP: tl.constexpr, KV_FP8: tl.constexpr,
     CAUSAL: tl.constexpr = True,
 ):
     # One flat grid axis, KV head fastest: the programs of one sequence run side by side and
@@ -200,6 +224,10 @@ def _attention_kernel(
         tile_lo = tile_lo + split * per_split
         tile_hi = tl.minimum(tile_lo + per_split, tile_hi)
 
+    if KV_FP8:
+        # fp8 K/V tiles are widened to q's dtype (exact) for the dots; the per-tensor scales are
+        # folded in once: k_scale into the score multiplier, v_scale into the output.
+        scale_log2 = scale_log2 * tl.load(kv_scale_ptr)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, DIM_PAD], dtype=tl.float32)
@@ -220,6 +248,8 @@ def _attention_kernel(
         if DIM_PAD != HEAD_DIM:
             kv_mask = kv_mask & (d[None, :] < HEAD_DIM)
         k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if KV_FP8:
+            k = k.to(q.dtype)
         if IEEE:
             sc = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -240,6 +270,8 @@ def _attention_kernel(
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if KV_FP8:
+            v = v.to(q.dtype)
         acc = acc * alpha[:, None]
         if IEEE:
             acc = tl.dot(p, v, acc, input_precision="ieee")
@@ -248,6 +280,8 @@ def _attention_kernel(
         m_i = m_new
 
     d_mask = d[None, :] < HEAD_DIM
+    if KV_FP8:
+        acc = acc * tl.load(kv_scale_ptr + 1)
     if not SPLIT:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # l == 0: padding row, writes 0
         o_ptr = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
@@ -325,7 +359,8 @@ def _tile_config(long_queries: bool, block_q_1: bool, group_pad: int, head_dim: 
 
 
 def _check_attention_inputs(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
-                            sliding_window: int | None, logits_soft_cap: float | None = None) -> None:
+                            sliding_window: int | None, logits_soft_cap: float | None = None,
+                            kv_scale: torch.Tensor | None = None) -> None:
     num_heads, num_kv_heads = q.shape[1], kv_cache.shape[3]
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
@@ -333,7 +368,10 @@ def _check_attention_inputs(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.
         raise ValueError(f"sliding_window={sliding_window} must be >= 1 (or None)")
     if logits_soft_cap is not None and not logits_soft_cap > 0:
         raise ValueError(f"logits_soft_cap={logits_soft_cap} must be > 0 (or None)")
-    if q.dtype != kv_cache.dtype or out.dtype != q.dtype:
+    if _fp8_max(kv_cache, kv_scale) > 0:  # fp8 K/V are widened to q's dtype
+        if out.dtype != q.dtype:
+            raise ValueError(f"q {q.dtype} and out {out.dtype} must share a dtype")
+    elif q.dtype != kv_cache.dtype or out.dtype != q.dtype:
         raise ValueError(f"q {q.dtype}, kv_cache {kv_cache.dtype} and out {out.dtype} must share a dtype")
     assert q.stride(-1) == 1 and out.stride(-1) == 1 and kv_cache.is_contiguous()
 
@@ -360,6 +398,7 @@ def unified_attention(
     num_kv_splits: int | None = None,
     logits_soft_cap: float | None = None,
     causal: bool = True,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal paged attention for a flat batch (``causal=False``: bidirectional, for encoders,
     whose whole sequence is in the step); writes ``out`` rows of every token that
@@ -376,7 +415,7 @@ def unified_attention(
     num_kv_heads = kv_cache.shape[3]
     if num_tokens == 0 or num_seqs == 0:
         return out
-    _check_attention_inputs(q, kv_cache, out, sliding_window, logits_soft_cap)
+    _check_attention_inputs(q, kv_cache, out, sliding_window, logits_soft_cap, kv_scale)
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
     dim_pad = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16
@@ -384,11 +423,10 @@ def unified_attention(
     common = dict(
         NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=group_pad, BLOCK_SIZE=kv_cache.shape[2],
         HEAD_DIM=head_dim, DIM_PAD=dim_pad, USE_WINDOW=sliding_window is not None, IEEE=ieee,
-        SOFTCAP=logits_soft_cap is not None, CAUSAL=causal)
-    # K and V halves as two pointers: the distance between them (num_blocks x block bytes, past
-    # 2**31 elements for large caches) would otherwise be an argument Triton types i32 or i64
-    # by its value, one compiled variant per kind of cache size.
-    args = [q, out, kv_cache[0], kv_cache[1], block_tables, seq_lens, query_start_loc]
+        SOFTCAP=logits_soft_cap is not None, CAUSAL=causal, KV_FP8=is_fp8(kv_cache.dtype))
+    # K and V halves as two pointers: their distance (num_blocks x block bytes, past 2**31 elements for large
+    # caches) would be an argument Triton types i32 or i64 by its value, one compiled variant per cache size.
+    args = [q, out, *kv_cache.unbind(), block_tables, seq_lens, query_start_loc, q if kv_scale is None else kv_scale]
     scalars = _scalar_args(q, out, kv_cache, block_tables, scale, num_seqs, sliding_window, logits_soft_cap)
 
     decode_only = max_query_len == 1

@@ -94,6 +94,19 @@ def weight_bytes(config: dict, itemsize: int = 2, active_only: bool = False) -> 
     return params * itemsize
 
 
+def kv_bytes_per_token(config: dict, kv_itemsize: int) -> int:
+    """K and V bytes one token of context holds over all layers (what each decode step re-reads)."""
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    return 2 * config["num_hidden_layers"] * kv_heads * head_dim * kv_itemsize
+
+
+def kv_itemsize(kv_cache_dtype: str, model_itemsize: int) -> int:
+    """Bytes per cached K/V element: 1 for the fp8 caches, else the model dtype's."""
+    return 1 if kv_cache_dtype.startswith("fp8") else model_itemsize
+
+
 def _mlp_params(config: dict, layer: int, active_only: bool) -> int:
     hidden, experts = config["hidden_size"], config.get("num_experts", 0)
     if not experts or layer in config.get("mlp_only_layers", []) or (layer + 1) % config["decoder_sparse_step"]:

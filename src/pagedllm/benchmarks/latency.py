@@ -9,9 +9,11 @@ per step is the difference of the medians over the output_len - 1 decode steps:
     ms_per_step = (median(total) - median(ttft)) / (output_len - 1)
 
 At batch 1 that is ms per output token; at batch B each step yields B tokens. For batch 1
-the memory roofline is the weight bytes one token reads (from the config shape; of a MoE layer
-only its top-k experts) over the device's measured copy bandwidth ((bytes read + bytes written)
-/ time of copying a --copy-mib tensor, median of repeats, timed with CUDA events):
+the memory roofline is the bytes one decode step reads: the weights (from the config shape; of
+a MoE layer only its top-k experts) plus the K/V of the context, at its mean over the decode
+steps (input_len + output_len / 2 tokens; 1 byte per element with --kv-cache-dtype fp8), over
+the device's measured copy bandwidth ((bytes read + bytes written) / time of copying a
+--copy-mib tensor, median of repeats, timed with CUDA events):
 roofline_fraction = roofline_ms / ms_per_step.
 """
 from __future__ import annotations
@@ -23,7 +25,8 @@ import random
 import statistics
 import time
 
-from pagedllm.benchmarks.common import SHAPES, emit, int_list, parse_engine_args, print_table, weight_bytes, write_shape
+from pagedllm.benchmarks.common import (SHAPES, emit, int_list, kv_bytes_per_token, kv_itemsize, parse_engine_args,
+                                        print_table, weight_bytes, write_shape)
 
 
 def copy_bandwidth_bytes_per_s(device: str, nbytes: int, repeats: int = 20) -> float:
@@ -78,6 +81,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--num-iters-warmup", type=int, default=1)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
+                   help="the KV cache's dtype (fp8: 1 byte per element in the cache and the roofline)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--copy-mib", type=int, default=1024, help="size of the tensor copied to measure bandwidth")
     p.add_argument("--engine-args", default="", help="extra EngineArgs as k=v,k=v")
@@ -103,7 +108,10 @@ def main(argv: list[str] | None = None) -> None:
     bandwidth = copy_bandwidth_bytes_per_s(device, args.copy_mib << 20)
 
     llm = LLM(model, load_format="auto" if args.model else "dummy", dtype=dtype, skip_tokenizer_init=not args.model,
-              enforce_eager=args.enforce_eager, max_model_len=args.max_model_len, **extra)
+              enforce_eager=args.enforce_eager, max_model_len=args.max_model_len,
+              **{"kv_cache_dtype": args.kv_cache_dtype, **extra})
+    kv_cache_dtype = extra.get("kv_cache_dtype", args.kv_cache_dtype)
+    kv_token_bytes = kv_bytes_per_token(config, kv_itemsize(kv_cache_dtype, itemsize))
     rng = random.Random(0)
     results = []
     for batch in args.batch_sizes:
@@ -117,14 +125,16 @@ def main(argv: list[str] | None = None) -> None:
         total_s = _time_generate(llm, prompts, full, args.num_iters)
         step_ms = (total_s - ttft_s) * 1e3 / (args.output_len - 1)
         result = {"benchmark": "latency", "engine": "pagedllm", "shape": args.model or args.shape, "dtype": dtype,
-                  "enforce_eager": args.enforce_eager, "batch_size": batch, "input_len": args.input_len,
+                  "kv_cache_dtype": kv_cache_dtype, "enforce_eager": args.enforce_eager, "batch_size": batch,
+                  "input_len": args.input_len,
                   "output_len": args.output_len, "num_iters": args.num_iters, "ttft_ms": round(ttft_s * 1e3, 2),
                   "e2e_s": round(total_s, 4), "ms_per_step": round(step_ms, 3),
                   "decode_tok_s": round(batch * 1e3 / step_ms, 1)}
         if batch == 1:
             wbytes = weight_bytes(config, itemsize, active_only=True)  # MoE: one token reads its top-k experts
-            roofline_ms = wbytes / bandwidth * 1e3
-            result.update(weight_bytes=wbytes, copy_bandwidth_gb_s=round(bandwidth / 1e9, 1),
+            kv_bytes = round((args.input_len + args.output_len / 2) * kv_token_bytes)  # mean context of a step
+            roofline_ms = (wbytes + kv_bytes) / bandwidth * 1e3
+            result.update(weight_bytes=wbytes, kv_bytes=kv_bytes, copy_bandwidth_gb_s=round(bandwidth / 1e9, 1),
                           roofline_ms=round(roofline_ms, 3), roofline_fraction=round(roofline_ms / step_ms, 3))
         emit(result)
         results.append(result)

@@ -97,6 +97,17 @@ def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def tensor_model_parallel_max(x: torch.Tensor) -> torch.Tensor:
+    """Element-wise maximum of ``x`` over the tensor-parallel ranks (in place); ``x`` itself with one rank."""
+    if _TP_SIZE == 1:
+        return x
+    import torch.distributed as dist
+
+    x = x.contiguous()
+    dist.all_reduce(x, op=dist.ReduceOp.MAX, group=_TP_GROUP)
+    return x
+
+
 def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """The tensor-parallel ranks' ``x`` concatenated along ``dim`` in rank order; ``x`` itself with one rank."""
     if _TP_SIZE == 1:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from pagedllm.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig,
-                             LoRAConfig, SpeculativeConfig, StructuredOutputsConfig)
+                             LoRAConfig, SpeculativeConfig, StructuredOutputsConfig, resolve_kv_cache_dtype)
 
 _DTYPES = {
     "auto": "auto", "half": "float16", "float16": "float16", "fp16": "float16",
@@ -62,6 +62,9 @@ class EngineArgs:
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     enable_prefix_caching: bool | None = None
+    # "fp8" (= "fp8_e4m3") / "fp8_e5m2": a 1-byte KV cache with per-layer K/V scales (attention/kv_quant.py)
+    kv_cache_dtype: str = "auto"
+    calculate_kv_scales: bool = False
     enable_chunked_prefill: bool | None = None
     load_format: str = "auto"
     hf_overrides: dict[str, Any] | Callable | None = None
@@ -152,6 +155,7 @@ class EngineArgs:
             raise bad("load_format", f"one of {list(_LOAD_FORMATS)}")
         if self.device not in _DEVICES and not self.device.startswith("cuda:"):
             raise bad("device", f"one of {list(_DEVICES)} or 'cuda:N'")
+        resolve_kv_cache_dtype(self.kv_cache_dtype, self.calculate_kv_scales)
         if self.tokenizer_mode not in _TOKENIZER_MODES:
             raise bad("tokenizer_mode", f"one of {list(_TOKENIZER_MODES)}")
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_gpu_blocks_override",
@@ -334,6 +338,8 @@ class EngineArgs:
             num_gpu_blocks_override=self.num_gpu_blocks_override,
             kv_cache_memory_bytes=self.kv_cache_memory_bytes,
             enable_prefix_caching=prefix_caching(self.enable_prefix_caching, pooler, is_encoder),
+            cache_dtype=resolve_kv_cache_dtype(self.kv_cache_dtype, self.calculate_kv_scales),
+            calculate_kv_scales=self.calculate_kv_scales,
         )
         scheduler_config = SchedulerConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched, max_model_len=max_model_len,

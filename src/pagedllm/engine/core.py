@@ -24,6 +24,16 @@ _WEIGHT_UPDATE_METHODS = ("load_weights",)
 _GRAMMAR_WAIT_S = 0.05  # an idle engine waiting for a grammar compile checks back this often
 
 
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def _kv_dtype_note(cache_dtype: str, model_dtype: str) -> str:
+    """The cache dtype, and for fp8 how many times the tokens of a model-dtype cache it holds."""
+    if cache_dtype == "auto":
+        return f", {model_dtype}"
+    return f", {cache_dtype}: {_DTYPE_BYTES.get(model_dtype, 2)}x the tokens of a {model_dtype} cache"
+
+
 class EngineCore:
     """Consumes EngineCoreRequests and aborts, produces EngineCoreOutputs. Everything that
     crosses is a small picklable dataclass, so this can run in its own process."""
@@ -44,9 +54,9 @@ class EngineCore:
         per_block = self.executor.kv_cache_bytes_per_block()
         tokens = num_blocks * cc.block_size
         logger.info(
-            "KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB); maximum concurrency for %d tokens "
+            "KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB%s); maximum concurrency for %d tokens "
             "per request: %.2fx", num_blocks, cc.block_size, tokens, num_blocks * per_block / 2**30,
-            sc.max_model_len, tokens / sc.max_model_len,
+            _kv_dtype_note(cc.cache_dtype, config.model_config.dtype), sc.max_model_len, tokens / sc.max_model_len,
         )
         self.kv_cache_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching,
                                                config.model_config.uniform_sliding_window)

@@ -22,6 +22,9 @@ def pooling_setup(args: Any, resolved: Any) -> tuple[str, str, Any, bool, str | 
             raise ValueError(f"{name} does not apply to pooling models (runner='pooling'): they only prefill")
     if is_encoder and args.pipeline_parallel_size > 1:
         raise ValueError("pipeline_parallel_size > 1 is not supported for encoder models")
+    if is_encoder and args.kv_cache_dtype != "auto":
+        raise ValueError(f"kv_cache_dtype={args.kv_cache_dtype!r} does not apply to encoder models: their "
+                         "bidirectional attention sees each prompt whole and reads no KV cache (leave it 'auto')")
     tokens = getattr(resolved.hf_config, "classifier_from_token", None)
     if tokens:  # Qwen3-Reranker: the two tokens' ids, read with the model's tokenizer
         from transformers import AutoTokenizer

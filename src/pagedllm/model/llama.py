@@ -10,6 +10,7 @@ from pagedllm.attention.backend import AttentionBackend, AttentionMetadata
 from pagedllm.distributed import get_pp_rank, get_pp_size
 from pagedllm.distributed.utils import pp_layer_range
 from pagedllm.model import layers
+from pagedllm.model.kv_scales import load_kv_scale
 from pagedllm.model.layers import (
     GeluTanhAndMul, LMHead, MergedLinear, QKVLinear, RMSNorm, RotaryEmbedding, RowParallelLinear, SiluAndMul,
     VocabEmbedding,
@@ -42,6 +43,10 @@ class Attention(nn.Module):
         self.rotary_emb = rotary_emb  # one cos/sin table shared by all layers
         self.kv_cache: torch.Tensor | None = None  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         self.attn_backend: AttentionBackend | None = None
+        # An fp8 KV cache's [k_scale, v_scale] (attention/kv_quant.py): from the checkpoint
+        # (model/kv_scales.py), else 1.0, or set by the first step with calculate_kv_scales.
+        self.register_buffer("kv_scale", torch.ones(2, dtype=torch.float32), persistent=False)
+        self.kv_scale_from_checkpoint = False
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -63,7 +68,7 @@ class Attention(nn.Module):
         if self.attn_backend is None:
             raise RuntimeError("Attention.attn_backend is not set; the model runner must set it before forward")
         o = self.attn_backend.forward(q, k, v, self.kv_cache, attn_metadata, self.scale, self.sliding_window,
-                                      logits_soft_cap=self.logits_soft_cap)
+                                      logits_soft_cap=self.logits_soft_cap, kv_scale=self.kv_scale)
         return self.o_proj(o.flatten(1, 2))
 
 
@@ -242,6 +247,8 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if not self.model.holds_weight(name):
                 continue  # another pipeline stage's
+            if load_kv_scale(self, name, tensor):  # an fp8 KV cache's k_scale / v_scale: a buffer
+                continue
             name, shard_id = self.stacked_name(name)
             if name not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}")

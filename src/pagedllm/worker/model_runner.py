@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from pagedllm.attention.backend import AttentionMetadata, kv_cache_shape
+from pagedllm.attention.kv_quant import kv_cache_torch_dtype
 from pagedllm.attention.selector import get_attention_backend
 from pagedllm.config import EngineConfig
 from pagedllm.core.messages import PositionLogprobs
@@ -30,6 +31,7 @@ from pagedllm.worker.cuda_graphs import CudaGraphs
 from pagedllm.worker.device_buffers import DeviceBuffers
 from pagedllm.lora.manager import lora_manager_for
 from pagedllm.worker.input_batch import CachedRequestState, InputBatch
+from pagedllm.worker.kv_cache import check_fp8_kv_cache, zeroed_cache
 from pagedllm.worker.pooling import PoolingSteps
 from pagedllm.worker.prompt_logprobs import prompt_logprobs
 from pagedllm.worker.spec_draft import DraftModel
@@ -65,6 +67,7 @@ class ModelRunner:
         self.device = device
         self.dtype = TORCH_DTYPES[config.model_config.dtype]
         self.block_size = config.cache_config.block_size
+        self.kv_dtype = kv_cache_torch_dtype(config.cache_config.cache_dtype, self.dtype)
         self.vocab_size = config.model_config.vocab_size
         self.attn_backend = get_attention_backend(device)
         self.attn_layers = [m for m in model.modules() if hasattr(m, "kv_cache") and hasattr(m, "attn_backend")]
@@ -108,19 +111,22 @@ class ModelRunner:
             if config.model_config.runner_type == "pooling" else None
         # What lives beside the KV cache, block for block: the draft's cache, the routed experts.
         self._kv_extras = [x for x in (self.draft, self.routed_experts) if x is not None]
+        # FP8 KV cache with calculate_kv_scales: the first real step sets every layer's scales.
+        all_attn = self.attn_layers + (self.draft.attn_layers if self.draft else [])
+        self._kv_scales_pending = check_fp8_kv_cache(config.cache_config, self.kv_dtype, all_attn, device)
 
     # ---- KV cache ---------------------------------------------------------------------------
     def kv_cache_bytes_per_block(self) -> int:
         extras = sum(x.bytes_per_block() for x in self._kv_extras)
-        return len(self.attn_layers) * int(np.prod(self._kv_shape(1))) * self.dtype.itemsize + extras
+        return len(self.attn_layers) * int(np.prod(self._kv_shape(1))) * self.kv_dtype.itemsize + extras
 
     def _kv_shape(self, num_blocks: int) -> tuple[int, ...]:
         layer = self.attn_layers[0]
         return kv_cache_shape(num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        # Zeroed, so padded reads in a batched kernel only ever see finite values.
-        self.kv_caches = [self._zeros(self._kv_shape(num_blocks)) for _ in self.attn_layers]
+        shape = self._kv_shape(num_blocks)
+        self.kv_caches = [zeroed_cache(shape, self.kv_dtype, self.device) for _ in self.attn_layers]
         for layer, cache in zip(self.attn_layers, self.kv_caches):
             layer.kv_cache = cache
         for extra in self._kv_extras:
@@ -136,21 +142,13 @@ class ModelRunner:
         for extra in self._kv_extras:
             extra.free()
 
-    def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
-        if self.device.type != "cpu":
-            return torch.zeros(shape, dtype=self.dtype, device=self.device)
-        # calloc hands out fresh zero pages without touching them: a 4 GiB CPU cache costs
-        # no start-up time and only the memory actually written.
-        nbytes = int(np.prod(shape)) * self.dtype.itemsize
-        return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(self.dtype).view(shape)
-
     @contextlib.contextmanager
     def scratch_kv_cache(self, num_blocks: int):
         """Within: every attention layer reads and writes a zeroed cache of ``num_blocks``
         blocks instead of its own (start-up forwards that must leave the real one alone)."""
         saved = [layer.kv_cache for layer in self.attn_layers]
         for layer in self.attn_layers:
-            layer.kv_cache = torch.zeros(self._kv_shape(num_blocks), dtype=self.dtype, device=self.device)
+            layer.kv_cache = torch.zeros(self._kv_shape(num_blocks), dtype=self.kv_dtype, device=self.device)
         try:
             yield
         finally:
@@ -353,7 +351,9 @@ class ModelRunner:
                 num_actual_tokens=total, slot_mapping=slots_d, block_tables=bt_d, query_start_loc=qsl_d,
                 seq_lens=seq_d, query_start_loc_cpu=qsl_list, seq_lens_cpu=seq_lens.tolist(),
                 max_query_len=int(counts.max()), max_seq_len=int(seq_lens.max()),
+                calculate_kv_scales=self._kv_scales_pending,
             )
+            self._kv_scales_pending = False
         if inflight:
             dst, src = (buf.upload(name, np.fromiter(x, dtype=np.int64, count=len(inflight)))
                         for name, x in zip(("inflight_dst", "inflight_src"), zip(*inflight)))

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from pagedllm.attention.backend import AttentionMetadata, kv_cache_shape
+from pagedllm.worker.kv_cache import zeroed_cache
 
 if TYPE_CHECKING:
     from pagedllm.worker.input_batch import CachedRequestState
@@ -34,11 +35,11 @@ class DraftModel:
         return kv_cache_shape(num_blocks, self.runner.block_size, layer.num_kv_heads, layer.head_dim)
 
     def bytes_per_block(self) -> int:
-        return sum(int(np.prod(self._shape(layer, 1))) for layer in self.attn_layers) * self.runner.dtype.itemsize
+        return sum(int(np.prod(self._shape(layer, 1))) for layer in self.attn_layers) * self.runner.kv_dtype.itemsize
 
     def allocate(self, num_blocks: int) -> None:
         for layer in self.attn_layers:
-            layer.kv_cache = self.runner._zeros(self._shape(layer, num_blocks))
+            layer.kv_cache = zeroed_cache(self._shape(layer, num_blocks), self.runner.kv_dtype, self.runner.device)
 
     def free(self) -> None:
         for layer in self.attn_layers:
