@@ -2,7 +2,7 @@
 # One device call does the whole GPU pass: correctness tests, then the benchmarks, then a
 # short table. Usage (on the device machine, repo root): scripts/gpu_pass.sh [STAGES]
 # STAGES is a comma list of: tests, throughput, throughput8b, latency, startup, structured, lora,
-# moetune, moe, quant, pooling, embed, moedebug (default: startup,tests,throughput,throughput8b,latency).
+# moetune, moe, quant, pooling, embed, moedebug, fp8kv, fp8kvbench (default: startup,tests,throughput,throughput8b,latency).
 # Needs the SmolLM2 tokenizer saved under .gpu/tokenizer (carried with the call).
 set -uo pipefail
 export PYTHONPATH=src:.${PYTHONPATH:+:$PYTHONPATH} PAGEDLLM_TEST_TOKENIZER_DIR=.gpu/tokenizer HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -73,7 +73,28 @@ if stage moedebug; then
   CUDA_LAUNCH_BLOCKING=1 python -m pytest -q -x -rfE -p no:cacheprovider tests/gpu/test_gpu_moe.py -k qwen2_moe \
     > "$OUT/moedebug.log" 2>&1
   echo "   moedebug rc=$?"; grep -E "Error|error|\.py:[0-9]+" "$OUT/moedebug.log" | tail -25 | cut -c1-300
+  python -m pytest -q -x -rfE -p no:cacheprovider tests/gpu/test_gpu_moe.py -k qwen2_moe > "$OUT/moedebug_async.log" 2>&1
+  echo "   moedebug without blocking launches rc=$?"; tail -3 "$OUT/moedebug_async.log" | cut -c1-300
+  if command -v compute-sanitizer > /dev/null; then
+    timeout 300 compute-sanitizer --tool memcheck --print-limit 5 python -m pytest -q -x -p no:cacheprovider \
+      tests/gpu/test_gpu_moe.py -k qwen2_moe > "$OUT/moedebug_memcheck.log" 2>&1
+    echo "   memcheck rc=$?"; grep -E "Invalid|at 0x|by thread|Address|kernel" "$OUT/moedebug_memcheck.log" | head -12 | cut -c1-300
+  fi
 fi
+# FP8 KV cache (issue 17): kernels and engine on the GPU, then fp8 against bf16 on both shapes.
+if stage fp8kv; then
+  echo "== fp8kv tests"
+  python -m pytest -q -rfE -p no:cacheprovider tests/attention/test_fp8_kv_cache.py tests/gpu/test_gpu_fp8_kv_cache.py \
+    tests/engine/test_fp8_kv_cache.py tests/attention/test_triton_attention.py tests/gpu/test_gpu_engine.py \
+    > "$OUT/fp8kv_tests.log" 2>&1
+  echo "   fp8kv tests rc=$?"; tail -6 "$OUT/fp8kv_tests.log" | cut -c1-300
+fi
+stage fp8kvbench && bench kernel_bf16 python -m pagedllm.attention.kernel_bench
+stage fp8kvbench && bench kernel_fp8 python -m pagedllm.attention.kernel_bench --kv-cache-dtype fp8
+stage fp8kvbench && bench tput_06b_bf16kv python -m pagedllm.benchmarks.throughput --shape qwen3-0.6b
+stage fp8kvbench && bench tput_06b_fp8kv python -m pagedllm.benchmarks.throughput --shape qwen3-0.6b --kv-cache-dtype fp8
+stage fp8kvbench && bench tput_8b_fp8kv python -m pagedllm.benchmarks.throughput --shape llama3-8b --kv-cache-dtype fp8
+stage fp8kvbench && bench lat_8b_fp8kv python -m pagedllm.benchmarks.latency --shape llama3-8b --batch-sizes 1,32 --kv-cache-dtype fp8
 echo "== results"
 python - "$RES" <<'PY'
 import json, sys
