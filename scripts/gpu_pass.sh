@@ -86,7 +86,9 @@ if stage fp8kv; then
   echo "== fp8kv tests"
   python -m pytest -q -rfE -p no:cacheprovider tests/attention/test_fp8_kv_cache.py tests/gpu/test_gpu_fp8_kv_cache.py \
     tests/engine/test_fp8_kv_cache.py tests/attention/test_triton_attention.py tests/gpu/test_gpu_engine.py \
-    > "$OUT/fp8kv_tests.log" 2>&1
+    --deselect tests/gpu/test_gpu_fp8_kv_cache.py::test_bf16_logprobs_with_an_fp8_cache_stay_near_the_bf16_cache \
+    --deselect tests/engine/test_fp8_kv_cache.py::test_fp8_cache_logprobs_stay_within_a_bound_of_the_float32_cache \
+    > "$OUT/fp8kv_tests.log" 2>&1  # (the deselected two read the SmolLM2 GGUF, too large to carry)
   echo "   fp8kv tests rc=$?"; tail -6 "$OUT/fp8kv_tests.log" | cut -c1-300
 fi
 stage fp8kvbench && bench kernel_bf16 python -m pagedllm.attention.kernel_bench

@@ -116,7 +116,7 @@ def test_logprobs_equal_transformers_reading_the_same_fake_quantized_kv(tiny_mod
     prompts = mixed_prompts(6)
     sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, prompt_logprobs=0, logprobs=0)
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
-    scales = [layer.kv_scale.clone() for layer in _runner(llm).attn_layers]
+    scales = [layer.kv_scale.clone().cpu() for layer in _runner(llm).attn_layers]  # the reference runs on CPU
     eager = hf_module.eager_attention_forward
 
     calls = []

@@ -150,3 +150,13 @@ def test_runner_and_task_arguments(pooling_models):
     assert abs(torch.tensor(out[0].outputs.embedding).norm().item() - 1) < 1e-5
     with pytest.raises(ValueError, match="generative model"):
         LLM(pooling_models["qwen3-lm"], max_model_len=64).embed("a")
+
+
+def test_xlmr_positions_stop_before_the_table_ends(pooling_models):
+    """RoBERTa's positions start at padding_idx + 1 (pad_token_id 0 here, 1 in XLM-R's own
+    checkpoints): the longest input is padding_idx + 1 shorter than the position table (the GPU's
+    profiling forward runs inputs of exactly this length)."""
+    llm = LLM(pooling_models["xlmr-cls"], dtype="float32")
+    assert llm.llm_engine.model_config.max_model_len == 160 - 0 - 1
+    out = llm.embed([[5 + i % 100 for i in range(159)]], use_tqdm=False)
+    assert len(out[0].outputs.embedding) == 32

@@ -421,6 +421,9 @@ def _num_experts(hf_config: Any) -> int | None:
 
 
 def _derive_max_model_len(hf_config: Any) -> int:
+    if getattr(hf_config, "model_type", None) in ("roberta", "xlm-roberta"):
+        # RoBERTa's position table starts after the padding index: padding_idx + 1 rows are never used.
+        return hf_config.max_position_embeddings - (hf_config.pad_token_id or 0) - 1
     for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
         v = getattr(hf_config, key, None)
         if isinstance(v, int) and v > 0:

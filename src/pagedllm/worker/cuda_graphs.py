@@ -157,7 +157,7 @@ def profile_run(runner, num_tokens: int) -> None:
             return
         num_rows = min(runner.max_num_reqs, num_tokens)
         if runner.pooling is not None:  # no logits: the head of as many pooled rows as a step can end
-            if hasattr(model, "classify"):
+            if runner.pooling.pooler.kind != "embed":
                 model.classify(hidden[:num_rows])
             return
         logits = model.compute_logits(hidden[:num_rows])
@@ -184,7 +184,7 @@ def warm_up_kernels(runner) -> None:
     hidden = model(torch.zeros(3, dtype=torch.long, device=dev), torch.tensor([0, 0, 1], device=dev), md,
                    runner.dummy_intermediate(3))
     if runner.is_last_stage and runner.pooling is not None:
-        if hasattr(model, "classify"):
+        if runner.pooling.pooler.kind != "embed":
             model.classify(hidden[1:])
     elif runner.is_last_stage:
         logits = model.compute_logits(hidden[1:])
