@@ -67,6 +67,10 @@ if stage pooling; then
   echo "   pooling tests rc=$?"; tail -8 "$OUT/pooling_tests.log" | cut -c1-300
 fi
 stage embed && bench embed python -m pagedllm.benchmarks.embed
+if stage embedprof; then
+  echo "== embedprof"; python scripts/embed_profile.py > "$OUT/embedprof.log" 2>&1
+  echo "   embedprof rc=$?"; grep -E "embed 256|tottime|function calls" -A0 "$OUT/embedprof.log" | head -5
+fi
 # One test with synchronous launches: where a kernel faults, the traceback names it.
 if stage moedebug; then
   echo "== moedebug"

@@ -193,6 +193,7 @@ class LLM:
         if len(params_list) != len(prompts):
             raise ValueError(f"pooling_params has {len(params_list)} entries but there are {len(prompts)} prompts")
         task = pooling_task or "encode"
+        prompts = self._tokenize_texts(prompts)
         resolved = []
         for p in params_list:
             if not isinstance(p, PoolingParams):
@@ -270,6 +271,19 @@ class LLM:
             score = float(torch.nn.functional.cosine_similarity(ea.outputs.data, eb.outputs.data, dim=0))
             out.append(ScoringRequestOutput(f"score-{i}", ScoringOutput(score),
                                             ea.prompt_token_ids + eb.prompt_token_ids, True))
+        return out
+
+    def _tokenize_texts(self, prompts: list) -> list:
+        """Text prompts tokenized in one batch call (the fast tokenizers encode a batch on
+        several threads), as TokensPrompts keeping their text."""
+        texts = [i for i, p in enumerate(prompts) if isinstance(p, str) and p]
+        tokenizer = self.get_tokenizer()
+        if len(texts) < 2 or tokenizer is None or not getattr(tokenizer, "is_fast", False):
+            return prompts
+        ids = tokenizer([prompts[i] for i in texts])["input_ids"]
+        out = list(prompts)
+        for i, token_ids in zip(texts, ids):
+            out[i] = {"prompt": prompts[i], "prompt_token_ids": token_ids}
         return out
 
     @staticmethod

@@ -37,19 +37,24 @@ class OpenAIServingPooling(OpenAIServing):
             raise BadParam(param, f"{param} must not be empty")
         if all(isinstance(t, int) for t in inputs):
             inputs = [inputs]
-        prompts = []
+        prompts: list = []
+        texts = []  # (index, text): tokenized together below, in one batch call
         for item in inputs:
             if isinstance(item, str):
                 if not item:
                     raise BadParam(param, f"{param} must not hold an empty string")
                 self.check_text_length(item, param)
-                prompts.append({"prompt": item, "prompt_token_ids": self.tokenizer.encode(
-                    item, add_special_tokens=add_special_tokens)})
+                texts.append((len(prompts), item))
+                prompts.append(None)
             elif isinstance(item, list) and item and all(isinstance(t, int) for t in item):
                 prompts.append({"prompt_token_ids": item})
             else:
                 raise BadParam(param, f"{param} must be a string, a list of strings, token ids or lists of token "
                                       "ids, none empty")
+        if texts:
+            ids = self.tokenizer([t for _, t in texts], add_special_tokens=add_special_tokens)["input_ids"]
+            for (i, text), token_ids in zip(texts, ids):
+                prompts[i] = {"prompt": text, "prompt_token_ids": token_ids}
         return prompts
 
     def _chat_prompt(self, req: EmbeddingRequest) -> list[dict[str, Any]]:
