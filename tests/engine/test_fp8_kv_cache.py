@@ -18,6 +18,10 @@ from pagedllm.engine.arg_utils import EngineArgs
 from tests.conftest import TEST_KV_BYTES, build_tiny_model
 from tests.engine.test_correctness import generate_ids, make_llm, mixed_prompts, shared_prefix_prompts
 
+# The reference runs transformers on CPU. On a GPU our float32 K/V differ from it in the last bits,
+# and a value at an fp8 rounding boundary then lands on the other side: a few 1e-3 in logprobs.
+FAKE_QUANT_TOL = 1e-2 if torch.cuda.is_available() else 1e-4
+
 # The tiny llama's K/V reach |x| ~ 7.6 / 7.9 in its first step: per-layer scales that put the
 # amax near e4m3's 448 (the checkpoint of `scaled_model` carries these).
 CKPT_SCALES = {0: (0.02, 0.025), 1: (0.021, 0.024)}
@@ -136,9 +140,9 @@ def test_logprobs_equal_transformers_reading_the_same_fake_quantized_kv(tiny_mod
                 ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
             assert ref[len(prompt) - 1:-1].argmax(-1).tolist() == gen
             for i in range(1, len(prompt)):
-                assert out.prompt_logprobs[i][ids[i]].logprob == pytest.approx(ref[i - 1, ids[i]].item(), abs=1e-4)
+                assert out.prompt_logprobs[i][ids[i]].logprob == pytest.approx(ref[i - 1, ids[i]].item(), abs=FAKE_QUANT_TOL)
             for j, entry in enumerate(out.outputs[0].logprobs):
-                assert entry[gen[j]].logprob == pytest.approx(ref[len(prompt) - 1 + j, gen[j]].item(), abs=1e-4)
+                assert entry[gen[j]].logprob == pytest.approx(ref[len(prompt) - 1 + j, gen[j]].item(), abs=FAKE_QUANT_TOL)
     assert set(calls) == {0, 1}  # transformers' attention did read the fake-quantized K/V
 
 

@@ -8,6 +8,7 @@ import warnings
 import pytest
 import torch
 
+from tests.conftest import TEST_KV_BYTES
 from pagedllm import LLM, PoolingParams
 
 TEXTS = ["the water is long", "she made a little way into the people", "a", "he was at the first time"]
@@ -30,7 +31,8 @@ def _hf_logits(folder: str, texts: list, pairs: bool = False) -> torch.Tensor:
 
 @pytest.mark.parametrize("name", ["bert-cls3", "qwen3-cls"])
 def test_classify_matches_transformers(pooling_models, name):
-    llm = LLM(pooling_models[name], dtype="float32", max_model_len=128, max_num_batched_tokens=128)
+    llm = LLM(pooling_models[name], kv_cache_memory_bytes=TEST_KV_BYTES, dtype="float32", max_model_len=128,
+              max_num_batched_tokens=128)
     probs = torch.tensor([o.outputs.probs for o in llm.classify(TEXTS, use_tqdm=False)])
     logits = _hf_logits(pooling_models[name], TEXTS)
     torch.testing.assert_close(probs, logits.softmax(-1), atol=1e-5, rtol=0)
@@ -48,7 +50,7 @@ def test_cross_encoder_scores_match_sentence_transformers(pooling_models, name):
 
         ce = CrossEncoder(pooling_models[name], device="cpu")
         ref = torch.tensor(ce.predict([(QUERY, d) for d in DOCS], convert_to_numpy=True)).float()
-    llm = LLM(pooling_models[name], dtype="float32")
+    llm = LLM(pooling_models[name], kv_cache_memory_bytes=TEST_KV_BYTES, dtype="float32")
     got = torch.tensor([o.outputs.score for o in llm.score(QUERY, DOCS, use_tqdm=False)])  # 1:N
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
     pairs = llm.score(DOCS[:2], DOCS[2:4], use_tqdm=False)  # N:N
@@ -66,7 +68,8 @@ def test_cross_encoder_scores_match_sentence_transformers(pooling_models, name):
 
 
 def test_embedding_model_scores_are_cosine_similarities(pooling_models):
-    llm = LLM(pooling_models["bert-cls"], dtype="float32")  # not normalised by default: score normalises
+    # Not normalised by default: score normalises.
+    llm = LLM(pooling_models["bert-cls"], kv_cache_memory_bytes=TEST_KV_BYTES, dtype="float32")
     scores = llm.score(QUERY, DOCS, use_tqdm=False)
     emb = torch.tensor([o.outputs.embedding for o in llm.embed([QUERY] + DOCS, use_tqdm=False)])
     ref = torch.nn.functional.cosine_similarity(emb[:1], emb[1:])
@@ -81,7 +84,7 @@ def test_qwen3_reranker_conversion(pooling_models):
     folder = pooling_models["qwen3-lm"]
     tok = AutoTokenizer.from_pretrained(folder)
     no, yes = tok.convert_tokens_to_ids("no"), tok.convert_tokens_to_ids("yes")
-    llm = LLM(folder, dtype="float32", max_model_len=128, hf_overrides={
+    llm = LLM(folder, kv_cache_memory_bytes=TEST_KV_BYTES, dtype="float32", max_model_len=128, hf_overrides={
         "architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"],
         "is_original_qwen3_reranker": True})
     prompts = [f"query: {QUERY} document: {d} answer:" for d in DOCS]

@@ -8,6 +8,7 @@ import warnings
 import pytest
 import torch
 
+from tests.conftest import TEST_KV_BYTES
 from pagedllm import LLM, PoolingParams
 
 TEXTS = [
@@ -39,7 +40,8 @@ def _check(got: torch.Tensor, ref: torch.Tensor, raw: bool) -> None:
 
 @pytest.mark.parametrize("name,raw", [("bert-mean", False), ("bert-cls", True), ("xlmr-cls", False)])
 def test_encoders_match_sentence_transformers(pooling_models, name, raw):
-    llm = LLM(pooling_models[name], dtype="float32", max_num_seqs=3)  # 5 prompts: two steps
+    # 5 prompts: two steps
+    llm = LLM(pooling_models[name], kv_cache_memory_bytes=TEST_KV_BYTES, dtype="float32", max_num_seqs=3)
     core = llm.llm_engine.engine_core
     assert llm.llm_engine.model_config.is_encoder and not core.kv_cache_manager.enable_caching
     got = torch.tensor([o.outputs.embedding for o in llm.embed(TEXTS, use_tqdm=False)])
@@ -49,8 +51,8 @@ def test_encoders_match_sentence_transformers(pooling_models, name, raw):
 @pytest.fixture(scope="module")
 def qwen_last(pooling_models):
     # A 24-token budget: the long prompt runs in several chunks.
-    return LLM(pooling_models["qwen3-last"], dtype="float32", max_num_batched_tokens=24, max_num_seqs=4,
-               max_model_len=256)
+    return LLM(pooling_models["qwen3-last"], kv_cache_memory_bytes=TEST_KV_BYTES, dtype="float32",
+               max_num_batched_tokens=24, max_num_seqs=4, max_model_len=256)
 
 
 def test_decoder_last_token_across_chunks_and_prefix_hits(qwen_last, pooling_models):
@@ -67,8 +69,8 @@ def test_decoder_last_token_across_chunks_and_prefix_hits(qwen_last, pooling_mod
 def test_decoder_mean_across_chunks_and_preemption(pooling_models):
     """MEAN over prompts in several chunks; one request preempted mid-prompt (its blocks freed,
     recomputed from its first token: its running sum restarts) still gives the reference."""
-    llm = LLM(pooling_models["qwen3-mean"], dtype="float32", max_num_batched_tokens=32, max_num_seqs=4,
-              max_model_len=160)
+    llm = LLM(pooling_models["qwen3-mean"], kv_cache_memory_bytes=TEST_KV_BYTES, dtype="float32",
+              max_num_batched_tokens=32, max_num_seqs=4, max_model_len=160)
     engine = llm.llm_engine
     core = engine.engine_core
     assert not core.kv_cache_manager.enable_caching  # MEAN reads every token: no prefix reuse
@@ -100,7 +102,8 @@ def test_encode_gives_the_raw_pooled_states_and_activation_switches(qwen_last):
 
 
 def test_matryoshka_dimensions(pooling_models):
-    llm = LLM(pooling_models["bert-mean"], dtype="float32", hf_overrides={"matryoshka_dimensions": [16, 32]})
+    llm = LLM(pooling_models["bert-mean"], kv_cache_memory_bytes=TEST_KV_BYTES, dtype="float32",
+              hf_overrides={"matryoshka_dimensions": [16, 32]})
     full = llm.embed(TEXTS[:2], PoolingParams(use_activation=False), use_tqdm=False)
     short = llm.embed(TEXTS[:2], PoolingParams(dimensions=16), use_tqdm=False)
     for f, s in zip(full, short):
@@ -136,27 +139,28 @@ def test_bad_input_is_refused_and_the_engine_keeps_serving(qwen_last, pooling_mo
 
 def test_runner_and_task_arguments(pooling_models):
     with pytest.raises(ValueError, match="is a pooling model: it cannot generate"):
-        LLM(pooling_models["bert-cls3"], runner="generate")
+        LLM(pooling_models["bert-cls3"], kv_cache_memory_bytes=TEST_KV_BYTES, runner="generate")
     with pytest.raises(ValueError, match="runner must be one of"):
-        LLM(pooling_models["bert-cls3"], runner="encode")
+        LLM(pooling_models["bert-cls3"], kv_cache_memory_bytes=TEST_KV_BYTES, runner="encode")
     with pytest.raises(ValueError, match="enable_chunked_prefill=True does not apply to encoder"):
-        LLM(pooling_models["bert-mean"], enable_chunked_prefill=True)
+        LLM(pooling_models["bert-mean"], kv_cache_memory_bytes=TEST_KV_BYTES, enable_chunked_prefill=True)
     with pytest.raises(ValueError, match="unknown pooler_config key"):
-        LLM(pooling_models["bert-mean"], pooler_config={"pooling": "MEAN"})
+        LLM(pooling_models["bert-mean"], kv_cache_memory_bytes=TEST_KV_BYTES, pooler_config={"pooling": "MEAN"})
     # A causal LM converted by task="embed" (vLLM's older flag): last-token states of its body.
-    llm = LLM(pooling_models["qwen3-lm"], task="embed", dtype="float32", max_model_len=128)
+    llm = LLM(pooling_models["qwen3-lm"], kv_cache_memory_bytes=TEST_KV_BYTES, task="embed", dtype="float32",
+              max_model_len=128)
     assert llm.llm_engine.model_config.runner_type == "pooling"
     out = llm.embed(TEXTS[:2], use_tqdm=False)
     assert abs(torch.tensor(out[0].outputs.embedding).norm().item() - 1) < 1e-5
     with pytest.raises(ValueError, match="generative model"):
-        LLM(pooling_models["qwen3-lm"], max_model_len=64).embed("a")
+        LLM(pooling_models["qwen3-lm"], kv_cache_memory_bytes=TEST_KV_BYTES, max_model_len=64).embed("a")
 
 
 def test_xlmr_positions_stop_before_the_table_ends(pooling_models):
     """RoBERTa's positions start at padding_idx + 1 (pad_token_id 0 here, 1 in XLM-R's own
     checkpoints): the longest input is padding_idx + 1 shorter than the position table (the GPU's
     profiling forward runs inputs of exactly this length)."""
-    llm = LLM(pooling_models["xlmr-cls"], dtype="float32")
+    llm = LLM(pooling_models["xlmr-cls"], kv_cache_memory_bytes=TEST_KV_BYTES, dtype="float32")
     assert llm.llm_engine.model_config.max_model_len == 160 - 0 - 1
     out = llm.embed([[5 + i % 100 for i in range(159)]], use_tqdm=False)
     assert len(out[0].outputs.embedding) == 32
