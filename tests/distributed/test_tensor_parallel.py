@@ -181,3 +181,29 @@ def test_tp2_speculative_decoding_gives_tp1_greedy_tokens(tp_models, module_llms
                            use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 10 for o in sampled)
     assert core.kv_cache_manager.num_free_blocks == core.kv_cache_manager.num_blocks
+
+
+def test_tp2_lora_gives_peft_greedy_tokens(tp_models, tmp_path_factory):
+    """Adapters sharded as their layers (column-parallel: B's rows of each projection; row-parallel:
+    A's input columns, the partial deltas summed by the layer's all-reduce): a batch mixing two
+    adapters (all projections; q/v only) and the base gives peft's greedy tokens on 2 ranks, with a
+    KV head replicated on both (llama-kv1)."""
+    from pagedllm import LoRARequest
+    from tests.lora.test_lora import MAX_TOKENS, PROMPTS as LORA_PROMPTS, _make_adapter, _peft_greedy
+
+    base = tp_models["llama-kv1"]
+    specs = {"all8": (8, 16, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], False),
+             "qv4": (4, 8, ["q_proj", "v_proj"], True)}
+    loras = [LoRARequest(n, i + 1, _make_adapter(base, str(tmp_path_factory.mktemp(f"tp-lora-{n}")), *spec, seed=i))
+             for i, (n, spec) in enumerate(specs.items())]
+    prompts = LORA_PROMPTS[:6]
+    per_prompt = [loras[0], loras[1], None, loras[1], loras[0], None]
+    want = [_peft_greedy(base, lora.lora_path if lora else None)[i] for i, lora in enumerate(per_prompt)]
+    plain = _peft_greedy(base, None)
+    assert want[0] != plain[0] and want[1] != plain[1]  # both adapters move the tokens
+    llm = LLM(base, dtype="float32", tensor_parallel_size=2, enable_lora=True, max_loras=2, max_lora_rank=8,
+              max_model_len=128, kv_cache_memory_bytes=TEST_KV_BYTES)
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False,
+                        lora_request=per_prompt)
+    assert [tuple(o.outputs[0].token_ids) for o in outs] == want

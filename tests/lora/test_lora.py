@@ -163,8 +163,8 @@ def test_bad_adapters_are_refused_before_the_engine_and_it_serves_on(llm, tiny_m
     plain = LLM(tiny_models["llama"], kv_cache_memory_bytes=TEST_KV_BYTES, dtype="float32", max_model_len=64)
     with pytest.raises(ValueError, match="enable_lora=True"):
         _generate(plain, adapters["all8"])
-    with pytest.raises(ValueError, match="enable_lora is not supported with tensor or pipeline parallelism"):
-        LLM(tiny_models["llama"], enable_lora=True, tensor_parallel_size=2, max_model_len=64)
+    with pytest.raises(ValueError, match="enable_lora is not supported with pipeline parallelism"):
+        LLM(tiny_models["llama"], enable_lora=True, pipeline_parallel_size=2, max_model_len=64)
     with pytest.raises(ValueError, match="lora_int_id must be a positive integer"):
         LoRARequest("z", 0, "/tmp")
     assert _generate(llm, adapters["all8"]) == list(_peft_greedy(tiny_models["llama"], adapters["all8"].lora_path))

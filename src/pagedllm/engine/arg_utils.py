@@ -248,8 +248,8 @@ class EngineArgs:
     def _lora_config(self) -> LoRAConfig | None:
         if not self.enable_lora:
             return None
-        if self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1:
-            raise ValueError("enable_lora is not supported with tensor or pipeline parallelism yet")
+        if self.pipeline_parallel_size > 1:
+            raise ValueError("enable_lora is not supported with pipeline parallelism yet")
         return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras, self.lora_dtype)
 
     def _draft_model_config(self, spec: SpeculativeConfig | None, target: ModelConfig,

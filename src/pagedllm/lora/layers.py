@@ -48,11 +48,19 @@ def set_mapping(token_slots: np.ndarray | None, device: torch.device) -> None:
 class LoRASlots:
     """The slots of one linear whose output stacks ``parts`` (offset, size) projections (q, k,
     v; gate, up; or one): A [slots, parts * rank, in] and a block-diagonal B
-    [slots, out, parts * rank], so one shrink and one expand serve a fused projection."""
+    [slots, out, parts * rank], so one shrink and one expand serve a fused projection.
+
+    Tensor parallelism: a column-parallel linear holds its rows of each projection, so each
+    part's B keeps the rows ``b_rows[i]`` (start in the full projection) and A stays whole; a
+    row-parallel one holds the input columns ``a_cols`` (start, size), so A keeps those columns
+    and B stays whole. Its delta is then this rank's partial sum, added before the layer's
+    all-reduce, which adds the ranks' parts up: no collective of its own."""
 
     def __init__(self, max_loras: int, max_rank: int, in_features: int, parts: list[tuple[int, int]],
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, b_rows: list[int] | None = None,
+                 a_cols: tuple[int, int] | None = None) -> None:
         self.max_rank, self.parts = max_rank, parts
+        self.b_rows, self.a_cols = b_rows, a_cols
         out = sum(size for _, size in parts)
         self.A = torch.zeros(max_loras, len(parts) * max_rank, in_features, dtype=dtype, device=device)
         self.B = torch.zeros(max_loras, out, len(parts) * max_rank, dtype=dtype, device=device)
@@ -65,6 +73,10 @@ class LoRASlots:
             if pair is None:
                 continue
             a, b = pair
+            if self.a_cols is not None:
+                a = a[:, self.a_cols[0]:self.a_cols[0] + self.a_cols[1]]
+            if self.b_rows is not None:
+                b = b[self.b_rows[i]:self.b_rows[i] + size]
             r, lo = a.shape[0], i * self.max_rank
             self.A[slot, lo:lo + r] = a.to(self.A)
             self.B[slot, offset:offset + size, lo:lo + r] = (b.float() * scale).to(self.B)

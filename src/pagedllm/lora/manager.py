@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from pagedllm.lora.layers import LoRASlots, set_graph_mapping, set_mapping
+from pagedllm.model.layers import MergedLinear, RowParallelLinear
 from pagedllm.lora.peft_loader import LoRAAdapter, load_adapter
 from pagedllm.lora.request import LoRARequest
 
@@ -32,8 +33,15 @@ class LoRAManager:
             subs = FUSED[leaf]
             out = module.weight.shape[0]
             parts = [module._shard_range(sid) for _, sid in subs] if len(subs) > 1 else [(0, out)]
+            b_rows = a_cols = None
+            if getattr(module, "tp_size", 1) > 1:  # this rank's slice of the adapters (LoRASlots)
+                if isinstance(module, MergedLinear):
+                    b_rows = [module._shard_start(module._shard_index(sid)) for _, sid in subs] \
+                        if len(subs) > 1 else [module._shard_start(0)]
+                elif isinstance(module, RowParallelLinear):
+                    a_cols = (module.tp_rank * module.input_size_per_rank, module.input_size_per_rank)
             slots = LoRASlots(lora_config.max_loras, lora_config.max_lora_rank, module.weight.shape[1], parts,
-                              dtype, device)
+                              dtype, device, b_rows, a_cols)
             module.lora = slots
             self.layers.append((slots, [name[:-len(leaf)] + hf for hf, _ in subs]))
         self.requests: dict[int, LoRARequest] = {}

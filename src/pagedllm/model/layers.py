@@ -194,7 +194,10 @@ class RowParallelLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             return Linear.forward(self, x)
-        y = tensor_model_parallel_all_reduce(linear(x, self.weight))
+        y = linear(x, self.weight)
+        if self.lora is not None and LORA_MAPPING.groups:  # this rank's part of the delta, summed below
+            y = self.lora.apply(x, y)
+        y = tensor_model_parallel_all_reduce(y)
         return y if self.bias is None else y + self.bias
 
 
