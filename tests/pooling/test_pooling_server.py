@@ -65,6 +65,10 @@ def test_embeddings_with_the_official_client(embed_url, pooling_models):
     assert models[0]["task"] == "embed"
     stats = httpx.get(f"{embed_url}/internal/stats").json()
     assert stats["num_free_blocks"] == stats["num_blocks"] and stats["num_unfinished_requests"] == 0
+    metrics = httpx.get(f"{embed_url}/metrics").text  # pooling requests are counted as finished ones
+    done = [line for line in metrics.splitlines()
+            if line.startswith("pagedllm:request_success_total") and 'finished_reason="stop"' in line]
+    assert done and float(done[0].rsplit(" ", 1)[1]) >= 256
 
 
 @pytest.mark.parametrize("path, body, param, match", [
