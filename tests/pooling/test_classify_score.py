@@ -93,3 +93,17 @@ def test_qwen3_reranker_conversion(pooling_models):
     with torch.no_grad():
         ref = torch.stack([lm(**tok(p, return_tensors="pt")).logits[0, -1, [no, yes]].softmax(-1)[1] for p in prompts])
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+
+
+def test_tensor_parallel_pooling_equals_one_rank(pooling_models):
+    """An encoder (heads, intermediate rows and output columns split over 2 gloo ranks) and a
+    decoder classifier give one rank's embeddings / probabilities."""
+    for name, call in (("bert-mean", "embed"), ("qwen3-cls", "classify")):
+        outs = []
+        for tp in (1, 2):
+            llm = LLM(pooling_models[name], kv_cache_memory_bytes=TEST_KV_BYTES, dtype="float32",
+                      max_model_len=128, tensor_parallel_size=tp)
+            got = getattr(llm, call)(TEXTS, use_tqdm=False)
+            outs.append(torch.tensor([o.outputs.embedding if call == "embed" else o.outputs.probs for o in got]))
+            del llm
+        torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
