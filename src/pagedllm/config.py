@@ -43,6 +43,9 @@ class ModelConfig:
     enforce_eager: bool = False
     enable_sleep_mode: bool = False  # LLM.sleep / wake_up may free and restore weights and KV cache
     enable_return_routed_experts: bool = False  # CompletionOutput.routed_experts (MoE models)
+    # The linear layers' weight quantization (pagedllm.model.quantization), resolved from the
+    # engine arg and the checkpoint's quantization_config; None: dense weights.
+    quantization: str | None = None
 
     @property
     def vocab_size(self) -> int:

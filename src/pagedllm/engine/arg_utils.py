@@ -64,6 +64,9 @@ class EngineArgs:
     enable_prefix_caching: bool | None = None
     enable_chunked_prefill: bool | None = None
     load_format: str = "auto"
+    # Weight quantization: "fp8" (also quantizes a 16/32-bit checkpoint at load), "awq", "gptq",
+    # "compressed-tensors"; None: the checkpoint's quantization_config.quant_method, if any.
+    quantization: str | None = None
     hf_overrides: dict[str, Any] | Callable | None = None
     generation_config: str = "auto"
     override_generation_config: dict[str, Any] | None = None
@@ -255,8 +258,11 @@ class EngineArgs:
             raise ValueError(f"speculative_config model {spec.model!r} has a vocabulary of "
                              f"{resolved.hf_config.vocab_size} tokens, the target {target.vocab_size}: a draft must "
                              "share the target's tokenizer")
+        from pagedllm.model.quantization import resolve_quantization
+
         return dataclasses.replace(target, model=spec.model, path=resolved.path, gguf_file=resolved.gguf_file,
-                                   hf_config=resolved.hf_config)
+                                   hf_config=resolved.hf_config,
+                                   quantization=resolve_quantization(resolved.hf_config, None))
 
     def resolve_device(self) -> str:
         import torch
@@ -280,6 +286,7 @@ class EngineArgs:
         resolved = resolve_model(self.model or default_model(), revision=self.revision,
                                  trust_remote_code=self.trust_remote_code, hf_overrides=self.hf_overrides)
         hf_config = resolved.hf_config
+        quantization = self._quantization(resolved)
         derived_max_len = _derive_max_model_len(hf_config)
         max_model_len = self.max_model_len or derived_max_len
         if self.max_model_len and derived_max_len and self.max_model_len > derived_max_len:
@@ -309,6 +316,7 @@ class EngineArgs:
             override_generation_config=dict(self.override_generation_config or {}),
             enforce_eager=self.enforce_eager, enable_sleep_mode=bool(self.enable_sleep_mode),
             enable_return_routed_experts=self._routed_experts_option(hf_config),
+            quantization=quantization,
         )
         cache_config = CacheConfig(
             block_size=self.block_size or 16, gpu_memory_utilization=self.gpu_memory_utilization,
@@ -331,6 +339,21 @@ class EngineArgs:
                             log_stats=not self.disable_log_stats, parallel_config=parallel_config,
                             structured_outputs_config=structured, speculative_config=speculative,
                             lora_config=lora, draft_model_config=draft)
+
+    def _quantization(self, resolved: Any) -> str | None:
+        """The weight quantization the model runs; what cannot compose with it is refused here."""
+        from pagedllm.model.quantization import resolve_quantization
+
+        method = resolve_quantization(resolved.hf_config, self.quantization)
+        if method is None:
+            return None
+        if resolved.gguf_file is not None or self.load_format == "gguf":
+            raise ValueError(f"quantization={method!r} cannot be combined with GGUF weights (GGUF tensors are "
+                             "dequantized to the model dtype at load)")
+        if _num_experts(resolved.hf_config) is not None:
+            raise ValueError(f"quantization={method!r} is not supported for mixture-of-experts models yet: the fused "
+                             "expert kernels run 16/32-bit weights only")
+        return method
 
     def _routed_experts_option(self, hf_config: Any) -> bool:
         if not self.enable_return_routed_experts:

@@ -30,9 +30,9 @@ class LoRAManager:
             if leaf not in FUSED or not hasattr(module, "weight"):
                 continue
             subs = FUSED[leaf]
-            out = module.weight.shape[0]
+            out = module.out_features
             parts = [module._shard_range(sid) for _, sid in subs] if len(subs) > 1 else [(0, out)]
-            slots = LoRASlots(lora_config.max_loras, lora_config.max_lora_rank, module.weight.shape[1], parts,
+            slots = LoRASlots(lora_config.max_loras, lora_config.max_lora_rank, module.in_features, parts,
                               dtype, device)
             module.lora = slots
             self.layers.append((slots, [name[:-len(leaf)] + hf for hf, _ in subs]))

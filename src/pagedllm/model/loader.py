@@ -18,7 +18,9 @@ from torch import nn
 from tqdm import tqdm
 
 from pagedllm.model.gguf_cache import gguf_architecture, iterate_gguf_tensors, load_gguf_config
-from pagedllm.model.layers import RMSNorm
+from pagedllm.model.layers import Linear, RMSNorm
+from pagedllm.model.quantization import get_quantization_config
+from pagedllm.model.quantization.base import checkpoint_prefixes, quant_config_context
 from pagedllm.model.registry import TEXT_MODEL_OF_MULTIMODAL, get_model_class
 
 logger = logging.getLogger("pagedllm")
@@ -299,10 +301,12 @@ def _default_dtype(dtype: torch.dtype):
 
 def load_model(
     resolved: ResolvedModel, load_format: str, dtype: torch.dtype, device: torch.device, seed: int = 0,
-    max_model_len: int | None = None,
+    max_model_len: int | None = None, quantization: str | None = None,
 ) -> nn.Module:
     """Build the model in ``dtype`` directly on ``device`` and fill its weights. ``max_model_len``
-    (the engine's context limit) reaches model classes that take it (LongRoPE's choice)."""
+    (the engine's context limit) reaches model classes that take it (LongRoPE's choice).
+    ``quantization``: the method its linear layers run (pagedllm.model.quantization; resolved
+    from the engine args and the checkpoint's quantization_config)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format {load_format!r} is not one of {list(LOAD_FORMATS)}")
     device = torch.device(device)
@@ -310,20 +314,45 @@ def load_model(
     kwargs = {}
     if max_model_len is not None and "max_model_len" in inspect.signature(model_cls).parameters:
         kwargs["max_model_len"] = max_model_len
-    with _default_dtype(dtype), device:  # parameters are allocated once, where they will live
+    quant_config = get_quantization_config(quantization, resolved.hf_config)
+    if quant_config is not None and (load_format == "gguf" or resolved.gguf_file):
+        raise ValueError(f"quantization={quantization!r} cannot be combined with GGUF weights (GGUF tensors are "
+                         "dequantized to the model dtype at load)")
+    # Parameters are allocated once, where they will live.
+    with _default_dtype(dtype), device, quant_config_context(quant_config):
         model = model_cls(resolved.hf_config, **kwargs)
+        if quant_config is not None:
+            _attach_quant_methods(model, quant_config)
+    model.quant_config = quant_config
     start = time.perf_counter()
     if load_format == "dummy":
         _init_dummy(model, seed, device)
     else:
         loaded = model.load_weights(iterate_weights(resolved, load_format))
-        missing = sorted({name for name, _ in model.named_parameters()} - loaded)
+        missing = sorted({name for name, p in model.named_parameters() if not getattr(p, "optional", False)} - loaded)
         if missing:
             shown = ", ".join(missing[:10]) + (f", ... ({len(missing)} in all)" if len(missing) > 10 else "")
             raise ValueError(f"checkpoint in {resolved.path!r} lacks weights for: {shown}")
-    logger.info("Loaded %s (%s weights, %s, %s) in %.1f s", model_cls.__name__, load_format,
-                str(dtype).removeprefix("torch."), device, time.perf_counter() - start)
+    if quant_config is not None:
+        with _default_dtype(dtype), device, torch.no_grad():
+            for module in model.modules():
+                if getattr(module, "quant_method", None) is not None:
+                    module.quant_method.process_after_loading(module)
+    logger.info("Loaded %s (%s weights, %s, %s%s) in %.1f s", model_cls.__name__, load_format,
+                str(dtype).removeprefix("torch."), device,
+                f", {quant_config.name} quantized" if quant_config is not None else "", time.perf_counter() - start)
     return model.eval()
+
+
+def _attach_quant_methods(model: nn.Module, quant_config) -> None:
+    """Give every quantizable linear its method (by its checkpoint names: ignore lists exempt some)."""
+    if hasattr(model, "moe_blocks"):
+        raise ValueError(f"quantization {quant_config.name!r} is not supported for mixture-of-experts models yet "
+                         f"({type(model).__name__}): the fused expert kernels run 16/32-bit weights only")
+    stacked = getattr(model, "stacked_params", {})
+    for name, module in model.named_modules():
+        if isinstance(module, Linear) and module.weight is None and module.quant_method is None:
+            module.set_quant_method(quant_config.method_for(module, name, checkpoint_prefixes(name, stacked)))
 
 
 @torch.no_grad()
@@ -341,8 +370,11 @@ def _init_dummy(model: nn.Module, seed: int, device: torch.device) -> None:
         key = getattr(param, "checkpoint_name", name)
         generator.manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()))
         full_shape = getattr(param, "full_shape", tuple(param.shape))
+        # Quantized parameters (packed ints, fp8, scales) say how to fill them.
+        fill = getattr(param, "dummy_fill", None) or (lambda t, g: t.normal_(0.0, 0.02, generator=g))
         if full_shape == tuple(param.shape):
-            param.normal_(0.0, 0.02, generator=generator)
+            fill(param.data, generator)
         else:
-            full = torch.empty(full_shape, dtype=param.dtype, device=param.device).normal_(0.0, 0.02, generator=generator)
+            full = torch.empty(full_shape, dtype=param.dtype, device=param.device)
+            fill(full, generator)
             param.weight_loader(param, full)
