@@ -1,0 +1,305 @@
+"""Quantized weights (issue 17): every format's greedy tokens and logprobs against a transformers
+reference holding the same dequantized weights in fp32 (W8A8: its projections' inputs fake-
+quantized the way the format prescribes, tests/model/quant_checkpoints.py); packing read
+from hand-written golden words; the loaded layers still packed int32 / fp8; bad configs refused.
+
+Tolerances (fp32 engine vs fp32 reference, teacher-forced along the engine's tokens): W4A16,
+where both compute the same dequantized weights, logprobs within 1e-4 (summation order only)
+and every greedy token the reference's. W8A8 within 2e-2: the fake-quantized activations are
+discontinuous in their input, and where engine and reference differ in the last bits before a
+projection (attention's summation order) one value may round to the neighbouring fp8 number
+(3 mantissa bits: a 6-12% step), which in these random models moves a logprob by up to ~1e-2;
+every greedy token is the reference's best or within that bound of it.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams, TokensPrompt
+from pagedllm.model.quantization import QUANTIZATION_METHODS, resolve_quantization
+from pagedllm.model.quantization.int4 import AWQ_ORDER, dequantize, pack_cols, pack_rows, unpack_cols, unpack_rows
+from tests.model import quant_checkpoints as qc
+
+PROMPTS = [[5, 17, 99, 3, 250], [7] * 3 + list(range(20, 60)), [400, 401, 3, 9, 12, 77, 300, 8, 9, 10, 11]]
+MAX_TOKENS = 8
+W4A16_TOL, W8A8_TOL = 1e-4, 2e-2
+
+
+def make_llm(path: str, **kwargs) -> LLM:
+    return LLM(path, dtype="float32", seed=0, skip_tokenizer_init=True, kv_cache_memory_bytes=16 << 20, **kwargs)
+
+
+def engine_greedy(llm: LLM) -> tuple[list[list[int]], list[list[float]]]:
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0, detokenize=False)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], sp, use_tqdm=False)
+    ids = [list(o.outputs[0].token_ids) for o in outs]
+    lps = [[step[t].logprob for t, step in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)] for o in outs]
+    return ids, lps
+
+
+@torch.no_grad()
+def reference_logprobs(model, ids: list[list[int]]) -> tuple[list[list[float]], list[list[float]]]:
+    """Teacher-forced along the engine's tokens: the reference's logprob of each engine token, and
+    of its own best token at that step."""
+    chosen, best = [], []
+    for prompt, out in zip(PROMPTS, ids):
+        logprobs = torch.log_softmax(model(torch.tensor([prompt + out])).logits[0].float(), -1)
+        steps = logprobs[len(prompt) - 1:len(prompt) - 1 + len(out)]
+        chosen.append(steps.gather(1, torch.tensor(out)[:, None])[:, 0].tolist())
+        best.append(steps.max(-1).values.tolist())
+    return chosen, best
+
+
+def check_against_reference(llm: LLM, reference, tol: float, exact_greedy: bool) -> None:
+    """Each engine token's logprob within ``tol`` of the reference's, and each the reference's
+    greedy choice (within ``tol`` of its best, where an fp8 rounding flip may decide a near
+    tie; ``exact_greedy``: exactly its best)."""
+    ids, lps = engine_greedy(llm)
+    chosen, best = reference_logprobs(reference, ids)
+    for got, want, top in zip(lps, chosen, best):
+        assert got == pytest.approx(want, abs=tol)
+        for c, b in zip(want, top):
+            assert c == b if exact_greedy else c >= b - tol
+
+
+def model_of(llm: LLM):
+    return llm.llm_engine.engine_core.executor.worker.model_runner.model
+
+
+def linear_layers(model):
+    from pagedllm.model.layers import Linear
+
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, Linear)]
+
+
+def param_bytes(module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
+
+
+# ---- golden packing vectors (hand-written words, not our packer's output) --------------------
+
+def test_awq_interleave_golden_word():
+    """AWQ packs columns 0..7 into nibbles in the order [0, 2, 4, 6, 1, 3, 5, 7]: columns holding
+    1..8 give nibbles (low first) 1, 3, 5, 7, 2, 4, 6, 8, i.e. the word 0x86427531."""
+    word = torch.tensor([[0x86427531 - 2**32]], dtype=torch.int32)
+    assert unpack_cols(word, AWQ_ORDER).tolist() == [[1, 2, 3, 4, 5, 6, 7, 8]]
+    assert AWQ_ORDER == (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+def test_gptq_golden_words_and_zero_offset():
+    """GPTQ's qweight packs K sequentially (0x76543210: rows 0..7 hold 0..7); its qzeros store
+    zero - 1 (symmetric 4-bit: 7, word 0x77777777), read back as 8."""
+    from pagedllm.model.quantization.gptq import GPTQLinearMethod
+
+    assert unpack_rows(torch.tensor([[0x76543210]], dtype=torch.int32)).flatten().tolist() == list(range(8))
+
+    class Layer:  # what to_canonical reads
+        qweight = torch.nn.Parameter(torch.tensor([[0x76543210] * 8], dtype=torch.int32), requires_grad=False)
+        qzeros = torch.nn.Parameter(torch.tensor([[0x77777777, 0x0FEDCBA9 - 0]], dtype=torch.int32),
+                                    requires_grad=False)
+        scales = torch.nn.Parameter(torch.ones(1, 16), requires_grad=False)
+        g_idx = torch.nn.Parameter(torch.full((8,), -1, dtype=torch.int32), requires_grad=False)
+        tp_rank, shards_input, in_features = 0, False, 8
+
+    method = GPTQLinearMethod(group_size=32, symmetric=False, zero_offset=1)
+    _, _, zeros = method.to_canonical(Layer)
+    # stored 7 -> 8 (eight columns); stored 9, A, ..., F, 0 -> A, B, ..., F, 0 (wraps in 4 bits), 1
+    assert unpack_cols(zeros).tolist() == [[8] * 8 + [10, 11, 12, 13, 14, 15, 0, 1]]
+    method_v2 = GPTQLinearMethod(group_size=32, symmetric=False, zero_offset=0)
+    assert unpack_cols(method_v2.to_canonical(Layer)[2]).tolist() == [[7] * 8 + [9, 10, 11, 12, 13, 14, 15, 0]]
+
+
+def test_canonical_pack_roundtrip_and_dequantize():
+    g = torch.Generator().manual_seed(0)
+    vals = torch.randint(0, 16, (64, 24), generator=g)
+    assert torch.equal(unpack_rows(pack_rows(vals)), vals)
+    assert torch.equal(unpack_cols(pack_cols(vals)), vals)
+    scales, zeros = torch.rand(2, 24, generator=g), torch.randint(0, 16, (2, 24), generator=g)
+    w = dequantize(pack_rows(vals), scales, pack_cols(zeros), 32, 64, torch.float32)
+    want = (vals - zeros.repeat_interleave(32, 0)).float() * scales.repeat_interleave(32, 0)
+    assert torch.equal(w, want)
+
+
+# ---- each format against its reference -------------------------------------------------------
+
+INT4_CASES = {
+    "gptq-asym-g32": lambda d: qc.write_gptq(d, group=32, symmetric=False),
+    "gptq-sym-g128": lambda d: qc.write_gptq(d, group=128, symmetric=True),
+    "gptq_v2-asym-g64": lambda d: qc.write_gptq(d, group=64, symmetric=False, checkpoint_format="gptq_v2"),
+    "awq-g64": lambda d: qc.write_awq(d, group=64),
+    "awq-g128": lambda d: qc.write_awq(d, group=128),
+    "ct-int4-sym-g32": lambda d: qc.write_ct_int4(d, group=32, symmetric=True),
+    "ct-int4-asym-g128": lambda d: qc.write_ct_int4(d, group=128, symmetric=False),
+    "ct-int4-sym-g64": lambda d: qc.write_ct_int4(d, group=64, symmetric=True),
+}
+
+
+@pytest.mark.parametrize("case", sorted(INT4_CASES))
+def test_w4a16_matches_dequantized_reference_and_stays_packed(tmp_path, case):
+    reference = INT4_CASES[case](str(tmp_path))
+    llm = make_llm(str(tmp_path))
+    method = case.split("-")[0].replace("_v2", "").replace("ct", "compressed-tensors")
+    assert model_of(llm).quant_config.name == method
+    check_against_reference(llm, reference, W4A16_TOL, exact_greedy=True)
+    group = int(case.rsplit("-g", 1)[1])
+    symmetric = "sym" in case.split("-") or case.startswith("gptq-sym")
+    for name, layer in linear_layers(model_of(llm)):
+        assert layer.weight is None and layer.qweight.dtype == torch.int32, name
+        n, k = layer.out_features, layer.in_features
+        assert tuple(layer.qweight.shape) == (k // 8, n)
+        zero_bytes = 0 if symmetric else (k // group) * n // 2
+        assert param_bytes(layer) == n * k // 2 + (k // group) * n * 4 + zero_bytes  # fp32 scales
+
+
+FP8_CASES = {
+    "fp8-dynamic": lambda d: qc.write_fp8(d, "dynamic"),
+    "fp8-static": lambda d: qc.write_fp8(d, "static"),
+    "fp8-block32": lambda d: qc.write_fp8_block(d, 32),
+    "ct-fp8-channel-dynamic": lambda d: qc.write_ct_fp8(d, "channel", dynamic=True),
+    "ct-fp8-tensor-static": lambda d: qc.write_ct_fp8(d, "tensor", dynamic=False),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FP8_CASES))
+def test_w8a8_checkpoint_matches_fake_quantized_reference_and_stays_fp8(tmp_path, case):
+    reference = FP8_CASES[case](str(tmp_path))
+    llm = make_llm(str(tmp_path))
+    check_against_reference(llm, reference, W8A8_TOL, exact_greedy=False)
+    for name, layer in linear_layers(model_of(llm)):
+        assert layer.weight.dtype == torch.float8_e4m3fn, name
+        n, k = layer.out_features, layer.in_features
+        scale_bytes = (n // 32) * (k // 32) * 4 if "block" in case else n * 4
+        static_bytes = 4 if "static" in case else 0
+        assert param_bytes(layer) == n * k + scale_bytes + static_bytes
+
+
+def test_online_fp8_matches_per_channel_fake_quantized_reference(tmp_path):
+    """quantization="fp8" over an fp32 checkpoint: per-channel weight scales (absmax / 448),
+    dynamic per-token activation scales."""
+    reference = qc.write_dense(str(tmp_path))
+    with torch.no_grad():
+        for name, module in reference.named_modules():
+            if name.endswith(qc.PROJECTIONS):
+                w = module.weight
+                scale = (w.abs().amax(-1, keepdim=True) / qc.FP8_MAX).clamp(min=1.0 / (qc.FP8_MAX * 512))
+                w.copy_((w / scale).clamp(-qc.FP8_MAX, qc.FP8_MAX).to(qc.FP8).float() * scale)
+    qc.add_input_hooks(reference, {n: qc.fake_quant_per_token for n, _ in reference.named_modules()
+                                   if n.endswith(qc.PROJECTIONS)})
+    llm = make_llm(str(tmp_path), quantization="fp8")
+    check_against_reference(llm, reference, W8A8_TOL, exact_greedy=False)
+    model = model_of(llm)
+    layers = linear_layers(model)
+    assert len(layers) == 8 and all(m.weight.dtype == torch.float8_e4m3fn for _, m in layers)
+    dense = sum(m.out_features * m.in_features * 4 for _, m in layers)
+    assert sum(param_bytes(m) for _, m in layers) == dense // 4 + sum(m.out_features * 4 for _, m in layers)
+
+
+# ---- which method, and bad input -------------------------------------------------------------
+
+def _with_quant_config(tmp_path, quant_config: dict | None) -> str:
+    path = str(tmp_path)
+    if not os.path.exists(os.path.join(path, "config.json")):
+        qc.write_dense(path)
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    config.pop("quantization_config", None)
+    if quant_config is not None:
+        config["quantization_config"] = quant_config
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    return path
+
+
+def test_resolution_rules():
+    class Config:
+        quantization_config = {"quant_method": "awq"}
+
+    assert resolve_quantization(Config, None) == "awq" and resolve_quantization(Config, "awq_marlin") == "awq"
+    assert resolve_quantization(object(), None) is None and resolve_quantization(object(), "fp8") == "fp8"
+    with pytest.raises(ValueError, match="disagrees"):
+        resolve_quantization(Config, "gptq")
+    with pytest.raises(ValueError, match="needs a checkpoint quantized with it"):
+        resolve_quantization(object(), "gptq")
+    with pytest.raises(ValueError, match=r"quantization='int3' is not supported; supported: \['fp8'"):
+        resolve_quantization(object(), "int3")
+    assert QUANTIZATION_METHODS == ("fp8", "awq", "gptq", "compressed-tensors")
+
+
+def test_unknown_checkpoint_method_is_refused(tmp_path):
+    path = _with_quant_config(tmp_path, {"quant_method": "bitsandbytes", "bits": 4})
+    with pytest.raises(ValueError, match=r"quant_method 'bitsandbytes' is not supported; supported: \['fp8', 'awq'"):
+        make_llm(path)
+
+
+@pytest.mark.parametrize("quant_config, match", [
+    ({"quant_method": "awq", "bits": 4, "group_size": 256, "zero_point": True, "version": "gemm"},
+     r"awq: group_size 256 is not supported; supported: \[32, 64, 128\]"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": -1, "desc_act": False}, "gptq: group_size -1 is not supported"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True}, "desc_act=true"),
+    ({"quant_method": "gptq", "bits": 8, "group_size": 128}, "8-bit weights are not supported"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "version 'gemv' is not supported"),
+    ({"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": [128, 128]}, "needs activation"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": {
+        "targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 16}}}},
+     "compressed-tensors: group_size 16 is not supported"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": {
+        "targets": ["Linear"], "weights": {"num_bits": 8, "type": "int", "strategy": "channel"}}}},
+     "8-bit int weights are not supported"),
+])
+def test_unsupported_configs_are_refused_at_load(tmp_path, quant_config, match):
+    with pytest.raises(ValueError, match=match):
+        make_llm(_with_quant_config(tmp_path, quant_config))
+
+
+def test_group_size_not_dividing_the_layer_is_refused(tmp_path):
+    qc.write_gptq(str(tmp_path), group=32, intermediate_size=224)  # down_proj's K = 224: 7 groups of 32
+    _with_quant_config(tmp_path, {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False})
+    with pytest.raises(ValueError, match=r"gptq: the input size per rank \(224\) is not a multiple of group_size 128"):
+        make_llm(str(tmp_path))
+
+
+def test_missing_scales_are_refused_at_load(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    qc.write_fp8(str(tmp_path), "static")
+    file = os.path.join(str(tmp_path), "model.safetensors")
+    tensors = {k: v for k, v in load_file(file).items() if not k.endswith("layers.1.mlp.down_proj.weight_scale")}
+    save_file(tensors, file)
+    with pytest.raises(ValueError, match=r"lacks weights for: model\.layers\.1\.mlp\.down_proj\.weight_scale"):
+        make_llm(str(tmp_path))
+
+
+def test_quantization_disagreeing_with_checkpoint_and_gptq_without_checkpoint(tmp_path):
+    qc.write_awq(str(tmp_path), group=32)
+    with pytest.raises(ValueError, match="disagrees with the checkpoint"):
+        make_llm(str(tmp_path), quantization="fp8")
+    dense = str(tmp_path / "dense")
+    qc.write_dense(dense)
+    with pytest.raises(ValueError, match="needs a checkpoint quantized with it"):
+        make_llm(dense, quantization="gptq")
+
+
+def test_moe_model_with_quantization_is_refused(tmp_path):
+    import transformers
+
+    cfg = transformers.Qwen3MoeConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
+                                      num_experts_per_tok=2, moe_intermediate_size=32, dtype="float32")
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(str(tmp_path))
+    with pytest.raises(ValueError, match="not supported for mixture-of-experts models yet"):
+        make_llm(str(tmp_path), quantization="fp8")
+
+
+def test_dummy_weights_and_lora_sizes_with_quantization(tmp_path):
+    """load_format="dummy" fills packed and fp8 parameters (the benchmarks' path); the linears
+    report their feature counts (LoRA sizes its slots by them) whatever the weight layout."""
+    qc.write_gptq(str(tmp_path), group=32)
+    llm = make_llm(str(tmp_path), load_format="dummy")
+    ids, lps = engine_greedy(llm)
+    assert all(len(x) == MAX_TOKENS for x in ids) and all(torch.isfinite(torch.tensor(lp)).all() for lp in lps)
+    qkv = model_of(llm).model.layers[0].self_attn.qkv_proj
+    assert (qkv.in_features, qkv.out_features) == (128, 256)
