@@ -1,0 +1,63 @@
+"""Triton block-scaled FP8 GEMM (DeepSeek-V3 / Qwen3-FP8 checkpoints): ``y = (a * a_s) @ (b * b_s)^T``
+with ``a`` fp8 [M, K] quantized per row and ``block_k`` columns (scales ``a_s`` [M, K / bk]) and
+``b`` fp8 [N, K] with one scale per (bn x bk) tile (``b_s`` [ceil(N / bn), K / bk]).
+
+Each K step is one tile of both: an fp8 tensor-core dot accumulated in fp32, times the row's and
+the column block's scales (the scales are constant over the step since BLOCK_K == bk).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _fp8_block_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, stride_am, stride_asm, stride_bn,
+                           stride_bsn, stride_cm, GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    kk = tl.arange(0, BLOCK_K)
+    m_ok = m < M
+    n_ok = n < N
+    a_ptrs = a_ptr + m.to(tl.int64)[:, None] * stride_am + kk[None, :]
+    b_ptrs = b_ptr + n.to(tl.int64)[None, :] * stride_bn + kk[:, None]
+    as_ptrs = as_ptr + m.to(tl.int64) * stride_asm
+    bs_ptrs = bs_ptr + (n // GROUP_N) * stride_bsn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        k_ok = kk < K - kb * BLOCK_K
+        a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+        a_s = tl.load(as_ptrs + kb, mask=m_ok, other=0.0)
+        b_s = tl.load(bs_ptrs + kb, mask=n_ok, other=0.0)
+        acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    tl.store(c_ptr + m.to(tl.int64)[:, None] * stride_cm + n[None, :], acc.to(c_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])
+
+
+def fp8_block_matmul(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+                     block: tuple[int, int], out_dtype: torch.dtype) -> torch.Tensor:
+    """[M, N] in ``out_dtype``; shapes as the module docstring says."""
+    m, k = a.shape
+    n = b.shape[0]
+    block_n, block_k = block
+    if b.shape[1] != k or a_scale.shape != (m, triton.cdiv(k, block_k)) \
+            or b_scale.shape != (triton.cdiv(n, block_n), triton.cdiv(k, block_k)):
+        raise ValueError(f"fp8_block_matmul: a {tuple(a.shape)}, a_scale {tuple(a_scale.shape)}, b {tuple(b.shape)}, "
+                         f"b_scale {tuple(b_scale.shape)}, block {block}")
+    c = torch.empty(m, n, dtype=out_dtype, device=a.device)
+    if m == 0:
+        return c
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    block_n_tile = 64 if m <= 32 else 128
+    grid = (triton.cdiv(n, block_n_tile), triton.cdiv(m, block_m))
+    _fp8_block_gemm_kernel[grid](a, a_scale, b, b_scale, c, m, n, k, a.stride(0), a_scale.stride(0), b.stride(0),
+                                 b_scale.stride(0), stride_cm=c.stride(0), GROUP_N=block_n, BLOCK_M=block_m,
+                                 BLOCK_N=block_n_tile, BLOCK_K=block_k, num_warps=4, num_stages=3)
+    return c

@@ -1,0 +1,89 @@
+"""Triton W4A16 GEMM: ``y = x @ W (+ b)`` with W int4 in pagedllm's canonical layout
+(pagedllm.model.quantization.int4): ``qweight`` int32 [K / 8, N] (8 values along K per word),
+``scales`` [K / G, N], optional ``qzeros`` int32 [K / G, N / 8] (zero point 8 without).
+
+Each K tile is dequantized in registers, ``(q - z) * s`` rounded to the activation dtype (what
+the torch path computes), and fed to a tensor-core dot with fp32 accumulation: the weight is
+read from memory packed, 4.5 bits per value with its group's scale. A K tile never straddles
+two groups (BLOCK_K divides G), so each tile reads one row of scales and zeros.
+
+Two tilings of the one kernel: prefill (many rows: 64 x 128 output tiles), and small-row decode
+(1 to 32 rows: the rows ride in a 16/32-row dot, the grid spreads over N in narrow tiles so a
+batch-1 projection still occupies every SM while it streams the packed weight once).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+SMALL_ROWS = 32  # at most this many rows take the decode tiling
+
+
+@triton.jit
+def _w4a16_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
+                       GROUP: tl.constexpr, HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    kk = tl.arange(0, BLOCK_K)
+    m_ok = m < M
+    n_ok = n < N
+    shifts = ((kk % 8) * 4)[:, None]
+    x_ptrs = x_ptr + m.to(tl.int64)[:, None] * stride_xm + kk[None, :]
+    q_ptrs = qw_ptr + (kk // 8).to(tl.int64)[:, None] * N + n[None, :]
+    if HAS_ZP:
+        z_shift = (n % 8) * 4
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):  # K % BLOCK_K == 0 (BLOCK_K divides GROUP, GROUP divides K)
+        x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
+        q = (tl.load(q_ptrs, mask=n_ok[None, :], other=0) >> shifts) & 0xF
+        g = k0 // GROUP
+        s = tl.load(s_ptr + g * N + n, mask=n_ok, other=0.0).to(tl.float32)
+        if HAS_ZP:
+            z = (tl.load(z_ptr + g * (N // 8) + n // 8, mask=n_ok, other=0) >> z_shift) & 0xF
+        else:
+            z = tl.full((BLOCK_N,), 8, tl.int32)
+        w = ((q - z[None, :]).to(tl.float32) * s[None, :]).to(x_ptr.dtype.element_ty)
+        acc = tl.dot(x, w, acc)
+        x_ptrs += BLOCK_K
+        q_ptrs += (BLOCK_K // 8) * N
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + m.to(tl.int64)[:, None] * stride_ym + n[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])
+
+
+def tiles_for(m: int, n: int, group: int) -> dict:
+    """The tiling of an [m, K] x [K, n] product: small-row (decode) or prefill."""
+    block_k = min(group, 64)
+    if m <= SMALL_ROWS:
+        block_n = 64 if n >= 64 * 256 else 32 if n >= 32 * 128 else 16
+        return dict(BLOCK_M=16 if m <= 16 else 32, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=4)
+    return dict(BLOCK_M=64, BLOCK_N=128 if n >= 128 else 64, BLOCK_K=block_k, num_warps=8, num_stages=3)
+
+
+def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor | None,
+                 group_size: int, bias: torch.Tensor | None = None, **tiles) -> torch.Tensor:
+    """``x`` [M, K] (half precision) times the canonical int4 weight: [M, N] in x's dtype."""
+    m, k = x.shape
+    n = qweight.shape[1]
+    if qweight.shape[0] * 8 != k or k % group_size or n % 8 or scales.shape != (k // group_size, n) \
+            or (qzeros is not None and qzeros.shape != (k // group_size, n // 8)):
+        raise ValueError(f"w4a16_linear: x {tuple(x.shape)}, qweight {tuple(qweight.shape)}, scales "
+                         f"{tuple(scales.shape)}, group {group_size}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y
+    config = {**tiles_for(m, n, group_size), **tiles}
+    if group_size % config["BLOCK_K"]:
+        raise ValueError(f"w4a16_linear: BLOCK_K {config['BLOCK_K']} does not divide group_size {group_size}")
+    grid = (triton.cdiv(n, config["BLOCK_N"]), triton.cdiv(m, config["BLOCK_M"]))
+    _w4a16_gemm_kernel[grid](x, qweight, scales, qzeros if qzeros is not None else qweight,
+                             bias if bias is not None else y, y, m, n, k, x.stride(0), y.stride(0),
+                             GROUP=group_size, HAS_ZP=qzeros is not None, HAS_BIAS=bias is not None, **config)
+    return y
