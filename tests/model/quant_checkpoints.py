@@ -167,6 +167,12 @@ def fake_quant_per_token(x: torch.Tensor) -> torch.Tensor:
     return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).float() * scale
 
 
+def fake_quant_per_token_slices(x: torch.Tensor, parts: int) -> torch.Tensor:
+    """Per-token scales over each of ``parts`` equal slices of the features: what a row-parallel
+    layer's ranks compute under tensor parallelism (each quantizes the slice it holds)."""
+    return torch.cat([fake_quant_per_token(p) for p in x.chunk(parts, dim=-1)], dim=-1)
+
+
 def fake_quant_static(x: torch.Tensor, scale: float) -> torch.Tensor:
     return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).float() * scale
 
@@ -233,9 +239,10 @@ def write_fp8_block(out_dir: str, block: int = 32, **kw):
     return model
 
 
-def write_ct_fp8(out_dir: str, strategy: str = "channel", dynamic: bool = True, **kw):
+def write_ct_fp8(out_dir: str, strategy: str = "channel", dynamic: bool = True, tp: int = 1, **kw):
     """float-quantized W8A8 by compressed-tensors' own qparams and compressor (activations dynamic
-    per token, or a static per-tensor scale)."""
+    per token, or a static per-tensor scale). ``tp``: the reference's row-parallel projections
+    take their per-token scales per rank's slice, as the engine's ranks do."""
     from compressed_tensors.compressors import FloatQuantizationCompressor
     from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
     from compressed_tensors.quantization.utils import calculate_qparams
@@ -260,6 +267,8 @@ def write_ct_fp8(out_dir: str, strategy: str = "channel", dynamic: bool = True, 
         if not dynamic:
             tensors[name + ".input_scale"] = torch.tensor([0.03])
             hooks[name] = lambda x: fake_quant_static(x, 0.03)
+        elif tp > 1 and name.endswith(("o_proj", "down_proj")):
+            hooks[name] = lambda x: fake_quant_per_token_slices(x, tp)
         else:
             hooks[name] = fake_quant_per_token
     add_input_hooks(model, hooks)

@@ -5,11 +5,12 @@ from hand-written golden words; the loaded layers still packed int32 / fp8; bad 
 
 Tolerances (fp32 engine vs fp32 reference, teacher-forced along the engine's tokens): W4A16,
 where both compute the same dequantized weights, logprobs within 1e-4 (summation order only)
-and every greedy token the reference's. W8A8 within 2e-2: the fake-quantized activations are
-discontinuous in their input, and where engine and reference differ in the last bits before a
-projection (attention's summation order) one value may round to the neighbouring fp8 number
-(3 mantissa bits: a 6-12% step), which in these random models moves a logprob by up to ~1e-2;
-every greedy token is the reference's best or within that bound of it.
+and every greedy token the reference's. W8A8 within 5e-2 per token and 5e-3 on average: the
+fake-quantized activations are discontinuous in their input, and where engine and reference
+differ in the last bits before a projection (attention's summation order, a TP all-reduce) one
+value may round to the neighbouring fp8 number (3 mantissa bits: a 6-12% step), which in these
+random models moves a logprob by up to ~2e-2; most tokens agree to 1e-5, and every greedy token
+is the reference's best or within the bound of it.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from tests.model import quant_checkpoints as qc
 
 PROMPTS = [[5, 17, 99, 3, 250], [7] * 3 + list(range(20, 60)), [400, 401, 3, 9, 12, 77, 300, 8, 9, 10, 11]]
 MAX_TOKENS = 8
-W4A16_TOL, W8A8_TOL = 1e-4, 2e-2
+W4A16_TOL, W8A8_TOL, W8A8_MEAN_TOL = 1e-4, 5e-2, 5e-3
 
 
 def make_llm(path: str, **kwargs) -> LLM:
@@ -55,15 +56,19 @@ def reference_logprobs(model, ids: list[list[int]]) -> tuple[list[list[float]], 
 
 
 def check_against_reference(llm: LLM, reference, tol: float, exact_greedy: bool) -> None:
-    """Each engine token's logprob within ``tol`` of the reference's, and each the reference's
-    greedy choice (within ``tol`` of its best, where an fp8 rounding flip may decide a near
-    tie; ``exact_greedy``: exactly its best)."""
+    """Each engine token's logprob within ``tol`` of the reference's and the reference's greedy
+    choice (``exact_greedy``); without it (W8A8), each within ``tol`` of the reference's and of its
+    best (an fp8 rounding flip may decide a near tie), and on average within W8A8_MEAN_TOL."""
     ids, lps = engine_greedy(llm)
     chosen, best = reference_logprobs(reference, ids)
+    diffs = []
     for got, want, top in zip(lps, chosen, best):
         assert got == pytest.approx(want, abs=tol)
+        diffs += [abs(a - b) for a, b in zip(got, want)]
         for c, b in zip(want, top):
             assert c == b if exact_greedy else c >= b - tol
+    if not exact_greedy:
+        assert sum(diffs) / len(diffs) <= W8A8_MEAN_TOL
 
 
 def model_of(llm: LLM):

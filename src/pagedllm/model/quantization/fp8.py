@@ -7,6 +7,9 @@ W8A8: activations are quantized too (dynamic per token, static per tensor, or pe
 accumulation: ``torch._scaled_mm`` on GPUs that have it (sm89+), a Triton block-scaled GEMM
 for block-wise scales. Elsewhere (the CPU included) the weights stay fp8 in memory and each
 matmul computes the same products in float32 from the fp8 values and their scales.
+
+Under tensor parallelism a row-parallel layer's dynamic per-token scales are each rank's, over
+the slice of the features it holds (no extra collective; vLLM does the same).
 """
 from __future__ import annotations
 
