@@ -1,4 +1,6 @@
-"""Triton block-scaled FP8 GEMM (DeepSeek-V3 / Qwen3-FP8 checkpoints): ``y = (a * a_s) @ (b * b_s)^T``
+"""Triton FP8 kernels: activation quantization (per token, per token and K group, or by a static
+scale: one launch where torch takes five), and the block-scaled FP8 GEMM (DeepSeek-V3 /
+Qwen3-FP8 checkpoints): ``y = (a * a_s) @ (b * b_s)^T``
 with ``a`` fp8 [M, K] quantized per row and ``block_k`` columns (scales ``a_s`` [M, K / bk]) and
 ``b`` fp8 [N, K] with one scale per (bn x bk) tile (``b_s`` [ceil(N / bn), K / bk]).
 
@@ -10,6 +12,47 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+FP8_MAX = 448.0
+MIN_SCALE = 1.0 / (448.0 * 512.0)  # as pagedllm.model.quantization.fp8: an all-zero row divides by this
+
+
+@triton.jit
+def _quant_fp8_kernel(x_ptr, q_ptr, s_ptr, static_s_ptr, K, stride_xm, n_groups, GROUP: tl.constexpr,
+                      STATIC: tl.constexpr, BLOCK: tl.constexpr):
+    """One (row, K group): absmax / 448 as the scale (or the static one), x / scale in fp8."""
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    offs = g * GROUP + tl.arange(0, BLOCK)
+    mask = (tl.arange(0, BLOCK) < GROUP) & (offs < K)
+    x = tl.load(x_ptr + row * stride_xm + offs, mask=mask, other=0.0).to(tl.float32)
+    if STATIC:
+        scale = tl.load(static_s_ptr).to(tl.float32)
+    else:
+        scale = tl.maximum(tl.max(tl.abs(x), axis=0) / FP8_MAX, MIN_SCALE)
+        tl.store(s_ptr + row * n_groups + g, scale)
+    q = tl.minimum(tl.maximum(x / scale, -FP8_MAX), FP8_MAX)
+    tl.store(q_ptr + row * K + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+
+
+def quantize_fp8(x: torch.Tensor, group: int | None = None, static_scale: torch.Tensor | None = None,
+                 fp8_dtype: torch.dtype = torch.float8_e4m3fn) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` [M, K] -> (fp8 [M, K], float32 scales): per token ([M, 1]) without ``group``, per
+    token and ``group`` columns ([M, K / group]) with it; ``static_scale``: that one value
+    (returned as [M, 1])."""
+    m, k = x.shape
+    group = group or k
+    n_groups = triton.cdiv(k, group)
+    q = torch.empty(m, k, dtype=fp8_dtype, device=x.device)
+    if static_scale is not None:
+        scales = static_scale.reshape(1, 1).expand(m, 1)
+    else:
+        scales = torch.empty(m, n_groups, dtype=torch.float32, device=x.device)
+    if m:
+        _quant_fp8_kernel[(m, n_groups)](x, q, scales, static_scale if static_scale is not None else scales, k,
+                                         x.stride(0), n_groups, GROUP=group, STATIC=static_scale is not None,
+                                         BLOCK=triton.next_power_of_2(group), num_warps=4 if group <= 1024 else 8)
+    return q, scales
 
 
 @triton.jit

@@ -13,6 +13,8 @@ the slice of the features it holds (no extra collective; vLLM does the same).
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -63,11 +65,41 @@ def block_scales_to_elements(scale: torch.Tensor, n: int, k: int, block_n: int, 
 
 # ---- the matmuls ---------------------------------------------------------------------------
 
+@functools.lru_cache(maxsize=None)
+def _has_fp8_tensor_cores(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) >= (8, 9)
+
+
+def _fp8_mma(x: torch.Tensor) -> bool:
+    return x.is_cuda and _has_fp8_tensor_cores(x.device.index if x.device.index is not None
+                                               else torch.cuda.current_device())
+
+
 def _scaled_mm_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    if not x.is_cuda or x.dtype != torch.bfloat16 or not hasattr(torch, "_scaled_mm"):
+    if x.dtype not in (torch.bfloat16, torch.float16) or not hasattr(torch, "_scaled_mm") or not _fp8_mma(x):
         return False
     n, k = weight.shape
-    return n % 16 == 0 and k % 16 == 0 and torch.cuda.get_device_capability(x.device) >= (8, 9)
+    return n % 16 == 0 and k % 16 == 0
+
+
+def _triton_ok(x: torch.Tensor) -> bool:
+    from pagedllm.ops import triton_ops_for
+
+    return x.is_cuda and triton_ops_for(x) is not None
+
+
+def quantize_activations(x: torch.Tensor, act_scheme: str, input_scale: torch.Tensor | None = None,
+                         group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp8 x, float32 scales [M, 1] or [M, K / group]); one Triton launch on CUDA."""
+    if _triton_ok(x):
+        from pagedllm.ops.triton_fp8 import quantize_fp8
+
+        return quantize_fp8(x, group, input_scale if act_scheme == "static" else None)
+    if act_scheme == "static":
+        return quantize_static(x, input_scale), input_scale.reshape(1, 1).expand(x.shape[0], 1)
+    if group is not None:
+        return quantize_per_token_group(x, group)
+    return quantize_per_token(x)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
@@ -76,19 +108,20 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     ``act_scheme`` "dynamic": per-token activation scales; "static": ``input_scale`` (one value);
     None: weight-only (the activations stay in their dtype)."""
     if act_scheme is None:
-        w = (weight.float() * weight_scale[:, None]).to(x.dtype)
+        w = (weight.to(x.dtype) * weight_scale[:, None].to(x.dtype)) if x.is_cuda else \
+            (weight.float() * weight_scale[:, None]).to(x.dtype)
         return F.linear(x, w, bias)
-    if act_scheme == "static":
-        xq = quantize_static(x, input_scale)
-        x_scale = input_scale.reshape(1, 1).expand(x.shape[0], 1)
-    else:
-        xq, x_scale = quantize_per_token(x)
+    xq, x_scale = quantize_activations(x, act_scheme, input_scale)
     if _scaled_mm_ok(x, weight):
+        # Row-wise scaled fp8 GEMM (fp32 accumulation, both scales applied in its epilogue); the
+        # row-wise variant writes bfloat16.
         y = torch._scaled_mm(xq, weight.t(), scale_a=x_scale.contiguous(), scale_b=weight_scale.view(1, -1),
-                             out_dtype=x.dtype)
-        return y if bias is None else y + bias
-    y = (xq.float() @ weight.float().t()) * (x_scale * weight_scale.view(1, -1))
-    y = y.to(x.dtype)
+                             out_dtype=torch.bfloat16)
+        y = y.to(x.dtype)
+    elif x.is_cuda:  # no fp8 tensor cores: the same products from dequantized operands
+        y = F.linear(xq.to(x.dtype) * x_scale.to(x.dtype), weight.to(x.dtype) * weight_scale[:, None].to(x.dtype))
+    else:
+        y = ((xq.float() @ weight.float().t()) * (x_scale * weight_scale.view(1, -1))).to(x.dtype)
     return y if bias is None else y + bias
 
 
@@ -97,16 +130,17 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
     """Block-wise fp8: ``weight`` [N, K] with one float32 scale per ``block`` (bn x bk) tile,
     activations quantized per token and bk-column group."""
     block_n, block_k = block
-    xq, x_scale = quantize_per_token_group(x, block_k)
-    if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
+    xq, x_scale = quantize_activations(x, "dynamic", group=block_k)
+    if _triton_ok(x) and x.dtype in (torch.bfloat16, torch.float16) and _fp8_mma(x):
         from pagedllm.ops.triton_fp8 import fp8_block_matmul
 
         y = fp8_block_matmul(xq, x_scale, weight, weight_scale, block, x.dtype)
     else:
         m, k = x.shape
         n = weight.shape[0]
-        x_dq = (xq.float().view(m, k // block_k, block_k) * x_scale[..., None]).view(m, k)
-        w_dq = weight.float() * block_scales_to_elements(weight_scale, n, k, block_n, block_k)
+        dtype = x.dtype if x.is_cuda else torch.float32
+        x_dq = (xq.to(dtype).view(m, k // block_k, block_k) * x_scale[..., None].to(dtype)).view(m, k)
+        w_dq = weight.to(dtype) * block_scales_to_elements(weight_scale, n, k, block_n, block_k).to(dtype)
         y = (x_dq @ w_dq.t()).to(x.dtype)
     return y if bias is None else y + bias
 
