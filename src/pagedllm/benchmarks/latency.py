@@ -23,7 +23,9 @@ import random
 import statistics
 import time
 
-from pagedllm.benchmarks.common import SHAPES, emit, int_list, parse_engine_args, print_table, weight_bytes, write_shape
+from pagedllm.benchmarks.common import (
+    QUANTIZATIONS, SHAPES, emit, int_list, parse_engine_args, print_table, quantization_setup, weight_bytes, write_shape,
+)
 
 
 def copy_bandwidth_bytes_per_s(device: str, nbytes: int, repeats: int = 20) -> float:
@@ -81,6 +83,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--copy-mib", type=int, default=1024, help="size of the tensor copied to measure bandwidth")
     p.add_argument("--engine-args", default="", help="extra EngineArgs as k=v,k=v")
+    p.add_argument("--quantization", default=None, choices=sorted(QUANTIZATIONS),
+                   help="quantized weights: a dummy shape gets that format's quantization_config ('fp8': the "
+                        "engine quantizes the 16-bit weights at load); the roofline counts packed weights and scales")
     args = p.parse_args(argv)
     if args.output_len < 2:
         raise ValueError(f"--output-len must be >= 2 (decode steps follow the first token), got {args.output_len}")
@@ -91,7 +96,11 @@ def main(argv: list[str] | None = None) -> None:
 
     from pagedllm import LLM, SamplingParams, TokensPrompt
 
-    model = args.model or write_shape(args.shape)
+    shape_overrides, quantization = quantization_setup(args.quantization)
+    if args.model and shape_overrides:
+        raise ValueError(f"--quantization {args.quantization!r} describes a dummy shape's weights; a real --model "
+                         "carries its own quantization_config")
+    model = args.model or write_shape(args.shape, **shape_overrides)
     with open(os.path.join(model, "config.json")) as f:
         config = json.load(f)
     extra = parse_engine_args(args.engine_args)
@@ -103,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     bandwidth = copy_bandwidth_bytes_per_s(device, args.copy_mib << 20)
 
     llm = LLM(model, load_format="auto" if args.model else "dummy", dtype=dtype, skip_tokenizer_init=not args.model,
-              enforce_eager=args.enforce_eager, max_model_len=args.max_model_len, **extra)
+              enforce_eager=args.enforce_eager, max_model_len=args.max_model_len, quantization=quantization, **extra)
     rng = random.Random(0)
     results = []
     for batch in args.batch_sizes:
@@ -117,12 +126,14 @@ def main(argv: list[str] | None = None) -> None:
         total_s = _time_generate(llm, prompts, full, args.num_iters)
         step_ms = (total_s - ttft_s) * 1e3 / (args.output_len - 1)
         result = {"benchmark": "latency", "engine": "pagedllm", "shape": args.model or args.shape, "dtype": dtype,
+                  "quantization": args.quantization,
                   "enforce_eager": args.enforce_eager, "batch_size": batch, "input_len": args.input_len,
                   "output_len": args.output_len, "num_iters": args.num_iters, "ttft_ms": round(ttft_s * 1e3, 2),
                   "e2e_s": round(total_s, 4), "ms_per_step": round(step_ms, 3),
                   "decode_tok_s": round(batch * 1e3 / step_ms, 1)}
         if batch == 1:
-            wbytes = weight_bytes(config, itemsize, active_only=True)  # MoE: one token reads its top-k experts
+            # MoE: one token reads its top-k experts; quantized projections: packed weights, scales, zeros.
+            wbytes = weight_bytes(config, itemsize, active_only=True, quantization=quantization)
             roofline_ms = wbytes / bandwidth * 1e3
             result.update(weight_bytes=wbytes, copy_bandwidth_gb_s=round(bandwidth / 1e9, 1),
                           roofline_ms=round(roofline_ms, 3), roofline_fraction=round(roofline_ms / step_ms, 3))

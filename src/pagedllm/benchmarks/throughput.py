@@ -10,7 +10,7 @@ import argparse
 import random
 import time
 
-from pagedllm.benchmarks.common import SHAPES, emit, parse_engine_args, write_shape
+from pagedllm.benchmarks.common import QUANTIZATIONS, SHAPES, emit, parse_engine_args, quantization_setup, write_shape
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -23,6 +23,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--engine-args", default="", help="extra EngineArgs as k=v,k=v (ints parsed)")
+    p.add_argument("--quantization", default=None, choices=sorted(QUANTIZATIONS),
+                   help="quantized weights: a dummy shape gets that format's quantization_config ('fp8': the "
+                        "engine quantizes the 16-bit weights at load)")
     args = p.parse_args(argv)
 
     from pagedllm import LLM, SamplingParams, TokensPrompt
@@ -34,9 +37,14 @@ def main(argv: list[str] | None = None) -> None:
     max_tokens = [random.randint(lo_out, args.max_output_len) for _ in range(args.num_prompts)]
 
     extra = parse_engine_args(args.engine_args)
-    model = args.model or write_shape(args.shape)
+    shape_overrides, quantization = quantization_setup(args.quantization)
+    if args.model and shape_overrides:
+        raise ValueError(f"--quantization {args.quantization!r} describes a dummy shape's weights; a real --model "
+                         "carries its own quantization_config")
+    model = args.model or write_shape(args.shape, **shape_overrides)
     llm = LLM(model, load_format="auto" if args.model else "dummy", dtype=args.dtype,
-              skip_tokenizer_init=not args.model, max_model_len=args.max_model_len, **extra)
+              skip_tokenizer_init=not args.model, max_model_len=args.max_model_len, quantization=quantization,
+              **extra)
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m, detokenize=False) for m in max_tokens]
     llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3])], SamplingParams(max_tokens=4, detokenize=False),
                  use_tqdm=False)
@@ -46,6 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     in_tokens = sum(len(p) for p in prompts)
     emit({"benchmark": "throughput", "engine": "pagedllm", "shape": args.model or args.shape,
+          "quantization": args.quantization,
           "num_prompts": args.num_prompts, "elapsed_s": round(elapsed, 2), "output_tokens": out_tokens,
           "output_tok_s": round(out_tokens / elapsed, 1), "total_tok_s": round((in_tokens + out_tokens) / elapsed, 1)})
 

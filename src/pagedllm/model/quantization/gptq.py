@@ -22,7 +22,10 @@ class GPTQLinearMethod(Int4LinearMethod):
         self._check_sizes(layer)
         g = self.group_size
         quant_param(layer, [("in", PACK), ("out", 1)], torch.int32, name="qweight")
-        quant_param(layer, [("in", g), ("out", PACK)], torch.int32, name="qzeros")
+        # Dummy weights of a symmetric checkpoint: every zero point 8, stored as the format stores it.
+        sym_word = (0x77777777 if self.zero_offset else 0x88888888 - 2**32) if self.symmetric else None
+        quant_param(layer, [("in", g), ("out", PACK)], torch.int32, name="qzeros",
+                    dummy=fill_const(sym_word) if sym_word is not None else None)
         quant_param(layer, [("in", g), ("out", 1)], torch.get_default_dtype(), dummy=fill_const(0.004), name="scales")
         g_idx = quant_param(layer, [("in", 1)], torch.int32, optional=True,
                             dummy=lambda t, gen: t.copy_(torch.arange(t.numel(), device=t.device) // g), name="g_idx")

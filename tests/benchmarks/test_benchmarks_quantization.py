@@ -1,0 +1,50 @@
+"""The benchmarks' --quantization (issue 17): a dummy shape carries each format's
+quantization_config (or the engine quantizes it at load), and the roofline's weight bytes equal
+the bytes of the parameters the engine holds after loading (packed weights, scales, zero points;
+16/32-bit embeddings, norms and LM head)."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from pagedllm import LLM
+from pagedllm.benchmarks import common, latency, throughput
+from tests.conftest import TEST_KV_BYTES
+
+KV = f"kv_cache_memory_bytes={TEST_KV_BYTES}"
+
+
+@pytest.mark.parametrize("quantization", [None] + sorted(common.QUANTIZATIONS))
+def test_weight_bytes_equal_the_loaded_quantized_parameters(quantization):
+    overrides, engine_quantization = common.quantization_setup(quantization)
+    if quantization == "fp8-block":  # tiny-llama's projections are not all multiples of 128: blocks of 64
+        overrides = {"quantization_config": {**overrides["quantization_config"], "weight_block_size": [64, 64]}}
+    path = common.write_shape("tiny-llama", **overrides)
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    llm = LLM(path, load_format="dummy", dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=16 << 20,
+              quantization=engine_quantization)
+    model = llm.llm_engine.engine_core.executor.worker.model_runner.model
+    params = {id(p): p for p in model.parameters()}.values()
+    held = sum(p.numel() * p.element_size() for p in params)
+    assert common.weight_bytes(config, itemsize=4, quantization=engine_quantization) == held
+    if quantization is not None:  # fewer bytes than the dense shape (the fp32 embeddings dominate this one)
+        dense = {k: v for k, v in config.items() if k != "quantization_config"}
+        assert held < common.weight_bytes(dense, itemsize=4) - 2_000_000
+
+
+def test_latency_and_throughput_take_quantization(capsys):
+    latency.main(["--shape", "tiny-llama", "--batch-sizes", "1", "--input-len", "8", "--output-len", "3",
+                  "--num-iters", "1", "--num-iters-warmup", "0", "--dtype", "float32", "--copy-mib", "8",
+                  "--quantization", "gptq", "--engine-args", KV])
+    throughput.main(["--shape", "tiny-llama", "--num-prompts", "2", "--max-input-len", "8", "--max-output-len", "3",
+                     "--dtype", "float32", "--quantization", "fp8", "--engine-args", KV])
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    lat, thr = rows
+    assert lat["quantization"] == "gptq" and lat["weight_bytes"] == common.weight_bytes(
+        {**common.SHAPES["tiny-llama"], "quantization_config": common.QUANTIZATIONS["gptq"]}, 4)
+    assert thr["quantization"] == "fp8" and thr["output_tokens"] == 2 * 3
+    with pytest.raises(SystemExit):
+        latency.main(["--quantization", "int3"])
