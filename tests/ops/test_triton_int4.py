@@ -58,3 +58,20 @@ def test_tilings_and_refusals(triton_int4):
     qweight, scales, qzeros = _weights(16, 64, 32, True, torch.bfloat16, 0)
     with pytest.raises(ValueError, match="w4a16_linear"):
         triton_int4.w4a16_linear(torch.zeros(2, 72, dtype=torch.bfloat16, device=DEVICE), qweight, scales, qzeros, 32)
+
+
+@pytest.mark.parametrize("k, n, group, zp", [(96, 40, 32, True), (256, 136, 128, False), (192, 200, 64, True)])
+def test_dequantize_kernel_equals_torch_dequantize(triton_int4, k, n, group, zp):
+    qweight, scales, qzeros = _weights(n, k, group, zp, torch.bfloat16, seed=k + n)
+    w = triton_int4.w4a16_dequantize(qweight, scales, qzeros, group, torch.bfloat16)
+    assert torch.equal(w, dequantize(qweight, scales, qzeros, group, k, torch.bfloat16))
+
+
+def test_large_prefill_takes_the_dequantize_path(triton_int4, monkeypatch):
+    monkeypatch.setattr(triton_int4, "DEQUANT_ROWS", 40)
+    qweight, scales, qzeros = _weights(48, 64, 32, True, torch.bfloat16, seed=1)
+    x = torch.randn(40, 64).to(DEVICE, torch.bfloat16)
+    b = torch.randn(48).to(DEVICE, torch.bfloat16)
+    y = triton_int4.w4a16_linear(x, qweight, scales, qzeros, 32, b)
+    exact = x.double() @ dequantize(qweight, scales, qzeros, 32, 64, torch.bfloat16).double() + b.double()
+    assert _rel(y, exact) < TOL[torch.bfloat16]

@@ -9,7 +9,8 @@ two groups (BLOCK_K divides G), so each tile reads one row of scales and zeros.
 
 Two tilings of the one kernel: prefill (many rows: 64 x 128 output tiles), and small-row decode
 (1 to 32 rows: the rows ride in a 16/32-row dot, the grid spreads over N in narrow tiles so a
-batch-1 projection still occupies every SM while it streams the packed weight once).
+batch-1 projection still occupies every SM while it streams the packed weight once). Large
+prefills dequantize the weight once (a second kernel) and hand the product to cuBLAS.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import triton
 import triton.language as tl
 
 SMALL_ROWS = 32  # at most this many rows take the decode tiling
+DEQUANT_ROWS = 1024  # from this many rows on: dequantize once, then cuBLAS
 
 
 @triton.jit
@@ -56,6 +58,36 @@ def _w4a16_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, strid
              mask=m_ok[:, None] & n_ok[None, :])
 
 
+@triton.jit
+def _w4a16_dequant_kernel(qw_ptr, s_ptr, z_ptr, w_ptr, N, K, GROUP: tl.constexpr, HAS_ZP: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One [BLOCK_K, BLOCK_N] tile of the dequantized [K, N] weight, rounded as the GEMM rounds it."""
+    k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = (k < K)[:, None] & (n < N)[None, :]
+    q = (tl.load(qw_ptr + (k // 8).to(tl.int64)[:, None] * N + n[None, :], mask=ok, other=0)
+         >> ((k % 8) * 4)[:, None]) & 0xF
+    g = (k // GROUP).to(tl.int64)[:, None]
+    s = tl.load(s_ptr + g * N + n[None, :], mask=ok, other=0.0).to(tl.float32)
+    if HAS_ZP:
+        z = (tl.load(z_ptr + g * (N // 8) + (n // 8)[None, :], mask=ok, other=0) >> ((n % 8) * 4)[None, :]) & 0xF
+    else:
+        z = 8
+    w = ((q - z).to(tl.float32) * s).to(w_ptr.dtype.element_ty)
+    tl.store(w_ptr + k.to(tl.int64)[:, None] * N + n[None, :], w, mask=ok)
+
+
+def w4a16_dequantize(qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor | None, group_size: int,
+                     dtype: torch.dtype) -> torch.Tensor:
+    """The [K, N] weight in ``dtype`` (one pass over the packed weight)."""
+    k, n = qweight.shape[0] * 8, qweight.shape[1]
+    w = torch.empty(k, n, dtype=dtype, device=qweight.device)
+    grid = (triton.cdiv(n, 128), triton.cdiv(k, 32))
+    _w4a16_dequant_kernel[grid](qweight, scales, qzeros if qzeros is not None else qweight, w, n, k,
+                                GROUP=group_size, HAS_ZP=qzeros is not None, BLOCK_N=128, BLOCK_K=32, num_warps=4)
+    return w
+
+
 def tiles_for(m: int, n: int, group: int) -> dict:
     """The tiling of an [m, K] x [K, n] product: small-row (decode) or prefill."""
     block_k = min(group, 64)
@@ -67,7 +99,9 @@ def tiles_for(m: int, n: int, group: int) -> dict:
 
 def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor | None,
                  group_size: int, bias: torch.Tensor | None = None, **tiles) -> torch.Tensor:
-    """``x`` [M, K] (half precision) times the canonical int4 weight: [M, N] in x's dtype."""
+    """``x`` [M, K] (half precision) times the canonical int4 weight: [M, N] in x's dtype. From
+    ``DEQUANT_ROWS`` rows on, the weight is dequantized once and multiplied by cuBLAS: a large
+    prefill is bound by the math, and reading the packed weight once more costs a few percent."""
     m, k = x.shape
     n = qweight.shape[1]
     if qweight.shape[0] * 8 != k or k % group_size or n % 8 or scales.shape != (k // group_size, n) \
@@ -76,6 +110,10 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, q
                          f"{tuple(scales.shape)}, group {group_size}")
     if x.stride(-1) != 1:
         x = x.contiguous()
+    if m >= DEQUANT_ROWS and not tiles:
+        w = w4a16_dequantize(qweight, scales, qzeros, group_size, x.dtype)
+        y = x @ w
+        return y if bias is None else y + bias
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return y
