@@ -308,3 +308,54 @@ def test_dummy_weights_and_lora_sizes_with_quantization(tmp_path):
     assert all(len(x) == MAX_TOKENS for x in ids) and all(torch.isfinite(torch.tensor(lp)).all() for lp in lps)
     qkv = model_of(llm).model.layers[0].self_attn.qkv_proj
     assert (qkv.in_features, qkv.out_features) == (128, 256)
+
+
+# ---- composing with LoRA, sleep mode, weight updates, the CLI --------------------------------
+
+def test_lora_adapter_on_a_gptq_base_matches_peft_on_the_dequantized_model(tmp_path):
+    """LoRA deltas add to the quantized projections' outputs: an adapter over a GPTQ model gives
+    peft's logprobs on the dequantized fp32 model."""
+    from peft import LoraConfig, get_peft_model
+
+    from pagedllm.lora.request import LoRARequest
+
+    reference = qc.write_gptq(str(tmp_path / "model"), group=32)
+    torch.manual_seed(0)
+    cfg = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"], lora_dropout=0.0,
+                     init_lora_weights=False)
+    peft_model = get_peft_model(reference, cfg)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.mul_(4.0)
+    peft_model.save_pretrained(str(tmp_path / "adapter"))
+    llm = make_llm(str(tmp_path / "model"), enable_lora=True, max_lora_rank=8)
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0, detokenize=False)
+    lora = LoRARequest("a", 1, str(tmp_path / "adapter"))
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], sp, use_tqdm=False, lora_request=lora)
+    ids = [list(o.outputs[0].token_ids) for o in outs]
+    chosen, best = reference_logprobs(peft_model.eval(), ids)
+    for o, want, top in zip(outs, chosen, best):
+        got = [step[t].logprob for t, step in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
+        assert got == pytest.approx(want, abs=W4A16_TOL) and want == top
+    base_ids, _ = engine_greedy(llm)
+    assert base_ids != ids  # the adapter changed the outputs
+
+
+def test_sleep_keeps_quantized_weights_and_updates_are_refused(tmp_path):
+    reference = qc.write_awq(str(tmp_path), group=32)
+    llm = make_llm(str(tmp_path), enable_sleep_mode=True)
+    before = engine_greedy(llm)
+    llm.sleep(level=1)
+    llm.wake_up()
+    assert engine_greedy(llm) == before
+    check_against_reference(llm, reference, W4A16_TOL, exact_greedy=True)
+    with pytest.raises(ValueError, match="not supported with quantization='awq'"):
+        llm.update_weights(reference.state_dict().items())
+
+
+def test_cli_takes_quantization():
+    from pagedllm.entrypoints.cli import engine_args_from, make_parser
+
+    ns = make_parser().parse_args(["serve", "some/model", "--quantization", "fp8"])
+    assert engine_args_from(ns).quantization == "fp8"
