@@ -3,8 +3,9 @@ CPU suite pins to fp32 references. Skipped without CUDA.
 
 - the fp8 activation-quantization kernel equals the torch quantizers bit for bit (Triton's
   interpreter rounds float32 -> fp8 wrongly, so this cannot run on CPU);
-- ``torch._scaled_mm`` (row-wise, sm89+) and the Triton block-scaled GEMM equal the float32
-  products of the same fp8 operands (‖Δ‖/‖ref‖ < 1e-2 in bfloat16);
+- ``torch._scaled_mm`` (row-wise, sm89+), the Triton small-row fp8 kernel and the Triton
+  block-scaled GEMM equal the float32 products of the same fp8 operands (‖Δ‖/‖ref‖ < 1e-2 in
+  bfloat16);
 - the W4A16 kernel at llama3-8b projection shapes, rows 1..32 and prefill;
 - every checkpoint format end to end in bfloat16 with CUDA graphs: each prompt's first greedy
   token equals the fp32 CPU engine's, logprobs within 0.1 (bfloat16 activations).
@@ -51,7 +52,11 @@ def test_activation_quant_kernel_equals_torch(m, k):
 @pytest.mark.skipif(not FP8_MMA, reason="needs fp8 tensor cores (sm89+)")
 @pytest.mark.parametrize("m", [1, 16, 33, 512])
 @pytest.mark.parametrize("act", ["dynamic", "static"])
-def test_scaled_mm_path_equals_float32_products(m, act):
+@pytest.mark.parametrize("small_m_rows", [0, 16])  # 0: _scaled_mm for every batch; 16: the small-row kernel to 16
+def test_scaled_mm_and_small_row_paths_equal_float32_products(m, act, small_m_rows, monkeypatch):
+    from pagedllm.model.quantization import fp8
+
+    monkeypatch.setattr(fp8, "SMALL_M_ROWS", small_m_rows)
     n, k = 4096, 4096
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     w = (torch.randn(n, k, device="cuda") * 100).clamp(-448, 448).to(FP8_DTYPE)

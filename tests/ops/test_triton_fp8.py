@@ -53,3 +53,22 @@ def test_fp8_block_linear_torch_path_equals_kernel_inputs():
     xq, xs = quantize_per_token_group(x, 64)
     ref = (xq.float() * xs.repeat_interleave(64, 1)) @ (wq.float() * block_scales_to_elements(w_scale, 64, 128, 32, 64)).t()
     assert torch.allclose(y, ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("m, n, k, bias", [(1, 96, 256, False), (5, 200, 320, True), (16, 64, 512, False),
+                                           (29, 80, 200, True)])
+def test_fp8_small_m_kernel_matches_float32_products(triton_fp8, m, n, k, bias):
+    """The decode kernel: per-row activation and per-channel weight scales, K not a multiple of
+    the 256-wide tile, bias in bfloat16."""
+    from pagedllm.model.quantization.fp8 import quantize_per_token
+
+    g = torch.Generator().manual_seed(m * 3 + n)
+    x = torch.randn(m, k, generator=g)
+    xq, xs = quantize_per_token(x)
+    wq = torch.randn(n, k, generator=g).mul(100).clamp(-448, 448).to(FP8_DTYPE)
+    ws = torch.rand(n, generator=g) * 0.001 + 1e-4
+    b = torch.randn(n, generator=g).to(torch.bfloat16) if bias else None
+    y = triton_fp8.fp8_small_m_linear(xq.to(DEVICE), xs.to(DEVICE), wq.to(DEVICE), ws.to(DEVICE),
+                                      None if b is None else b.to(DEVICE), torch.bfloat16)
+    ref = (xq.double() * xs.double()) @ (wq.double() * ws.double()[:, None]).t() + (b.double() if bias else 0)
+    assert y.shape == (m, n) and _rel(y.cpu(), ref) < 1e-2

@@ -342,11 +342,12 @@ class EngineArgs:
 
     def _quantization(self, resolved: Any) -> str | None:
         """The weight quantization the model runs; what cannot compose with it is refused here."""
-        from pagedllm.model.quantization import resolve_quantization
+        from pagedllm.model.quantization import get_quantization_config, resolve_quantization
 
         method = resolve_quantization(resolved.hf_config, self.quantization)
         if method is None:
             return None
+        get_quantization_config(method, resolved.hf_config)  # a config we cannot run fails here, not in a worker
         if resolved.gguf_file is not None or self.load_format == "gguf":
             raise ValueError(f"quantization={method!r} cannot be combined with GGUF weights (GGUF tensors are "
                              "dequantized to the model dtype at load)")

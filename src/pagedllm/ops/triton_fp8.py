@@ -104,3 +104,54 @@ def fp8_block_matmul(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_
                                  b_scale.stride(0), stride_cm=c.stride(0), GROUP_N=block_n, BLOCK_M=block_m,
                                  BLOCK_N=block_n_tile, BLOCK_K=block_k, num_warps=4, num_stages=3)
     return c
+
+
+@triton.jit(do_not_specialize=["M"])
+def _fp8_small_m_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                        HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr):
+    """W8A8 for a handful of rows: every program owns BLOCK_N output features for all rows and
+    walks K once (the rows ride in the dot's 16/32-wide side), scales applied once at the end."""
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = tl.arange(0, BLOCK_M)
+    kk = tl.arange(0, BLOCK_K)
+    n_ok = n < N
+    m_ok = m < M
+    w_ptrs = w_ptr + n.to(tl.int64)[:, None] * stride_wn + kk[None, :]
+    x_ptrs = xq_ptr + m[None, :] * stride_xm + kk[:, None]
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = kk < K - k0
+        w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        x = tl.load(x_ptrs, mask=m_ok[None, :] & k_ok[:, None], other=0.0)
+        acc = tl.dot(w, x, acc)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    w_s = tl.load(ws_ptr + n, mask=n_ok, other=0.0)
+    x_s = tl.load(xs_ptr + m, mask=m_ok, other=0.0)
+    acc = acc * w_s[:, None] * x_s[None, :]
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+    tl.store(y_ptr + m[None, :] * stride_ym + n[:, None], acc.to(y_ptr.dtype.element_ty),
+             mask=n_ok[:, None] & m_ok[None, :])
+
+
+def fp8_small_m_linear(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                       bias: torch.Tensor | None, out_dtype: torch.dtype, *, block_n: int = 32,
+                       block_k: int = 256, num_warps: int = 4, num_stages: int = 4) -> torch.Tensor:
+    """``(xq * x_scale) @ (weight * weight_scale)^T (+ bias)`` for at most 32 rows: fp8 ``xq`` [M, K]
+    with float32 per-row scales [M, 1], fp8 ``weight`` [N, K] with float32 per-channel scales [N]."""
+    m, k = xq.shape
+    n = weight.shape[0]
+    if m > 32 or weight.shape[1] != k or x_scale.numel() != m or weight_scale.numel() != n:
+        raise ValueError(f"fp8_small_m_linear: xq {tuple(xq.shape)}, x_scale {tuple(x_scale.shape)}, weight "
+                         f"{tuple(weight.shape)}, weight_scale {tuple(weight_scale.shape)}")
+    y = torch.empty(m, n, dtype=out_dtype, device=xq.device)
+    if m == 0:
+        return y
+    x_scale = x_scale.reshape(m).contiguous()
+    _fp8_small_m_kernel[(triton.cdiv(n, block_n),)](
+        xq, x_scale, weight, weight_scale, bias if bias is not None else y, y, m, n, k, xq.stride(0), weight.stride(0),
+        y.stride(0), HAS_BIAS=bias is not None, BLOCK_M=16 if m <= 16 else 32, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=num_warps, num_stages=num_stages)
+    return y

@@ -29,6 +29,10 @@ FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
 MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
 
 ACT_SCHEMES = ("dynamic", "static")
+# Decode batches of up to this many rows take the Triton small-row fp8 kernel (one program per
+# 32 output features walking all of K, so a batch-1 projection spreads over every SM), more rows
+# torch._scaled_mm. Not yet measured against _scaled_mm on an H100: 0 sends every batch to it.
+SMALL_M_ROWS = 16
 
 
 # ---- quantization of activations and weights (the CPU path and the references) ---------------
@@ -112,6 +116,10 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
             (weight.float() * weight_scale[:, None]).to(x.dtype)
         return F.linear(x, w, bias)
     xq, x_scale = quantize_activations(x, act_scheme, input_scale)
+    if x.shape[0] <= SMALL_M_ROWS and _fp8_mma(x) and _triton_ok(x):
+        from pagedllm.ops.triton_fp8 import fp8_small_m_linear
+
+        return fp8_small_m_linear(xq, x_scale, weight, weight_scale, bias, x.dtype)
     if _scaled_mm_ok(x, weight):
         # Row-wise scaled fp8 GEMM (fp32 accumulation, both scales applied in its epilogue); the
         # row-wise variant writes bfloat16.
