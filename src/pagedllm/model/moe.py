@@ -20,7 +20,6 @@ from torch import nn
 from pagedllm.distributed import (
     expert_parallel_enabled, get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce,
 )
-from pagedllm.model import layers
 from pagedllm.model.layers import (
     Linear, MergedLinear, RowParallelLinear, SiluAndMul, _check_full_rows, _divide, _parameter, default_weight_loader,
 )

@@ -78,33 +78,27 @@ def quant_param(layer: nn.Module, axes: list, dtype: torch.dtype, *, per_shard: 
     the output / input features where one element covers ``div`` of them (8: packed int4; the
     group or block size: scales), an int a fixed size. ``per_shard``: one value per fused
     projection (per-tensor scales). Registered on ``layer`` when ``name`` is given."""
+    shape, full, dims = [], [], {}
     if per_shard:
         shape = full = [len(layer.output_sizes)]
-    else:
-        shape, full = [], []
-        for dim, axis in enumerate(axes):
-            if isinstance(axis, int):
-                shape.append(axis)
-                full.append(axis)
-                continue
-            kind, div = axis
-            local_size, full_size = ((layer.out_features, sum(layer.output_sizes)) if kind == "out"
-                                     else (layer.in_features, layer.input_size))
-            shape.append(cdiv(local_size, div))
-            full.append(cdiv(full_size, div))
-            if kind == "out":
-                param_attrs = ("output_dim", "output_div")
-            else:
-                param_attrs = ("input_dim", "input_div")
-            axes[dim] = (kind, div, param_attrs)
+    for dim, axis in enumerate([] if per_shard else axes):
+        if isinstance(axis, int):
+            shape.append(axis)
+            full.append(axis)
+            continue
+        kind, div = axis
+        local_size, full_size = ((layer.out_features, sum(layer.output_sizes)) if kind == "out"
+                                 else (layer.in_features, layer.input_size))
+        shape.append(cdiv(local_size, div))
+        full.append(cdiv(full_size, div))
+        dims[kind] = (dim, div)
     param = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
     param.weight_loader = layer.weight_loader
     param.full_shape = tuple(full)
-    if not per_shard:
-        for dim, axis in enumerate(axes):
-            if not isinstance(axis, int):
-                setattr(param, axis[2][0], dim)
-                setattr(param, axis[2][1], axis[1])
+    if "out" in dims:
+        param.output_dim, param.output_div = dims["out"]
+    if "in" in dims:
+        param.input_dim, param.input_div = dims["in"]
     param.per_shard = per_shard
     param.optional = optional  # a checkpoint may leave it out
     param.dummy_fill = dummy or _default_dummy
@@ -114,8 +108,8 @@ def quant_param(layer: nn.Module, axes: list, dtype: torch.dtype, *, per_shard: 
 
 
 def _default_dummy(t: torch.Tensor, g: torch.Generator) -> None:
-    if t.dtype in (torch.int32, torch.int64, torch.uint8, torch.int8):
-        t.random_(0, 1 << 30, generator=g) if t.dtype in (torch.int32, torch.int64) else t.random_(generator=g)
+    if t.dtype == torch.int32:  # packed 4-bit fields: every bit random
+        t.random_(-2**31, 2**31 - 1, generator=g)
     elif t.dtype.itemsize == 1:  # float8: weights of scale ~0.02 after their scale
         t.copy_(torch.empty(t.shape, device=t.device).normal_(0.0, 1.0, generator=g).clamp(-4, 4))
     else:

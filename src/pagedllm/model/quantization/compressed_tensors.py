@@ -121,5 +121,3 @@ class CompressedTensorsConfig(QuantizationConfig):
                 return self._method(weights, acts, fmt)
         return None
 
-
-__all__ = ["CompressedTensorsConfig", "CompressedTensorsW4A16", "fill_const", "unpack_rows"]

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.model.quantization.base import (
-    QuantizationConfig, QuantizationMethod, cdiv, fill_const, matches_ignore, quant_param,
+    QuantizationConfig, QuantizationMethod, fill_const, matches_ignore, quant_param,
 )
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -268,5 +268,3 @@ class Fp8Config(QuantizationConfig):
             return Fp8BlockLinearMethod(tuple(self.block))
         return Fp8LinearMethod(self.serialized, self.act_scheme)
 
-
-__all__ = ["Fp8Config", "Fp8LinearMethod", "Fp8BlockLinearMethod", "fp8_linear", "fp8_block_linear", "cdiv"]
