@@ -1,4 +1,4 @@
-"""Quantized layers under tensor parallelism (CPU, gloo, two ranks): packed int4 weights, their
+"""Quantized layers under tensor (and pipeline) parallelism (CPU, gloo, two ranks): packed int4 weights, their
 group scales and zero points, fp8 weights with per-tensor, per-channel and block scales are each
 split on their own axes (column-parallel by output features, row-parallel by input features and
 groups), so TP=2 matches the same transformers reference as TP=1 (tests/model/test_quantization.py,
@@ -31,6 +31,17 @@ def test_tp2_quantized_matches_reference(tmp_path, case):
     llm = make_llm(str(tmp_path), tensor_parallel_size=2)
     try:
         check_against_reference(llm, reference, tol, exact_greedy=tol == W4A16_TOL)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    assert multiprocessing.active_children() == []
+
+
+def test_pp2_quantized_matches_reference(tmp_path):
+    """Pipeline stages build and load only their layers' quantized parameters."""
+    reference = qc.write_gptq(str(tmp_path), group=64, symmetric=True)
+    llm = make_llm(str(tmp_path), pipeline_parallel_size=2)
+    try:
+        check_against_reference(llm, reference, W4A16_TOL, exact_greedy=True)
     finally:
         llm.llm_engine.engine_core.shutdown()
     assert multiprocessing.active_children() == []

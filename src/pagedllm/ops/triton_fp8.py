@@ -32,7 +32,7 @@ def _quant_fp8_kernel(x_ptr, q_ptr, s_ptr, static_s_ptr, K, stride_xm, n_groups,
         scale = tl.maximum(tl.max(tl.abs(x), axis=0) / FP8_MAX, MIN_SCALE)
         tl.store(s_ptr + row * n_groups + g, scale)
     q = tl.minimum(tl.maximum(x / scale, -FP8_MAX), FP8_MAX)
-    tl.store(q_ptr + row * K + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(q_ptr + row * K + offs, q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
 
 
 def quantize_fp8(x: torch.Tensor, group: int | None = None, static_scale: torch.Tensor | None = None,
