@@ -50,6 +50,17 @@ def test_w4a16_kernel_matches_dequantized_matmul(triton_int4, dtype, m, n, k, gr
     assert _rel(y, exact) < TOL[dtype]
 
 
+@pytest.mark.parametrize("m, tiles", [(1, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64)),
+                                      (40, dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128))])
+def test_packed_load_variant_matches(triton_int4, m, tiles):
+    """The variant that loads each word once and spreads its eight values by a reshape."""
+    qweight, scales, qzeros = _weights(96, 256, 128, True, torch.bfloat16, seed=m)
+    x = torch.randn(m, 256).to(DEVICE, torch.bfloat16)
+    want = triton_int4.w4a16_linear(x, qweight, scales, qzeros, 128, **tiles)
+    got = triton_int4.w4a16_linear(x, qweight, scales, qzeros, 128, PACKED_LOAD=True, **tiles)
+    assert torch.equal(got, want)
+
+
 def test_tilings_and_refusals(triton_int4):
     assert triton_int4.tiles_for(1, 4096, 128)["BLOCK_M"] == 16 and triton_int4.tiles_for(20, 4096, 32)["BLOCK_M"] == 32
     assert triton_int4.tiles_for(33, 4096, 128)["BLOCK_M"] == 64

@@ -25,7 +25,12 @@ DEQUANT_ROWS = 1024  # from this many rows on: dequantize once, then cuBLAS
 @triton.jit
 def _w4a16_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
                        GROUP: tl.constexpr, HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       PACKED_LOAD: tl.constexpr = False):
+    """PACKED_LOAD: each int32 word is loaded once ([BLOCK_K / 8, BLOCK_N]) and its eight values
+    spread by a reshape; otherwise every value's lane loads its word (eight lanes, one address:
+    cache hits, more load instructions). Which is faster is the GPU's to say (the quant_kernel
+    benchmark times both)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -35,13 +40,21 @@ def _w4a16_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, strid
     n_ok = n < N
     shifts = ((kk % 8) * 4)[:, None]
     x_ptrs = x_ptr + m.to(tl.int64)[:, None] * stride_xm + kk[None, :]
-    q_ptrs = qw_ptr + (kk // 8).to(tl.int64)[:, None] * N + n[None, :]
+    if PACKED_LOAD:
+        q_ptrs = qw_ptr + tl.arange(0, BLOCK_K // 8).to(tl.int64)[:, None] * N + n[None, :]
+        word_shifts = (tl.arange(0, 8) * 4)[None, :, None]
+    else:
+        q_ptrs = qw_ptr + (kk // 8).to(tl.int64)[:, None] * N + n[None, :]
     if HAS_ZP:
         z_shift = (n % 8) * 4
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):  # K % BLOCK_K == 0 (BLOCK_K divides GROUP, GROUP divides K)
         x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
-        q = (tl.load(q_ptrs, mask=n_ok[None, :], other=0) >> shifts) & 0xF
+        if PACKED_LOAD:
+            words = tl.load(q_ptrs, mask=n_ok[None, :], other=0)
+            q = tl.reshape((words[:, None, :] >> word_shifts) & 0xF, (BLOCK_K, BLOCK_N))
+        else:
+            q = (tl.load(q_ptrs, mask=n_ok[None, :], other=0) >> shifts) & 0xF
         g = k0 // GROUP
         s = tl.load(s_ptr + g * N + n, mask=n_ok, other=0.0).to(tl.float32)
         if HAS_ZP:
