@@ -48,3 +48,13 @@ def test_latency_and_throughput_take_quantization(capsys):
     assert thr["quantization"] == "fp8" and thr["output_tokens"] == 2 * 3
     with pytest.raises(SystemExit):
         latency.main(["--quantization", "int3"])
+
+
+def test_quant_kernel_smoke_on_cpu(capsys):
+    from pagedllm.benchmarks import quant_kernel
+
+    quant_kernel.main(["--tiny", "--rows", "1,3", "--iters", "1"])
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert [(r["projection"], r["rows"]) for r in rows] == [(p, m) for p in ("qkv", "o", "gate_up", "down")
+                                                             for m in (1, 3)]
+    assert all(r[f"{path}_ms"] > 0 for r in rows for path in ("bf16", "w4a16", "fp8", "fp8_block"))
