@@ -27,7 +27,7 @@ def tiny_llama(out_dir: str, seed: int = 0, **overrides):
     import transformers
 
     cfg = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, head_dim=32, max_position_embeddings=256, initializer_range=0.1,
+               num_key_value_heads=2, head_dim=32, max_position_embeddings=256, initializer_range=0.05,
                bos_token_id=1, eos_token_id=2, dtype="float32", tie_word_embeddings=False, rope_theta=10000.0)
     cfg.update(overrides)
     torch.manual_seed(seed)
