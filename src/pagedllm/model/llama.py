@@ -237,8 +237,6 @@ class LlamaForCausalLM(nn.Module):
             name = self.checkpoint_name(name)
             if name is None or "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name == "lm_head.weight"):
                 continue
-            if quant_config is not None and quant_config.skips_tensor(name):
-                continue
             if head_from_embedding and name == head_from_embedding:
                 self.lm_head.weight.weight_loader(self.lm_head.weight, tensor)
                 shards_seen.setdefault("lm_head.weight", set()).add(None)
@@ -246,8 +244,11 @@ class LlamaForCausalLM(nn.Module):
             if not self.model.holds_weight(name):
                 continue  # another pipeline stage's
             name, shard_id = self.stacked_name(name)
-            if name not in params and quant_config is not None and name.endswith(".bias"):
-                continue  # GPTQ checkpoints may store zero biases of layers that have none
+            if name not in params and quant_config is not None and (name.endswith(".bias")
+                                                                     or quant_config.skips_tensor(name)):
+                # GPTQ checkpoints may store zero biases of layers that have none; compressed-tensors'
+                # shape records; KV-cache scales where the model reads none
+                continue
             if name not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}")
             param = params[name]
