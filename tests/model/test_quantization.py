@@ -287,6 +287,10 @@ def test_unknown_checkpoint_method_is_refused(tmp_path):
     ({"quant_method": "gptq", "bits": 4, "group_size": -1, "desc_act": False}, "gptq: group_size -1 is not supported"),
     ({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True}, "desc_act=true"),
     ({"quant_method": "gptq", "bits": 8, "group_size": 128}, "8-bit weights are not supported"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "lm_head": True}, "quantized lm_head"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "checkpoint_format": "marlin"},
+     "checkpoint_format 'marlin' is not supported"),
+    ({"quant_method": "fp8", "fmt": "e5m2"}, "format 'e5m2' is not supported"),
     ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "version 'gemv' is not supported"),
     ({"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": [128, 128]}, "needs activation"),
     ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": {

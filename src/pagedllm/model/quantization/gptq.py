@@ -61,6 +61,9 @@ class GPTQConfig(QuantizationConfig):
         bits = qc.get("bits", 4)
         if bits != 4:
             raise ValueError(f"gptq: {bits}-bit weights are not supported; supported: [4]")
+        if qc.get("lm_head", False):
+            raise ValueError("gptq: a quantized lm_head (lm_head=true) is not supported; the LM head runs in the "
+                             "model dtype")
         if qc.get("desc_act", False):
             raise ValueError("gptq: desc_act=true (act-order, a g_idx permutation) is not supported; "
                              "use a checkpoint quantized with desc_act=false")
