@@ -17,6 +17,7 @@ from pagedllm.distributed import (
     get_tp_rank, get_tp_size, tensor_model_parallel_all_gather, tensor_model_parallel_all_reduce,
 )
 from pagedllm.lora.layers import MAPPING as LORA_MAPPING
+from pagedllm.model.quantization.base import UnquantizedMethod, current_quant_config
 from pagedllm.model.rotary import RotaryEmbedding, rope_params  # noqa: F401  (re-exported)
 from pagedllm.ops import triton_ops_for
 from pagedllm.ops.cpu_linear import cpu_linear
@@ -173,7 +174,6 @@ class Linear(nn.Module):
     lora = None
     quant_method = None
     tp_size, tp_rank = 1, 0
-    shards_output = False  # column-parallel: each rank holds a slice of the output features
     shards_input = False  # row-parallel: each rank holds a slice of the input features
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False, quantizable: bool = True):
@@ -197,8 +197,6 @@ class Linear(nn.Module):
         return sum(self.sizes_per_rank)
 
     def _create_weights(self, bias: bool, quantizable: bool) -> None:
-        from pagedllm.model.quantization.base import current_quant_config
-
         if quantizable and current_quant_config() is not None:
             self.register_parameter("weight", None)  # the loader creates it with the layer's quant method
         else:
@@ -217,8 +215,6 @@ class Linear(nn.Module):
 
     def set_quant_method(self, method) -> None:
         """Create this layer's weights with ``method`` (a QuantizationMethod; None: dense)."""
-        from pagedllm.model.quantization.base import UnquantizedMethod
-
         method = method or UnquantizedMethod()
         method.create_weights(self)
         self.quant_method = None if isinstance(method, UnquantizedMethod) else method
@@ -281,8 +277,6 @@ class RowParallelLinear(Linear):
 class MergedLinear(Linear):
     """Several projections of one input stacked on the output dim (gate/up: shard ids 0, 1),
     column-parallel: each rank holds its slice of every projection's rows, stacked."""
-
-    shards_output = True
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
                  sizes_per_rank: list[int] | None = None, quantizable: bool = True):
