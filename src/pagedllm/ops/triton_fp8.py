@@ -13,8 +13,10 @@ import torch
 import triton
 import triton.language as tl
 
-FP8_MAX = 448.0
-MIN_SCALE = 1.0 / (448.0 * 512.0)  # as pagedllm.model.quantization.fp8: an all-zero row divides by this
+# Kernels read globals only as constexprs: the e4m3 maximum, and the smallest dynamic scale (as
+# pagedllm.model.quantization.fp8: an all-zero row divides by this).
+FP8_MAX = tl.constexpr(448.0)
+MIN_SCALE = tl.constexpr(1.0 / (448.0 * 512.0))
 
 
 @triton.jit
