@@ -338,9 +338,11 @@ def load_model(
             for module in model.modules():
                 if getattr(module, "quant_method", None) is not None:
                     module.quant_method.process_after_loading(module)
-    logger.info("Loaded %s (%s weights, %s, %s%s) in %.1f s", model_cls.__name__, load_format,
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # tied weights once
+    logger.info("Loaded %s (%s weights, %s, %s%s) in %.1f s: %.2f GiB", model_cls.__name__, load_format,
                 str(dtype).removeprefix("torch."), device,
-                f", {quant_config.name} quantized" if quant_config is not None else "", time.perf_counter() - start)
+                f", {quant_config.name} quantized" if quant_config is not None else "", time.perf_counter() - start,
+                weight_bytes / 2**30)
     return model.eval()
 
 
