@@ -40,7 +40,7 @@ w4 = {"x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*i32", "b_
 for packed in (False, True):
     for zp in (False, True):
         compile_(f"w4a16 decode packed={packed} zp={zp}", triton_int4._w4a16_gemm_kernel, w4,
-                 {"GROUP": 128, "HAS_ZP": zp, "HAS_BIAS": True, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64,
+                 {"GROUP": 128, "HAS_ZP": zp, "HAS_BIAS": True, "BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 128,
                   "PACKED_LOAD": packed})
 compile_("w4a16 prefill", triton_int4._w4a16_gemm_kernel, w4,
          {"GROUP": 32, "HAS_ZP": True, "HAS_BIAS": False, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 32,

@@ -103,11 +103,14 @@ def w4a16_dequantize(qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.
 
 def tiles_for(m: int, n: int, group: int) -> dict:
     """The tiling of an [m, K] x [K, n] product: small-row (decode) or prefill."""
-    block_k = min(group, 64)
     if m <= SMALL_ROWS:
-        block_n = 64 if n >= 64 * 256 else 32 if n >= 32 * 128 else 16
-        return dict(BLOCK_M=16 if m <= 16 else 32, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=4)
-    return dict(BLOCK_M=64, BLOCK_N=128 if n >= 128 else 64, BLOCK_K=block_k, num_warps=8, num_stages=3)
+        # The widest tile that still gives about two programs per SM of an H100 (132): a decode
+        # projection is a stream of its packed weight, and one program per SM keeps too few loads
+        # in flight. Untuned: `pagedllm bench quant --tune` times the alternatives.
+        block_n = next((b for b in (64, 32) if n >= b * 264), 16)
+        return dict(BLOCK_M=16 if m <= 16 else 32, BLOCK_N=block_n, BLOCK_K=min(group, 128), num_warps=4,
+                    num_stages=4)
+    return dict(BLOCK_M=64, BLOCK_N=128 if n >= 128 else 64, BLOCK_K=min(group, 64), num_warps=8, num_stages=3)
 
 
 def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor | None,
