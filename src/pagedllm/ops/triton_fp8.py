@@ -139,12 +139,14 @@ def _fp8_small_m_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, st
 
 
 def fp8_small_m_linear(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                       bias: torch.Tensor | None, out_dtype: torch.dtype, *, block_n: int = 32,
+                       bias: torch.Tensor | None, out_dtype: torch.dtype, *, block_n: int | None = None,
                        block_k: int = 256, num_warps: int = 4, num_stages: int = 4) -> torch.Tensor:
     """``(xq * x_scale) @ (weight * weight_scale)^T (+ bias)`` for at most 32 rows: fp8 ``xq`` [M, K]
-    with float32 per-row scales [M, 1], fp8 ``weight`` [N, K] with float32 per-channel scales [N]."""
+    with float32 per-row scales [M, 1], fp8 ``weight`` [N, K] with float32 per-channel scales [N].
+    ``block_n`` by default: the widest tile giving about two programs per SM of an H100 (untuned)."""
     m, k = xq.shape
     n = weight.shape[0]
+    block_n = block_n or next((b for b in (64, 32) if n >= b * 264), 16)
     if m > 32 or weight.shape[1] != k or x_scale.numel() != m or weight_scale.numel() != n:
         raise ValueError(f"fp8_small_m_linear: xq {tuple(xq.shape)}, x_scale {tuple(x_scale.shape)}, weight "
                          f"{tuple(weight.shape)}, weight_scale {tuple(weight_scale.shape)}")
