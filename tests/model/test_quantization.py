@@ -179,7 +179,8 @@ def test_w4a16_matches_dequantized_reference_and_stays_packed(tmp_path, case):
         n, k = layer.out_features, layer.in_features
         assert tuple(layer.qweight.shape) == (k // 8, n)
         zero_bytes = 0 if symmetric else (k // group) * n // 2
-        assert param_bytes(layer) == n * k // 2 + (k // group) * n * 4 + zero_bytes  # fp32 scales
+        scale_size = 4 if method == "compressed-tensors" else 2  # the model's fp32; AWQ/GPTQ: their fp16
+        assert param_bytes(layer) == n * k // 2 + (k // group) * n * scale_size + zero_bytes
 
 
 FP8_CASES = {

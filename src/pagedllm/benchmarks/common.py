@@ -116,11 +116,11 @@ def _linear_bytes(n: int, k: int, itemsize: int, quant: dict | None) -> int:
         return n * k + n * 4 + (4 if quant.get("activation_scheme") == "static" else 0)  # per-channel scales
     if method == "compressed-tensors":
         weights = next(iter(quant["config_groups"].values()))["weights"]
-        group, symmetric = weights["group_size"], weights.get("symmetric", True)
-    else:
-        group, symmetric = quant["group_size"], method == "gptq" and quant.get("sym", True)
+        group, symmetric, scale_size = weights["group_size"], weights.get("symmetric", True), itemsize
+    else:  # AWQ / GPTQ keep their float16 scales
+        group, symmetric, scale_size = quant["group_size"], method == "gptq" and quant.get("sym", True), 2
     zeros = 0 if symmetric else (k // group) * n // 2
-    return n * k // 2 + (k // group) * n * itemsize + zeros  # packed int4, scales in the model dtype
+    return n * k // 2 + (k // group) * n * scale_size + zeros  # packed int4, scales, packed zero points
 
 
 def weight_bytes(config: dict, itemsize: int = 2, active_only: bool = False, quantization: str | None = None) -> int:

@@ -19,7 +19,8 @@ class AWQLinearMethod(Int4LinearMethod):
         g = self.group_size
         quant_param(layer, [("in", 1), ("out", PACK)], torch.int32, name="qweight")
         quant_param(layer, [("in", g), ("out", PACK)], torch.int32, name="qzeros")
-        quant_param(layer, [("in", g), ("out", 1)], torch.get_default_dtype(), dummy=fill_const(0.004), name="scales")
+        # float16 as the format writes them (the model dtype may be bfloat16: a coarser scale)
+        quant_param(layer, [("in", g), ("out", 1)], torch.float16, dummy=fill_const(0.004), name="scales")
 
     def to_canonical(self, layer: nn.Module):
         q = unpack_cols(layer.qweight.data, AWQ_ORDER)  # [K, N]

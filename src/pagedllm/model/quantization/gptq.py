@@ -26,7 +26,8 @@ class GPTQLinearMethod(Int4LinearMethod):
         sym_word = (0x77777777 if self.zero_offset else 0x88888888 - 2**32) if self.symmetric else None
         quant_param(layer, [("in", g), ("out", PACK)], torch.int32, name="qzeros",
                     dummy=fill_const(sym_word) if sym_word is not None else None)
-        quant_param(layer, [("in", g), ("out", 1)], torch.get_default_dtype(), dummy=fill_const(0.004), name="scales")
+        # float16 as the format writes them (the model dtype may be bfloat16: a coarser scale)
+        quant_param(layer, [("in", g), ("out", 1)], torch.float16, dummy=fill_const(0.004), name="scales")
         g_idx = quant_param(layer, [("in", 1)], torch.int32, optional=True,
                             dummy=lambda t, gen: t.copy_(torch.arange(t.numel(), device=t.device) // g), name="g_idx")
         g_idx.fill_(-1)  # stays -1 where the checkpoint has none

@@ -4,7 +4,8 @@ after loading every layer holds one layout that the kernels and the torch path r
 
 - ``qweight`` int32 [K / 8, N]: eight 4-bit values along K per int32, value k at bits
   4 * (k % 8) (GPTQ's order), unsigned 0..15;
-- ``scales`` [ceil(K / G), N] in the model dtype;
+- ``scales`` [ceil(K / G), N] (float16 for AWQ and GPTQ, as they write them; the model dtype for
+  compressed-tensors);
 - ``qzeros`` int32 [ceil(K / G), N / 8]: the zero points (0..15) packed along N, value n at bits
   4 * (n % 8); absent for symmetric weights (zero point 8).
 
@@ -113,9 +114,8 @@ class Int4LinearMethod(QuantizationMethod):
         for name in ("qweight", "scales", "qzeros", "weight_packed", "weight_scale", "weight_zero_point", "g_idx"):
             if name in layer._parameters:
                 delattr(layer, name)
-        dtype = torch.get_default_dtype() if scales.dtype == torch.float32 else scales.dtype
         layer.qweight = nn.Parameter(qweight.contiguous(), requires_grad=False)
-        layer.scales = nn.Parameter(scales.to(dtype).contiguous(), requires_grad=False)
+        layer.scales = nn.Parameter(scales.contiguous(), requires_grad=False)  # in the checkpoint's dtype
         layer.qzeros = None if qzeros is None else nn.Parameter(qzeros.contiguous(), requires_grad=False)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
