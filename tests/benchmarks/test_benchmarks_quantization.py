@@ -43,6 +43,8 @@ def test_latency_and_throughput_take_quantization(capsys):
                      "--dtype", "float32", "--quantization", "fp8", "--engine-args", KV])
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     lat, thr = rows
+    assert lat["step_bytes"] == common.step_read_bytes(
+        {**common.SHAPES["tiny-llama"], "quantization_config": common.QUANTIZATIONS["gptq"]}, 4, 1, 8 + 3 / 2)
     assert lat["quantization"] == "gptq" and lat["weight_bytes"] == common.weight_bytes(
         {**common.SHAPES["tiny-llama"], "quantization_config": common.QUANTIZATIONS["gptq"]}, 4)
     assert thr["quantization"] == "fp8" and thr["output_tokens"] == 2 * 3
@@ -58,3 +60,15 @@ def test_quant_kernel_smoke_on_cpu(capsys):
     assert [(r["projection"], r["rows"]) for r in rows] == [(p, m) for p in ("qkv", "o", "gate_up", "down")
                                                              for m in (1, 3)]
     assert all(r[f"{path}_ms"] > 0 for r in rows for path in ("bf16", "w4a16", "fp8", "fp8_block"))
+
+
+def test_step_read_bytes_counts_weights_embedding_rows_and_kv():
+    cfg = common.SHAPES["llama3-8b"]
+    table, kv_per_token = 128256 * 4096 * 2, 32 * 2 * 8 * 128  # bf16 embedding; K and V values per token
+    weights = common.weight_bytes(cfg, 2, active_only=True)
+    assert common.step_read_bytes(cfg, 2, 1, 256) == weights - table + 4096 * 2 + kv_per_token * 2 * 256
+    assert common.step_read_bytes(cfg, 2, 32, 256, kv_itemsize=1) == weights - table + 32 * (4096 * 2 + kv_per_token * 256)
+    fp8 = common.weight_bytes(cfg, 2, active_only=True, quantization="fp8")
+    assert common.step_read_bytes(cfg, 2, 1, 0, quantization="fp8") == fp8 - table + 4096 * 2
+    tied = common.SHAPES["qwen3-0.6b"]  # the tied table is the LM head too: read whole
+    assert common.step_read_bytes(tied, 2, 1, 0) == common.weight_bytes(tied, 2) + 1024 * 2

@@ -149,6 +149,24 @@ def weight_bytes(config: dict, itemsize: int = 2, active_only: bool = False, qua
     return params * itemsize + total
 
 
+def step_read_bytes(config: dict, itemsize: int, batch: int, context_len: float, kv_itemsize: int | None = None,
+                    quantization: str | None = None) -> int:
+    """Every byte one decode step of ``batch`` requests reads: the weights (quantized ones packed,
+    with their scales and zero points; of each MoE layer only the top-k experts' of one token, a
+    lower bound for a batch), of the embedding table only the ``batch`` rows looked up, and each
+    request's K/V over ``context_len`` tokens (``kv_itemsize``: the cache's bytes per value, the
+    model's by default)."""
+    hidden, vocab = config["hidden_size"], config["vocab_size"]
+    heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
+    head_dim = config.get("head_dim") or hidden // heads
+    table = vocab * hidden * itemsize  # the embedding (tied: also the LM head, read whole)
+    weights = weight_bytes(config, itemsize, active_only=True, quantization=quantization)
+    if not config.get("tie_word_embeddings"):
+        weights -= table
+    kv = config["num_hidden_layers"] * 2 * kv_heads * head_dim * (kv_itemsize or itemsize) * context_len
+    return int(weights + batch * hidden * itemsize + batch * kv)
+
+
 def _mlp_params(config: dict, layer: int, active_only: bool) -> int:
     hidden, experts = config["hidden_size"], config.get("num_experts", 0)
     if not experts or layer in config.get("mlp_only_layers", []) or (layer + 1) % config["decoder_sparse_step"]:

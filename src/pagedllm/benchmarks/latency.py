@@ -12,7 +12,11 @@ At batch 1 that is ms per output token; at batch B each step yields B tokens. Fo
 the memory roofline is the weight bytes one token reads (from the config shape; of a MoE layer
 only its top-k experts) over the device's measured copy bandwidth ((bytes read + bytes written)
 / time of copying a --copy-mib tensor, median of repeats, timed with CUDA events):
-roofline_fraction = roofline_ms / ms_per_step.
+roofline_fraction = roofline_ms / ms_per_step. The step roofline (every batch size) counts every
+byte a step reads instead (common.step_read_bytes: the weights as held, quantized ones packed with
+their scales; of the embedding only the rows looked up; each request's K/V at its mean context
+over the decode, input_len + output_len / 2; ``kv_cache_dtype`` fp8 in --engine-args: one byte
+per value): step_roofline_fraction = step_roofline_ms / ms_per_step.
 """
 from __future__ import annotations
 
@@ -24,7 +28,8 @@ import statistics
 import time
 
 from pagedllm.benchmarks.common import (
-    QUANTIZATIONS, SHAPES, emit, int_list, parse_engine_args, print_table, quantization_setup, weight_bytes, write_shape,
+    QUANTIZATIONS, SHAPES, emit, int_list, parse_engine_args, print_table, quantization_setup, step_read_bytes,
+    weight_bytes, write_shape,
 )
 
 
@@ -131,6 +136,12 @@ def main(argv: list[str] | None = None) -> None:
                   "output_len": args.output_len, "num_iters": args.num_iters, "ttft_ms": round(ttft_s * 1e3, 2),
                   "e2e_s": round(total_s, 4), "ms_per_step": round(step_ms, 3),
                   "decode_tok_s": round(batch * 1e3 / step_ms, 1)}
+        kv_itemsize = 1 if str(extra.get("kv_cache_dtype", "auto")).startswith("fp8") else None
+        step_bytes = step_read_bytes(config, itemsize, batch, args.input_len + args.output_len / 2, kv_itemsize,
+                                     quantization)
+        step_roofline_ms = step_bytes / bandwidth * 1e3
+        result.update(step_bytes=step_bytes, step_roofline_ms=round(step_roofline_ms, 3),
+                      step_roofline_fraction=round(step_roofline_ms / step_ms, 3))
         if batch == 1:
             # MoE: one token reads its top-k experts; quantized projections: packed weights, scales, zeros.
             wbytes = weight_bytes(config, itemsize, active_only=True, quantization=quantization)
@@ -139,7 +150,8 @@ def main(argv: list[str] | None = None) -> None:
                           roofline_ms=round(roofline_ms, 3), roofline_fraction=round(roofline_ms / step_ms, 3))
         emit(result)
         results.append(result)
-    print_table(results, ["batch_size", "ttft_ms", "ms_per_step", "decode_tok_s", "roofline_ms", "roofline_fraction"])
+    print_table(results, ["batch_size", "ttft_ms", "ms_per_step", "decode_tok_s", "roofline_ms", "roofline_fraction",
+                          "step_roofline_ms", "step_roofline_fraction"])
 
 
 if __name__ == "__main__":
