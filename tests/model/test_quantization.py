@@ -292,6 +292,10 @@ def test_unknown_checkpoint_method_is_refused(tmp_path):
     ({"quant_method": "gptq", "bits": 4, "group_size": 128, "checkpoint_format": "marlin"},
      "checkpoint_format 'marlin' is not supported"),
     ({"quant_method": "fp8", "fmt": "e5m2"}, "format 'e5m2' is not supported"),
+    ({"quant_method": "compressed-tensors", "quantization_status": "frozen", "config_groups": {}},
+     "quantization_status 'frozen' is not supported"),
+    ({"quant_method": "compressed-tensors", "sparsity_config": {"format": "sparse-24-bitmask"}, "config_groups": {}},
+     "sparse checkpoints"),
     ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "version 'gemv' is not supported"),
     ({"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": [128, 128]}, "needs activation"),
     ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": {
@@ -304,6 +308,20 @@ def test_unknown_checkpoint_method_is_refused(tmp_path):
 def test_unsupported_configs_are_refused_at_load(tmp_path, quant_config, match):
     with pytest.raises(ValueError, match=match):
         make_llm(_with_quant_config(tmp_path, quant_config))
+
+
+def test_a_16_bit_tensor_where_the_format_holds_packed_or_fp8_values_is_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    qc.write_fp8(str(tmp_path), "dynamic")
+    file = os.path.join(str(tmp_path), "model.safetensors")
+    tensors = load_file(file)
+    name = "model.layers.0.self_attn.k_proj.weight"
+    tensors[name] = tensors[name].float()
+    save_file(tensors, file)
+    with pytest.raises(ValueError, match=r"qkv_proj\.weight' \(shard k\): checkpoint tensor is float32, the "
+                                         r"quantized parameter holds float8_e4m3fn"):
+        make_llm(str(tmp_path))
 
 
 def test_group_size_not_dividing_the_layer_is_refused(tmp_path):

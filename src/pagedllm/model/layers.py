@@ -41,6 +41,13 @@ def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor) -> N
     param.data.copy_(loaded_weight)  # copy_ also casts to the model's dtype and device
 
 
+def _check_quantized_dtype(param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+    if getattr(param, "exact_dtype", False) and loaded_weight.dtype != param.dtype:
+        raise ValueError(f"checkpoint tensor is {str(loaded_weight.dtype).removeprefix('torch.')}, the quantized "
+                         f"parameter holds {str(param.dtype).removeprefix('torch.')} (is the checkpoint in its "
+                         "quantized form?)")
+
+
 def _parameter(*shape: int, weight_loader=default_weight_loader, full_shape: tuple | None = None) -> nn.Parameter:
     # Allocated in the default dtype/device, which the loader sets, so nothing is built twice.
     param = nn.Parameter(torch.empty(*shape), requires_grad=False)
@@ -220,6 +227,7 @@ class Linear(nn.Module):
         self.quant_method = None if isinstance(method, UnquantizedMethod) else method
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
+        _check_quantized_dtype(param, loaded_weight)
         default_weight_loader(param, loaded_weight)
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -255,6 +263,7 @@ class RowParallelLinear(Linear):
         self._create_weights(bias, quantizable)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
+        _check_quantized_dtype(param, loaded_weight)
         dim = getattr(param, "input_dim", None)
         if self.tp_size > 1 and dim is not None:
             div = getattr(param, "input_div", 1)
@@ -302,6 +311,7 @@ class MergedLinear(Linear):
         return self.tp_rank * self.sizes_per_rank[index]
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
+        _check_quantized_dtype(param, loaded_weight)
         if getattr(param, "per_shard", False):  # one value per projection (a per-tensor scale)
             index = None if shard_id is None else self._shard_index(shard_id)
             if loaded_weight.numel() != 1:

@@ -99,6 +99,9 @@ def quant_param(layer: nn.Module, axes: list, dtype: torch.dtype, *, per_shard: 
         param.output_dim, param.output_div = dims["out"]
     if "in" in dims:
         param.input_dim, param.input_div = dims["in"]
+    # Packed ints and fp8 values load only as themselves: a cast would silently store garbage
+    # (a 16-bit tensor where the checkpoint should hold its quantized form).
+    param.exact_dtype = dtype == torch.int32 or dtype.itemsize == 1
     param.per_shard = per_shard
     param.optional = optional  # a checkpoint may leave it out
     param.dummy_fill = dummy or _default_dummy

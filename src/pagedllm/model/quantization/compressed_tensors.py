@@ -55,6 +55,14 @@ class CompressedTensorsConfig(QuantizationConfig):
 
     @classmethod
     def from_config(cls, qc: dict) -> "CompressedTensorsConfig":
+        status = qc.get("quantization_status", "compressed")
+        if status != "compressed":
+            raise ValueError(f"compressed-tensors: quantization_status {status!r} is not supported; supported: "
+                             "['compressed'] (a checkpoint saved in its quantized form)")
+        sparsity = qc.get("sparsity_config") or {}
+        if sparsity.get("format") not in (None, "dense"):
+            raise ValueError(f"compressed-tensors: sparse checkpoints (sparsity_config format "
+                             f"{sparsity.get('format')!r}) are not supported")
         top_format = qc.get("format")
         groups = []
         for name, group in (qc.get("config_groups") or {}).items():
