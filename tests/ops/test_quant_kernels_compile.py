@@ -36,19 +36,26 @@ def compile_(name, fn, signature, constexprs, num_warps=4):
 c = "constexpr"
 w4 = {"x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*i32", "b_ptr": "*bf16", "y_ptr": "*bf16",
       "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_ym": "i32", "GROUP": c, "HAS_ZP": c,
-      "HAS_BIAS": c, "BLOCK_M": c, "BLOCK_N": c, "BLOCK_K": c, "PACKED_LOAD": c}
+      "HAS_BIAS": c, "BLOCK_M": c, "BLOCK_N": c, "BLOCK_K": c, "PACKED_LOAD": c, "HAS_MIN": c}
 for packed in (False, True):
     for zp in (False, True):
         compile_(f"w4a16 decode packed={packed} zp={zp}", triton_int4._w4a16_gemm_kernel, w4,
                  {"GROUP": 128, "HAS_ZP": zp, "HAS_BIAS": True, "BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 128,
-                  "PACKED_LOAD": packed})
+                  "PACKED_LOAD": packed, "HAS_MIN": False})
+compile_("w4a16 decode GGUF Q4_1 mins", triton_int4._w4a16_gemm_kernel, w4,
+         {"GROUP": 32, "HAS_ZP": False, "HAS_BIAS": False, "BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32,
+          "PACKED_LOAD": False, "HAS_MIN": True})
 compile_("w4a16 prefill", triton_int4._w4a16_gemm_kernel, w4,
          {"GROUP": 32, "HAS_ZP": True, "HAS_BIAS": False, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 32,
-          "PACKED_LOAD": False}, num_warps=8)
+          "PACKED_LOAD": False, "HAS_MIN": False}, num_warps=8)
 compile_("w4a16 dequantize", triton_int4._w4a16_dequant_kernel,
          {"qw_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*i32", "w_ptr": "*fp16", "N": "i32", "K": "i32",
-          "GROUP": c, "HAS_ZP": c, "BLOCK_N": c, "BLOCK_K": c},
-         {"GROUP": 64, "HAS_ZP": True, "BLOCK_N": 128, "BLOCK_K": 32})
+          "GROUP": c, "HAS_ZP": c, "BLOCK_N": c, "BLOCK_K": c, "HAS_MIN": c},
+         {"GROUP": 64, "HAS_ZP": True, "BLOCK_N": 128, "BLOCK_K": 32, "HAS_MIN": False})
+compile_("w4a16 dequantize GGUF Q4_1 mins", triton_int4._w4a16_dequant_kernel,
+         {"qw_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*fp16", "w_ptr": "*bf16", "N": "i32", "K": "i32",
+          "GROUP": c, "HAS_ZP": c, "BLOCK_N": c, "BLOCK_K": c, "HAS_MIN": c},
+         {"GROUP": 32, "HAS_ZP": False, "BLOCK_N": 128, "BLOCK_K": 32, "HAS_MIN": True})
 quant = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "static_s_ptr": "*fp32", "K": "i32",
          "stride_xm": "i32", "n_groups": "i32", "GROUP": c, "STATIC": c, "BLOCK": c}
 compile_("fp8 quantize per token", triton_fp8._quant_fp8_kernel, quant, {"GROUP": 4096, "STATIC": False, "BLOCK": 4096})
@@ -77,5 +84,5 @@ def test_quantization_kernels_compile_for_sm90(tmp_path):
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     results = json.loads(lines[-1])
-    assert len(results) == 12
+    assert len(results) == 14
     assert {name: ok for name, ok in results.items() if ok is not True} == {}

@@ -86,3 +86,17 @@ def test_large_prefill_takes_the_dequantize_path(triton_int4, monkeypatch):
     y = triton_int4.w4a16_linear(x, qweight, scales, qzeros, 32, b)
     exact = x.double() @ dequantize(qweight, scales, qzeros, 32, 64, torch.bfloat16).double() + b.double()
     assert _rel(y, exact) < TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("m", [1, 20, 70])
+def test_gguf_q4_1_mins_variant(triton_int4, monkeypatch, m):
+    """GGUF Q4_1: ``w = q * s + m`` with a float min per group of 32 (the GEMM and the dequantize-
+    then-cuBLAS path)."""
+    qweight, scales, _ = _weights(48, 96, 32, False, torch.float16, seed=m)
+    mins = (torch.randn(3, 48) * 0.01).to(DEVICE, torch.float16)
+    x = torch.randn(m, 96).to(DEVICE, torch.bfloat16)
+    w = dequantize(qweight, scales, None, 32, 96, torch.bfloat16, mins)
+    monkeypatch.setattr(triton_int4, "DEQUANT_ROWS", 64)
+    y = triton_int4.w4a16_linear(x, qweight, scales, None, 32, mins=mins)
+    assert _rel(y, x.double() @ w.double()) < TOL[torch.bfloat16]
+    assert torch.equal(triton_int4.w4a16_dequantize(qweight, scales, None, 32, torch.bfloat16, mins), w)

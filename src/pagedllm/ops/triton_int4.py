@@ -26,11 +26,11 @@ DEQUANT_ROWS = 1024  # from this many rows on: dequantize once, then cuBLAS
 def _w4a16_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
                        GROUP: tl.constexpr, HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       PACKED_LOAD: tl.constexpr = False):
+                       PACKED_LOAD: tl.constexpr = False, HAS_MIN: tl.constexpr = False):
     """PACKED_LOAD: each int32 word is loaded once ([BLOCK_K / 8, BLOCK_N]) and its eight values
     spread by a reshape; otherwise every value's lane loads its word (eight lanes, one address:
     cache hits, more load instructions). Which is faster is the GPU's to say (the quant_kernel
-    benchmark times both)."""
+    benchmark times both). HAS_MIN (GGUF Q4_1): ``z_ptr`` holds float mins [K / G, N], w = q s + m."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -57,11 +57,15 @@ def _w4a16_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, strid
             q = (tl.load(q_ptrs, mask=n_ok[None, :], other=0) >> shifts) & 0xF
         g = k0 // GROUP
         s = tl.load(s_ptr + g * N + n, mask=n_ok, other=0.0).to(tl.float32)
-        if HAS_ZP:
-            z = (tl.load(z_ptr + g * (N // 8) + n // 8, mask=n_ok, other=0) >> z_shift) & 0xF
+        if HAS_MIN:
+            mn = tl.load(z_ptr + g * N + n, mask=n_ok, other=0.0).to(tl.float32)
+            w = (q.to(tl.float32) * s[None, :] + mn[None, :]).to(x_ptr.dtype.element_ty)
         else:
-            z = tl.full((BLOCK_N,), 8, tl.int32)
-        w = ((q - z[None, :]).to(tl.float32) * s[None, :]).to(x_ptr.dtype.element_ty)
+            if HAS_ZP:
+                z = (tl.load(z_ptr + g * (N // 8) + n // 8, mask=n_ok, other=0) >> z_shift) & 0xF
+            else:
+                z = tl.full((BLOCK_N,), 8, tl.int32)
+            w = ((q - z[None, :]).to(tl.float32) * s[None, :]).to(x_ptr.dtype.element_ty)
         acc = tl.dot(x, w, acc)
         x_ptrs += BLOCK_K
         q_ptrs += (BLOCK_K // 8) * N
@@ -73,7 +77,7 @@ def _w4a16_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, strid
 
 @triton.jit
 def _w4a16_dequant_kernel(qw_ptr, s_ptr, z_ptr, w_ptr, N, K, GROUP: tl.constexpr, HAS_ZP: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_MIN: tl.constexpr = False):
     """One [BLOCK_K, BLOCK_N] tile of the dequantized [K, N] weight, rounded as the GEMM rounds it."""
     k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -82,22 +86,27 @@ def _w4a16_dequant_kernel(qw_ptr, s_ptr, z_ptr, w_ptr, N, K, GROUP: tl.constexpr
          >> ((k % 8) * 4)[:, None]) & 0xF
     g = (k // GROUP).to(tl.int64)[:, None]
     s = tl.load(s_ptr + g * N + n[None, :], mask=ok, other=0.0).to(tl.float32)
-    if HAS_ZP:
-        z = (tl.load(z_ptr + g * (N // 8) + (n // 8)[None, :], mask=ok, other=0) >> ((n % 8) * 4)[None, :]) & 0xF
+    if HAS_MIN:
+        w = (q.to(tl.float32) * s + tl.load(z_ptr + g * N + n[None, :], mask=ok, other=0.0).to(tl.float32))
     else:
-        z = 8
-    w = ((q - z).to(tl.float32) * s).to(w_ptr.dtype.element_ty)
+        if HAS_ZP:
+            z = (tl.load(z_ptr + g * (N // 8) + (n // 8)[None, :], mask=ok, other=0) >> ((n % 8) * 4)[None, :]) & 0xF
+        else:
+            z = 8
+        w = (q - z).to(tl.float32) * s
+    w = w.to(w_ptr.dtype.element_ty)
     tl.store(w_ptr + k.to(tl.int64)[:, None] * N + n[None, :], w, mask=ok)
 
 
 def w4a16_dequantize(qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor | None, group_size: int,
-                     dtype: torch.dtype) -> torch.Tensor:
+                     dtype: torch.dtype, mins: torch.Tensor | None = None) -> torch.Tensor:
     """The [K, N] weight in ``dtype`` (one pass over the packed weight)."""
     k, n = qweight.shape[0] * 8, qweight.shape[1]
     w = torch.empty(k, n, dtype=dtype, device=qweight.device)
     grid = (triton.cdiv(n, 128), triton.cdiv(k, 32))
-    _w4a16_dequant_kernel[grid](qweight, scales, qzeros if qzeros is not None else qweight, w, n, k,
-                                GROUP=group_size, HAS_ZP=qzeros is not None, BLOCK_N=128, BLOCK_K=32, num_warps=4)
+    second = mins if mins is not None else qzeros if qzeros is not None else qweight
+    _w4a16_dequant_kernel[grid](qweight, scales, second, w, n, k, GROUP=group_size, HAS_ZP=qzeros is not None,
+                                BLOCK_N=128, BLOCK_K=32, HAS_MIN=mins is not None, num_warps=4)
     return w
 
 
@@ -114,20 +123,22 @@ def tiles_for(m: int, n: int, group: int) -> dict:
 
 
 def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor | None,
-                 group_size: int, bias: torch.Tensor | None = None, **tiles) -> torch.Tensor:
+                 group_size: int, bias: torch.Tensor | None = None, mins: torch.Tensor | None = None,
+                 **tiles) -> torch.Tensor:
     """``x`` [M, K] (half precision) times the canonical int4 weight: [M, N] in x's dtype. From
     ``DEQUANT_ROWS`` rows on, the weight is dequantized once and multiplied by cuBLAS: a large
     prefill is bound by the math, and reading the packed weight once more costs a few percent."""
     m, k = x.shape
     n = qweight.shape[1]
     if qweight.shape[0] * 8 != k or k % group_size or n % 8 or scales.shape != (k // group_size, n) \
-            or (qzeros is not None and qzeros.shape != (k // group_size, n // 8)):
+            or (qzeros is not None and qzeros.shape != (k // group_size, n // 8)) \
+            or (mins is not None and mins.shape != scales.shape):
         raise ValueError(f"w4a16_linear: x {tuple(x.shape)}, qweight {tuple(qweight.shape)}, scales "
                          f"{tuple(scales.shape)}, group {group_size}")
     if x.stride(-1) != 1:
         x = x.contiguous()
     if m >= DEQUANT_ROWS and not tiles:
-        w = w4a16_dequantize(qweight, scales, qzeros, group_size, x.dtype)
+        w = w4a16_dequantize(qweight, scales, qzeros, group_size, x.dtype, mins)
         y = x @ w
         return y if bias is None else y + bias
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -137,7 +148,8 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, q
     if group_size % config["BLOCK_K"]:
         raise ValueError(f"w4a16_linear: BLOCK_K {config['BLOCK_K']} does not divide group_size {group_size}")
     grid = (triton.cdiv(n, config["BLOCK_N"]), triton.cdiv(m, config["BLOCK_M"]))
-    _w4a16_gemm_kernel[grid](x, qweight, scales, qzeros if qzeros is not None else qweight,
-                             bias if bias is not None else y, y, m, n, k, x.stride(0), y.stride(0),
-                             GROUP=group_size, HAS_ZP=qzeros is not None, HAS_BIAS=bias is not None, **config)
+    second = mins if mins is not None else qzeros if qzeros is not None else qweight
+    _w4a16_gemm_kernel[grid](x, qweight, scales, second, bias if bias is not None else y, y, m, n, k, x.stride(0),
+                             y.stride(0), GROUP=group_size, HAS_ZP=qzeros is not None, HAS_BIAS=bias is not None,
+                             HAS_MIN=mins is not None, **config)
     return y

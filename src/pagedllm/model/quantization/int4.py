@@ -9,7 +9,8 @@ after loading every layer holds one layout that the kernels and the torch path r
 - ``qzeros`` int32 [ceil(K / G), N / 8]: the zero points (0..15) packed along N, value n at bits
   4 * (n % 8); absent for symmetric weights (zero point 8).
 
-``w[k, n] = (q[k, n] - z[k // G, n]) * s[k // G, n]``. On CUDA (half precision) a Triton kernel
+``w[k, n] = (q[k, n] - z[k // G, n]) * s[k // G, n]``; GGUF's Q4_1 instead carries float ``mins``
+[K / G, N]: ``w = q * s + m``. On CUDA (half precision) a Triton kernel
 dequantizes tiles in registers inside the GEMM; the torch path dequantizes per matmul (the
 parameters stay packed).
 """
@@ -67,17 +68,20 @@ def pack_rows(vals: torch.Tensor) -> torch.Tensor:
 # ---- the canonical layout's math -----------------------------------------------------------
 
 def dequantize(qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor | None, group_size: int,
-               k: int, dtype: torch.dtype) -> torch.Tensor:
-    """[K, N] weight in ``dtype`` from the canonical layout (the reference of the kernels)."""
+               k: int, dtype: torch.dtype, mins: torch.Tensor | None = None) -> torch.Tensor:
+    """[K, N] weight in ``dtype`` from the canonical layout (the reference of the kernels);
+    with ``mins`` (GGUF Q4_1) ``q * s + m`` instead of ``(q - z) * s``."""
     q = unpack_rows(qweight)[:k]
+    s = scales.float().repeat_interleave(group_size, 0)[:k]
+    if mins is not None:
+        return (q.float() * s + mins.float().repeat_interleave(group_size, 0)[:k]).to(dtype)
     z = unpack_cols(qzeros)[:, :q.shape[1]] if qzeros is not None else torch.full_like(scales, 8, dtype=torch.int32)
     z = z.repeat_interleave(group_size, 0)[:k]
-    s = scales.float().repeat_interleave(group_size, 0)[:k]
     return ((q - z).float() * s).to(dtype)
 
 
 def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor | None,
-                group_size: int, bias: torch.Tensor | None) -> torch.Tensor:
+                group_size: int, bias: torch.Tensor | None, mins: torch.Tensor | None = None) -> torch.Tensor:
     """``x`` [M, K] times the canonical int4 weight (+ bias)."""
     k = x.shape[-1]
     if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
@@ -86,8 +90,8 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qz
         if triton_ops_for(x) is not None:
             from pagedllm.ops.triton_int4 import w4a16_linear
 
-            return w4a16_linear(x, qweight, scales, qzeros, group_size, bias)
-    return F.linear(x, dequantize(qweight, scales, qzeros, group_size, k, x.dtype).t(), bias)
+            return w4a16_linear(x, qweight, scales, qzeros, group_size, bias, mins=mins)
+    return F.linear(x, dequantize(qweight, scales, qzeros, group_size, k, x.dtype, mins).t(), bias)
 
 
 class Int4LinearMethod(QuantizationMethod):
@@ -119,5 +123,6 @@ class Int4LinearMethod(QuantizationMethod):
         layer.qzeros = None if qzeros is None else nn.Parameter(qzeros.contiguous(), requires_grad=False)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        y = int4_linear(x.reshape(-1, x.shape[-1]), layer.qweight, layer.scales, layer.qzeros, self.group_size, bias)
+        y = int4_linear(x.reshape(-1, x.shape[-1]), layer.qweight, layer.scales, layer.qzeros, self.group_size, bias,
+                        getattr(layer, "mins", None))
         return y.view(*x.shape[:-1], -1)
