@@ -273,7 +273,7 @@ def test_resolution_rules():
         resolve_quantization(object(), "gptq")
     with pytest.raises(ValueError, match=r"quantization='int3' is not supported; supported: \['fp8'"):
         resolve_quantization(object(), "int3")
-    assert QUANTIZATION_METHODS == ("fp8", "awq", "gptq", "compressed-tensors")
+    assert QUANTIZATION_METHODS == ("fp8", "awq", "gptq", "compressed-tensors", "gguf")
 
 
 def test_unknown_checkpoint_method_is_refused(tmp_path):
@@ -423,3 +423,54 @@ def test_cli_takes_quantization():
 
     ns = make_parser().parse_args(["serve", "some/model", "--quantization", "fp8"])
     assert engine_args_from(ns).quantization == "fp8"
+
+
+
+# ---- GGUF's 4-bit blocks ---------------------------------------------------------------------
+
+def test_gguf_q4_blocks_golden_and_as_gguf_dequantizes_them():
+    """A hand-written Q4_0 block (d = 0.5: bytes 00 38; byte 0 = 0x21: value 0 is 1, value 16 is 2)
+    and a Q4_1 block (d = 0.25, m = -1), repacked, dequantize as gguf's own code does."""
+    import gguf
+    import numpy as np
+
+    from pagedllm.model.quantization.gguf import Q4_0, Q4_1, blocks_to_canonical, canonical_tensors
+
+    q4_0 = np.array([[0x00, 0x38, 0x21] + list(range(0x30, 0x3F))], dtype=np.uint8)  # 18 bytes
+    q4_1 = np.array([[0x00, 0x34, 0x00, 0xBC, 0x21] + list(range(0x40, 0x4F))], dtype=np.uint8)  # 20 bytes
+    for raw, qtype, first in ((q4_0, Q4_0, [-3.5, -3.0]), (q4_1, Q4_1, [-0.75, -0.5])):
+        parts = blocks_to_canonical(raw, qtype)
+        assert parts["q"][0, 0] == 1 and parts["q"][0, 16] == 2
+        t = canonical_tensors(parts)
+        w = dequantize(t["qweight"], t["scales"], None, 32, 32, torch.float32, t.get("mins"))[:, 0]
+        want = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(qtype))[0]
+        assert [float(w[0]), float(w[16])] == first and torch.equal(w, torch.from_numpy(want))
+
+
+def test_gguf_q4_1_model_runs_quantized_and_matches_the_dequantized_path(smollm2_gguf):
+    """The embedded SmolLM2 GGUF (projections Q4_1, embedding Q8_0): quantization="gguf" keeps the
+    projections packed and gives the dequantize-at-load path's tokens and logprobs (1e-4)."""
+    sp = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=TOP, detokenize=False)
+    prompt = [TokensPrompt(prompt_token_ids=[1, 504, 3458, 282, 4126, 314])]
+    results = []
+    for quantization in (None, "gguf"):
+        llm = LLM(smollm2_gguf, dtype="float32", quantization=quantization, skip_tokenizer_init=True,
+                  kv_cache_memory_bytes=16 << 20, max_model_len=64)
+        out = llm.generate(prompt, sp, use_tqdm=False)[0].outputs[0]
+        results.append((list(out.token_ids), [{t: lp.logprob for t, lp in step.items()} for step in out.logprobs]))
+    (ids, tops), (q_ids, q_tops) = results
+    assert q_ids == ids
+    for top, q_top in zip(tops, q_tops):
+        assert q_top.keys() == top.keys() and all(q_top[t] == pytest.approx(lp, abs=1e-4) for t, lp in top.items())
+    layer = model_of(llm).model.layers[0]
+    assert layer.self_attn.qkv_proj.weight is None and layer.self_attn.qkv_proj.qweight.dtype == torch.int32
+    assert layer.mlp.down_proj.mins.dtype == torch.float16
+    assert model_of(llm).model.embed_tokens.weight.dtype == torch.float32  # Q8_0: dequantized
+
+
+def test_gguf_quantization_needs_gguf_weights(tmp_path, smollm2_gguf):
+    qc.write_dense(str(tmp_path))
+    with pytest.raises(ValueError, match="GGUF weights run quantized with quantization='gguf' only"):
+        make_llm(str(tmp_path), quantization="gguf")
+    with pytest.raises(ValueError, match="GGUF weights run quantized with quantization='gguf' only"):
+        make_llm(smollm2_gguf, quantization="fp8")

@@ -347,10 +347,13 @@ class EngineArgs:
         method = resolve_quantization(resolved.hf_config, self.quantization)
         if method is None:
             return None
-        get_quantization_config(method, resolved.hf_config)  # a config we cannot run fails here, not in a worker
-        if resolved.gguf_file is not None or self.load_format == "gguf":
-            raise ValueError(f"quantization={method!r} cannot be combined with GGUF weights (GGUF tensors are "
-                             "dequantized to the model dtype at load)")
+        gguf = resolved.gguf_file is not None or self.load_format == "gguf"
+        if gguf != (method == "gguf"):
+            raise ValueError(f"quantization={method!r} with {'GGUF' if gguf else 'these'} weights: GGUF weights run "
+                             "quantized with quantization='gguf' only (without it they are dequantized at load), and "
+                             "only GGUF weights do")
+        if not gguf:  # a config we cannot run fails here, not in a worker
+            get_quantization_config(method, resolved.hf_config)
         if _num_experts(resolved.hf_config) is not None:
             raise ValueError(f"quantization={method!r} is not supported for mixture-of-experts models yet: the fused "
                              "expert kernels run 16/32-bit weights only")

@@ -17,10 +17,11 @@ import transformers
 from torch import nn
 from tqdm import tqdm
 
-from pagedllm.model.gguf_cache import gguf_architecture, iterate_gguf_tensors, load_gguf_config
+from pagedllm.model.gguf_cache import gguf_architecture, iterate_gguf_tensors_raw, load_gguf_config
 from pagedllm.model.layers import Linear, RMSNorm
 from pagedllm.model.quantization import get_quantization_config
 from pagedllm.model.quantization.base import checkpoint_prefixes, quant_config_context
+from pagedllm.model.quantization.gguf import blocks_to_canonical, canonical_tensors
 from pagedllm.model.registry import TEXT_MODEL_OF_MULTIMODAL, get_model_class
 
 logger = logging.getLogger("pagedllm")
@@ -217,8 +218,9 @@ def _detect_format(resolved: ResolvedModel) -> str:
     raise ValueError(f"no weight files in {str(folder)!r}; looked for {'; '.join(_LOOKED_FOR.values())}")
 
 
-def iterate_weights(resolved: ResolvedModel, load_format: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, cpu_tensor)`` for every tensor of the checkpoint."""
+def iterate_weights(resolved: ResolvedModel, load_format: str, quant_config=None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, cpu_tensor)`` for every tensor of the checkpoint (GGUF with
+    ``quantization="gguf"``: the 4-bit projections as the quantized layers' tensors)."""
     if load_format not in ("auto", "safetensors", "pt", "gguf"):
         raise ValueError(f"load_format {load_format!r} has no weight files; use one of {list(LOAD_FORMATS)}")
     folder = Path(resolved.path)
@@ -228,7 +230,7 @@ def iterate_weights(resolved: ResolvedModel, load_format: str) -> Iterator[tuple
         gguf_path = _gguf_path(resolved)
         if gguf_path is None:
             raise ValueError(f"no GGUF weights in {str(folder)!r}; looked for {_LOOKED_FOR['gguf']}")
-        yield from _iterate_gguf(gguf_path, resolved.hf_config)
+        yield from _iterate_gguf(gguf_path, resolved.hf_config, quant_config)
         return
     files = _safetensors_files(folder) if load_format == "safetensors" else _pt_files(folder)
     if not files:
@@ -272,20 +274,32 @@ def _unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def _iterate_gguf(gguf_path: str, config) -> Iterator[tuple[str, torch.Tensor]]:
+def _iterate_gguf(gguf_path: str, config, quant_config=None) -> Iterator[tuple[str, torch.Tensor]]:
     permuted = gguf_architecture(gguf_path) == "llama"  # only llama's q/k rows are permuted
     n_heads = config.num_attention_heads
     n_kv_heads = getattr(config, "num_key_value_heads", None) or n_heads
-    for name, array in _progress(list(iterate_gguf_tensors(gguf_path)), "Loading GGUF weights"):
+    quantized = quant_config.types if getattr(quant_config, "name", None) == "gguf" else {}
+
+    def keep_raw(name: str, qtype: int) -> bool:  # a projection that runs quantized: its blocks as they are
+        hf_name = _gguf_to_hf_name(name)
+        return hf_name is not None and hf_name.endswith(".weight") and hf_name[:-len(".weight")] in quantized
+
+    for name, array, qtype in _progress(list(iterate_gguf_tensors_raw(gguf_path, keep_raw)), "Loading GGUF weights"):
         hf_name = _gguf_to_hf_name(name)
         if hf_name is None:
             continue
+        heads = n_heads if ".self_attn.q_proj." in hf_name else n_kv_heads if ".self_attn.k_proj." in hf_name else None
+        if qtype is not None:
+            parts = blocks_to_canonical(array, qtype)
+            if permuted and heads is not None:
+                parts = {key: _unpermute_rope_rows(value, heads) for key, value in parts.items()}
+            for suffix, tensor in canonical_tensors(parts).items():
+                yield f"{hf_name[:-len('.weight')]}.{suffix}", tensor
+            continue
         # Dequantized arrays are fresh; unquantized ones are read-only views of the mmap.
         weight = torch.from_numpy(array) if array.flags.writeable else torch.tensor(array)
-        if permuted and ".self_attn.q_proj." in hf_name:
-            weight = _unpermute_rope_rows(weight, n_heads)
-        elif permuted and ".self_attn.k_proj." in hf_name:
-            weight = _unpermute_rope_rows(weight, n_kv_heads)
+        if permuted and heads is not None:
+            weight = _unpermute_rope_rows(weight, heads)
         yield hf_name, weight
 
 
@@ -314,10 +328,12 @@ def load_model(
     kwargs = {}
     if max_model_len is not None and "max_model_len" in inspect.signature(model_cls).parameters:
         kwargs["max_model_len"] = max_model_len
-    quant_config = get_quantization_config(quantization, resolved.hf_config)
-    if quant_config is not None and (load_format == "gguf" or resolved.gguf_file):
-        raise ValueError(f"quantization={quantization!r} cannot be combined with GGUF weights (GGUF tensors are "
-                         "dequantized to the model dtype at load)")
+    gguf = load_format == "gguf" or (load_format == "auto" and _detect_format(resolved) == "gguf")
+    if quantization is not None and gguf != (quantization == "gguf"):
+        raise ValueError(f"quantization={quantization!r} with {'GGUF' if gguf else load_format} weights: GGUF weights "
+                         "run quantized with quantization='gguf' only, and only GGUF weights do")
+    quant_config = get_quantization_config(quantization, resolved.hf_config,
+                                           gguf_file=_gguf_path(resolved) if gguf else None)
     # Parameters are allocated once, where they will live.
     with _default_dtype(dtype), device, quant_config_context(quant_config):
         model = model_cls(resolved.hf_config, **kwargs)
@@ -328,7 +344,7 @@ def load_model(
     if load_format == "dummy":
         _init_dummy(model, seed, device)
     else:
-        loaded = model.load_weights(iterate_weights(resolved, load_format))
+        loaded = model.load_weights(iterate_weights(resolved, load_format, quant_config))
         missing = sorted({name for name, p in model.named_parameters() if not getattr(p, "optional", False)} - loaded)
         if missing:
             shown = ", ".join(missing[:10]) + (f", ... ({len(missing)} in all)" if len(missing) > 10 else "")

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from typing import Any
 
-QUANTIZATION_METHODS = ("fp8", "awq", "gptq", "compressed-tensors")
+QUANTIZATION_METHODS = ("fp8", "awq", "gptq", "compressed-tensors", "gguf")
 # vLLM's other names for the same checkpoints (its kernel choices): they run here as the plain method.
 _ALIASES = {"awq_marlin": "awq", "gptq_marlin": "gptq", "compressed_tensors": "compressed-tensors"}
-# Methods that quantize an unquantized checkpoint at load.
-_ONLINE = ("fp8",)
+# Methods that need no quantization_config: fp8 quantizes a 16/32-bit checkpoint at load; gguf
+# runs a GGUF file's 4-bit blocks as they are.
+_ONLINE = ("fp8", "gguf")
 
 
 def checkpoint_quantization_config(hf_config: Any) -> dict | None:
@@ -55,10 +56,15 @@ def resolve_quantization(hf_config: Any, requested: str | None) -> str | None:
     return method
 
 
-def get_quantization_config(method: str | None, hf_config: Any):
-    """The QuantizationConfig of ``method`` (resolved by ``resolve_quantization``) for this model."""
+def get_quantization_config(method: str | None, hf_config: Any, gguf_file: str | None = None):
+    """The QuantizationConfig of ``method`` (resolved by ``resolve_quantization``) for this model
+    (``gguf_file``: its GGUF weights, which ``gguf`` reads the tensor types of)."""
     if method is None:
         return None
+    if method == "gguf":
+        from pagedllm.model.quantization.gguf import GGUFConfig
+
+        return GGUFConfig.from_gguf(gguf_file)
     qc = checkpoint_quantization_config(hf_config)
     if method == "fp8":
         from pagedllm.model.quantization.fp8 import Fp8Config
