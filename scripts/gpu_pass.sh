@@ -2,7 +2,7 @@
 # One device call does the whole GPU pass: correctness tests, then the benchmarks, then a
 # short table. Usage (on the device machine, repo root): scripts/gpu_pass.sh [STAGES]
 # STAGES is a comma list of: tests, throughput, throughput8b, latency, startup, structured, lora,
-# moetune, moe, quant, pooling, embed, moedebug, fp8kv, fp8kvbench (default: startup,tests,throughput,throughput8b,latency).
+# moetune, moe, quant, quanttune, pooling, embed, embedprof, moedebug, fp8kv, fp8kvbench (default: startup,tests,throughput,throughput8b,latency).
 # Needs the SmolLM2 tokenizer saved under .gpu/tokenizer (carried with the call).
 set -uo pipefail
 export PYTHONPATH=src:.${PYTHONPATH:+:$PYTHONPATH} PAGEDLLM_TEST_TOKENIZER_DIR=.gpu/tokenizer HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -101,6 +101,14 @@ stage fp8kvbench && bench tput_06b_bf16kv python -m pagedllm.benchmarks.throughp
 stage fp8kvbench && bench tput_06b_fp8kv python -m pagedllm.benchmarks.throughput --shape qwen3-0.6b --kv-cache-dtype fp8
 stage fp8kvbench && bench tput_8b_fp8kv python -m pagedllm.benchmarks.throughput --shape llama3-8b --kv-cache-dtype fp8
 stage fp8kvbench && bench lat_8b_fp8kv python -m pagedllm.benchmarks.latency --shape llama3-8b --batch-sizes 1,32 --kv-cache-dtype fp8
+# Quantized weights (issue 17): the kernels alone, then llama3-8b decode (batch 1, 32) and workload 1 for
+# FP8 W8A8 (online) and W4A16 (GPTQ layout, groups of 128); quanttune times the W4A16 tilings.
+stage quant && bench quant_kernel python -m pagedllm.benchmarks.quant_kernel --shape llama3-8b
+stage quant && bench quant_latency_fp8 python -m pagedllm.benchmarks.latency --shape llama3-8b --batch-sizes 1,32 --quantization fp8
+stage quant && bench quant_latency_w4a16 python -m pagedllm.benchmarks.latency --shape llama3-8b --batch-sizes 1,32 --quantization gptq
+stage quant && bench quant_throughput_fp8 python -m pagedllm.benchmarks.throughput --shape llama3-8b --quantization fp8
+stage quant && bench quant_throughput_w4a16 python -m pagedllm.benchmarks.throughput --shape llama3-8b --quantization gptq
+stage quanttune && bench quant_tune python -m pagedllm.benchmarks.quant_kernel --shape llama3-8b --tune --rows 1,16,32,256 --iters 20
 echo "== results"
 python - "$RES" <<'PY'
 import json, sys

@@ -50,6 +50,9 @@ class ModelConfig:
     pooler_config: "PoolerConfig | None" = None
     pooling_kind: str | None = None  # a pooling model's head: "embed" | "classify" | "reward"
     is_encoder: bool = False  # bidirectional attention (BERT, XLM-R): whole prompts, no KV kept
+    # The linear layers' weight quantization (pagedllm.model.quantization), resolved from the
+    # engine arg and the checkpoint's quantization_config; None: dense weights.
+    quantization: str | None = None
 
     @property
     def vocab_size(self) -> int:

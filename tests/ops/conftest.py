@@ -7,7 +7,8 @@ from tests.triton_env import ON_GPU, import_interpreted, kernel_module
 
 DEVICE = "cuda" if ON_GPU else "cpu"
 
-import_interpreted("pagedllm.ops.triton_ops", "pagedllm.ops.triton_gemv", "pagedllm.ops.triton_fused_moe")
+import_interpreted("pagedllm.ops.triton_ops", "pagedllm.ops.triton_gemv", "pagedllm.ops.triton_fused_moe",
+                  "pagedllm.ops.triton_int4", "pagedllm.ops.triton_fp8")
 
 
 @pytest.fixture
@@ -23,3 +24,13 @@ def triton_gemv(monkeypatch):
 @pytest.fixture
 def triton_fused_moe(monkeypatch):
     return kernel_module("pagedllm.ops.triton_fused_moe", "_moe_gate_up_kernel", monkeypatch)
+
+
+@pytest.fixture
+def triton_int4(monkeypatch):
+    return kernel_module("pagedllm.ops.triton_int4", "_w4a16_gemm_kernel", monkeypatch)
+
+
+@pytest.fixture
+def triton_fp8(monkeypatch):
+    return kernel_module("pagedllm.ops.triton_fp8", "_fp8_block_gemm_kernel", monkeypatch)

@@ -80,18 +80,91 @@ def write_shape(shape: str, tokenizer_dir: str | None = None, **overrides) -> st
     return folder
 
 
-def weight_bytes(config: dict, itemsize: int = 2, active_only: bool = False) -> int:
+# --quantization of the benchmarks: the config.json quantization_config a dummy shape carries
+# (dummy packed weights, as such a checkpoint holds them), or None where the engine quantizes
+# the shape's 16-bit weights at load ("fp8": per-channel weights, dynamic per-token activations).
+QUANTIZATIONS = {
+    "fp8": None,
+    "fp8-block": {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
+    "awq": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"},
+    "gptq": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True},
+    "compressed-tensors": {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {
+        "group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "symmetric": True,
+                                                       "strategy": "group", "group_size": 128}}}},
+}
+
+
+def quantization_setup(quantization: str | None) -> tuple[dict, str | None]:
+    """(config.json overrides for the dummy shape, the engine's ``quantization`` argument)."""
+    if quantization is None:
+        return {}, None
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"--quantization {quantization!r} is not one of {sorted(QUANTIZATIONS)}")
+    qc = QUANTIZATIONS[quantization]
+    return ({}, quantization) if qc is None else ({"quantization_config": qc}, None)
+
+
+def _linear_bytes(n: int, k: int, itemsize: int, quant: dict | None) -> int:
+    """Bytes of an [n, k] projection's parameters as the engine holds them after loading."""
+    if quant is None:
+        return n * k * itemsize
+    method = quant["quant_method"]
+    if method == "fp8":
+        block = quant.get("weight_block_size")
+        if block:
+            return n * k + -(-n // block[0]) * -(-k // block[1]) * 4  # fp8 weight, float32 block scales
+        return n * k + n * 4 + (4 if quant.get("activation_scheme") == "static" else 0)  # per-channel scales
+    if method == "compressed-tensors":
+        weights = next(iter(quant["config_groups"].values()))["weights"]
+        group, symmetric, scale_size = weights["group_size"], weights.get("symmetric", True), itemsize
+    else:  # AWQ / GPTQ keep their float16 scales
+        group, symmetric, scale_size = quant["group_size"], method == "gptq" and quant.get("sym", True), 2
+    zeros = 0 if symmetric else (k // group) * n // 2
+    return n * k // 2 + (k // group) * n * scale_size + zeros  # packed int4, scales, packed zero points
+
+
+def weight_bytes(config: dict, itemsize: int = 2, active_only: bool = False, quantization: str | None = None) -> int:
     """Parameter bytes of a Llama-family or Qwen3-MoE shape: embeddings, layers, final norm, lm_head
-    if untied. ``active_only``: what one token reads (of each MoE layer only its top-k experts)."""
+    if untied. ``active_only``: what one token reads (of each MoE layer only its top-k experts).
+    Quantized projections (``config["quantization_config"]``, or ``quantization="fp8"`` online)
+    count their packed weights, scales and zero points; embeddings, norms and the LM head stay
+    in the model dtype."""
     hidden, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
     heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
     head_dim = config.get("head_dim") or hidden // heads
-    attn = hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden
+    quant = config.get("quantization_config") or (
+        {"quant_method": "fp8", "activation_scheme": "dynamic"} if quantization == "fp8" else None)
+    attn = (_linear_bytes((heads + 2 * kv_heads) * head_dim, hidden, itemsize, quant)
+            + _linear_bytes(hidden, heads * head_dim, itemsize, quant))
     norms = 2 * hidden + (2 * head_dim if config["model_type"] in ("qwen3", "qwen3_moe") else 0)
     params = vocab * hidden * (1 if config.get("tie_word_embeddings") else 2) + hidden
+    total = 0  # bytes of the projections
     for layer in range(config["num_hidden_layers"]):
-        params += attn + norms + _mlp_params(config, layer, active_only)
-    return params * itemsize
+        params += norms
+        total += attn
+        if quant is not None:
+            total += _linear_bytes(2 * inter, hidden, itemsize, quant) + _linear_bytes(hidden, inter, itemsize, quant)
+        else:
+            params += _mlp_params(config, layer, active_only)
+    return params * itemsize + total
+
+
+def step_read_bytes(config: dict, itemsize: int, batch: int, context_len: float, kv_itemsize: int | None = None,
+                    quantization: str | None = None) -> int:
+    """Every byte one decode step of ``batch`` requests reads: the weights (quantized ones packed,
+    with their scales and zero points; of each MoE layer only the top-k experts' of one token, a
+    lower bound for a batch), of the embedding table only the ``batch`` rows looked up, and each
+    request's K/V over ``context_len`` tokens (``kv_itemsize``: the cache's bytes per value, the
+    model's by default)."""
+    hidden, vocab = config["hidden_size"], config["vocab_size"]
+    heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
+    head_dim = config.get("head_dim") or hidden // heads
+    table = vocab * hidden * itemsize  # the embedding (tied: also the LM head, read whole)
+    weights = weight_bytes(config, itemsize, active_only=True, quantization=quantization)
+    if not config.get("tie_word_embeddings"):
+        weights -= table
+    kv = config["num_hidden_layers"] * 2 * kv_heads * head_dim * (kv_itemsize or itemsize) * context_len
+    return int(weights + batch * hidden * itemsize + batch * kv)
 
 
 def kv_bytes_per_token(config: dict, kv_itemsize: int) -> int:

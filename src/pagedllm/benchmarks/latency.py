@@ -9,12 +9,15 @@ per step is the difference of the medians over the output_len - 1 decode steps:
     ms_per_step = (median(total) - median(ttft)) / (output_len - 1)
 
 At batch 1 that is ms per output token; at batch B each step yields B tokens. For batch 1
-the memory roofline is the bytes one decode step reads: the weights (from the config shape; of
-a MoE layer only its top-k experts) plus the K/V of the context, at its mean over the decode
-steps (input_len + output_len / 2 tokens; 1 byte per element with --kv-cache-dtype fp8), over
-the device's measured copy bandwidth ((bytes read + bytes written) / time of copying a
---copy-mib tensor, median of repeats, timed with CUDA events):
-roofline_fraction = roofline_ms / ms_per_step.
+the memory roofline is the weight bytes one token reads (from the config shape; of a MoE layer
+only its top-k experts) over the device's measured copy bandwidth ((bytes read + bytes written)
+/ time of copying a --copy-mib tensor, median of repeats, timed with CUDA events):
+roofline_fraction = roofline_ms / ms_per_step. The step roofline (every batch size) counts every
+byte a step reads instead (common.step_read_bytes: the weights as held, quantized ones packed with
+their scales; of the embedding only the rows looked up; each request's K/V at its mean context
+over the decode, input_len + output_len / 2; --kv-cache-dtype fp8: one byte per value):
+step_roofline_fraction = step_roofline_ms / ms_per_step. The batch-1 roofline adds the K/V of
+that mean context to the weights too (kv_bytes).
 """
 from __future__ import annotations
 
@@ -25,8 +28,10 @@ import random
 import statistics
 import time
 
-from pagedllm.benchmarks.common import (SHAPES, emit, int_list, kv_bytes_per_token, kv_itemsize, parse_engine_args,
-                                        print_table, weight_bytes, write_shape)
+from pagedllm.benchmarks.common import (
+    QUANTIZATIONS, SHAPES, emit, int_list, kv_bytes_per_token, kv_itemsize, parse_engine_args, print_table,
+    quantization_setup, step_read_bytes, weight_bytes, write_shape,
+)
 
 
 def copy_bandwidth_bytes_per_s(device: str, nbytes: int, repeats: int = 20) -> float:
@@ -86,6 +91,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--copy-mib", type=int, default=1024, help="size of the tensor copied to measure bandwidth")
     p.add_argument("--engine-args", default="", help="extra EngineArgs as k=v,k=v")
+    p.add_argument("--quantization", default=None, choices=sorted(QUANTIZATIONS),
+                   help="quantized weights: a dummy shape gets that format's quantization_config ('fp8': the "
+                        "engine quantizes the 16-bit weights at load); the roofline counts packed weights and scales")
     args = p.parse_args(argv)
     if args.output_len < 2:
         raise ValueError(f"--output-len must be >= 2 (decode steps follow the first token), got {args.output_len}")
@@ -96,7 +104,11 @@ def main(argv: list[str] | None = None) -> None:
 
     from pagedllm import LLM, SamplingParams, TokensPrompt
 
-    model = args.model or write_shape(args.shape)
+    shape_overrides, quantization = quantization_setup(args.quantization)
+    if args.model and shape_overrides:
+        raise ValueError(f"--quantization {args.quantization!r} describes a dummy shape's weights; a real --model "
+                         "carries its own quantization_config")
+    model = args.model or write_shape(args.shape, **shape_overrides)
     with open(os.path.join(model, "config.json")) as f:
         config = json.load(f)
     extra = parse_engine_args(args.engine_args)
@@ -108,10 +120,10 @@ def main(argv: list[str] | None = None) -> None:
     bandwidth = copy_bandwidth_bytes_per_s(device, args.copy_mib << 20)
 
     llm = LLM(model, load_format="auto" if args.model else "dummy", dtype=dtype, skip_tokenizer_init=not args.model,
-              enforce_eager=args.enforce_eager, max_model_len=args.max_model_len,
+              enforce_eager=args.enforce_eager, max_model_len=args.max_model_len, quantization=quantization,
               **{"kv_cache_dtype": args.kv_cache_dtype, **extra})
     kv_cache_dtype = extra.get("kv_cache_dtype", args.kv_cache_dtype)
-    kv_token_bytes = kv_bytes_per_token(config, kv_itemsize(kv_cache_dtype, itemsize))
+    kv_size = kv_itemsize(kv_cache_dtype, itemsize)
     rng = random.Random(0)
     results = []
     for batch in args.batch_sizes:
@@ -125,20 +137,27 @@ def main(argv: list[str] | None = None) -> None:
         total_s = _time_generate(llm, prompts, full, args.num_iters)
         step_ms = (total_s - ttft_s) * 1e3 / (args.output_len - 1)
         result = {"benchmark": "latency", "engine": "pagedllm", "shape": args.model or args.shape, "dtype": dtype,
-                  "kv_cache_dtype": kv_cache_dtype, "enforce_eager": args.enforce_eager, "batch_size": batch,
-                  "input_len": args.input_len,
+                  "quantization": args.quantization, "kv_cache_dtype": kv_cache_dtype,
+                  "enforce_eager": args.enforce_eager, "batch_size": batch, "input_len": args.input_len,
                   "output_len": args.output_len, "num_iters": args.num_iters, "ttft_ms": round(ttft_s * 1e3, 2),
                   "e2e_s": round(total_s, 4), "ms_per_step": round(step_ms, 3),
                   "decode_tok_s": round(batch * 1e3 / step_ms, 1)}
+        step_bytes = step_read_bytes(config, itemsize, batch, args.input_len + args.output_len / 2, kv_size,
+                                     quantization)
+        step_roofline_ms = step_bytes / bandwidth * 1e3
+        result.update(step_bytes=step_bytes, step_roofline_ms=round(step_roofline_ms, 3),
+                      step_roofline_fraction=round(step_roofline_ms / step_ms, 3))
         if batch == 1:
-            wbytes = weight_bytes(config, itemsize, active_only=True)  # MoE: one token reads its top-k experts
-            kv_bytes = round((args.input_len + args.output_len / 2) * kv_token_bytes)  # mean context of a step
+            # MoE: one token reads its top-k experts; quantized projections: packed weights, scales, zeros.
+            wbytes = weight_bytes(config, itemsize, active_only=True, quantization=quantization)
+            kv_bytes = round((args.input_len + args.output_len / 2) * kv_bytes_per_token(config, kv_size))
             roofline_ms = (wbytes + kv_bytes) / bandwidth * 1e3
             result.update(weight_bytes=wbytes, kv_bytes=kv_bytes, copy_bandwidth_gb_s=round(bandwidth / 1e9, 1),
                           roofline_ms=round(roofline_ms, 3), roofline_fraction=round(roofline_ms / step_ms, 3))
         emit(result)
         results.append(result)
-    print_table(results, ["batch_size", "ttft_ms", "ms_per_step", "decode_tok_s", "roofline_ms", "roofline_fraction"])
+    print_table(results, ["batch_size", "ttft_ms", "ms_per_step", "decode_tok_s", "roofline_ms", "roofline_fraction",
+                          "step_roofline_ms", "step_roofline_fraction"])
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ import argparse
 import random
 import time
 
-from pagedllm.benchmarks.common import SHAPES, emit, parse_engine_args, write_shape
+from pagedllm.benchmarks.common import QUANTIZATIONS, SHAPES, emit, parse_engine_args, quantization_setup, write_shape
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -25,6 +25,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
                    help="the KV cache's dtype (fp8: 1 byte per element, twice the tokens of bf16 in the same memory)")
     p.add_argument("--engine-args", default="", help="extra EngineArgs as k=v,k=v (ints parsed)")
+    p.add_argument("--quantization", default=None, choices=sorted(QUANTIZATIONS),
+                   help="quantized weights: a dummy shape gets that format's quantization_config ('fp8': the "
+                        "engine quantizes the 16-bit weights at load)")
     args = p.parse_args(argv)
 
     from pagedllm import LLM, SamplingParams, TokensPrompt
@@ -36,9 +39,13 @@ def main(argv: list[str] | None = None) -> None:
     max_tokens = [random.randint(lo_out, args.max_output_len) for _ in range(args.num_prompts)]
 
     extra = parse_engine_args(args.engine_args)
-    model = args.model or write_shape(args.shape)
+    shape_overrides, quantization = quantization_setup(args.quantization)
+    if args.model and shape_overrides:
+        raise ValueError(f"--quantization {args.quantization!r} describes a dummy shape's weights; a real --model "
+                         "carries its own quantization_config")
+    model = args.model or write_shape(args.shape, **shape_overrides)
     llm = LLM(model, load_format="auto" if args.model else "dummy", dtype=args.dtype,
-              skip_tokenizer_init=not args.model, max_model_len=args.max_model_len,
+              skip_tokenizer_init=not args.model, max_model_len=args.max_model_len, quantization=quantization,
               **{"kv_cache_dtype": args.kv_cache_dtype, **extra})
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m, detokenize=False) for m in max_tokens]
     llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3])], SamplingParams(max_tokens=4, detokenize=False),
@@ -51,6 +58,7 @@ def main(argv: list[str] | None = None) -> None:
     kv_blocks = llm.llm_engine.engine_core.kv_cache_manager.num_blocks
     emit({"benchmark": "throughput", "engine": "pagedllm", "shape": args.model or args.shape,
           "kv_cache_dtype": extra.get("kv_cache_dtype", args.kv_cache_dtype), "num_kv_blocks": kv_blocks,
+          "quantization": args.quantization,
           "num_prompts": args.num_prompts, "elapsed_s": round(elapsed, 2), "output_tokens": out_tokens,
           "output_tok_s": round(out_tokens / elapsed, 1), "total_tok_s": round((in_tokens + out_tokens) / elapsed, 1)})
 

@@ -67,6 +67,9 @@ class EngineArgs:
     calculate_kv_scales: bool = False
     enable_chunked_prefill: bool | None = None
     load_format: str = "auto"
+    # Weight quantization: "fp8" (also quantizes a 16/32-bit checkpoint at load), "awq", "gptq",
+    # "compressed-tensors"; None: the checkpoint's quantization_config.quant_method, if any.
+    quantization: str | None = None
     hf_overrides: dict[str, Any] | Callable | None = None
     generation_config: str = "auto"
     override_generation_config: dict[str, Any] | None = None
@@ -268,8 +271,11 @@ class EngineArgs:
             raise ValueError(f"speculative_config model {spec.model!r} has a vocabulary of "
                              f"{resolved.hf_config.vocab_size} tokens, the target {target.vocab_size}: a draft must "
                              "share the target's tokenizer")
+        from pagedllm.model.quantization import resolve_quantization
+
         return dataclasses.replace(target, model=spec.model, path=resolved.path, gguf_file=resolved.gguf_file,
-                                   hf_config=resolved.hf_config)
+                                   hf_config=resolved.hf_config,
+                                   quantization=resolve_quantization(resolved.hf_config, None))
 
     def resolve_device(self) -> str:
         import torch
@@ -295,6 +301,7 @@ class EngineArgs:
                                  trust_remote_code=self.trust_remote_code, hf_overrides=self.hf_overrides)
         hf_config = resolved.hf_config
         runner, convert, pooler, is_encoder, pooling_kind = pooling_setup(self, resolved)
+        quantization = self._quantization(resolved)
         derived_max_len = _derive_max_model_len(hf_config)
         max_model_len = self.max_model_len or derived_max_len
         if self.max_model_len and derived_max_len and self.max_model_len > derived_max_len:
@@ -330,6 +337,7 @@ class EngineArgs:
             enforce_eager=self.enforce_eager, enable_sleep_mode=bool(self.enable_sleep_mode),
             enable_return_routed_experts=self._routed_experts_option(hf_config),
             runner_type=runner, convert=convert, pooler_config=pooler, is_encoder=is_encoder, pooling_kind=pooling_kind,
+            quantization=quantization,
         )
         if runner == "pooling":
             model_config.enforce_eager = True  # prefill-only steps: no decode graphs to replay
@@ -356,6 +364,25 @@ class EngineArgs:
                             log_stats=not self.disable_log_stats, parallel_config=parallel_config,
                             structured_outputs_config=structured, speculative_config=speculative,
                             lora_config=lora, draft_model_config=draft)
+
+    def _quantization(self, resolved: Any) -> str | None:
+        """The weight quantization the model runs; what cannot compose with it is refused here."""
+        from pagedllm.model.quantization import get_quantization_config, resolve_quantization
+
+        method = resolve_quantization(resolved.hf_config, self.quantization)
+        if method is None:
+            return None
+        gguf = resolved.gguf_file is not None or self.load_format == "gguf"
+        if gguf != (method == "gguf"):
+            raise ValueError(f"quantization={method!r} with {'GGUF' if gguf else 'these'} weights: GGUF weights run "
+                             "quantized with quantization='gguf' only (without it they are dequantized at load), and "
+                             "only GGUF weights do")
+        if not gguf:  # a config we cannot run fails here, not in a worker
+            get_quantization_config(method, resolved.hf_config)
+        if _num_experts(resolved.hf_config) is not None:
+            raise ValueError(f"quantization={method!r} is not supported for mixture-of-experts models yet: the fused "
+                             "expert kernels run 16/32-bit weights only")
+        return method
 
     def _routed_experts_option(self, hf_config: Any) -> bool:
         if not self.enable_return_routed_experts:

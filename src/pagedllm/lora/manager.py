@@ -31,7 +31,7 @@ class LoRAManager:
             if leaf not in FUSED or not hasattr(module, "weight"):
                 continue
             subs = FUSED[leaf]
-            out = module.weight.shape[0]
+            out = module.out_features
             parts = [module._shard_range(sid) for _, sid in subs] if len(subs) > 1 else [(0, out)]
             b_rows = a_cols = None
             if getattr(module, "tp_size", 1) > 1:  # this rank's slice of the adapters (LoRASlots)
@@ -40,7 +40,7 @@ class LoRAManager:
                         if len(subs) > 1 else [module._shard_start(0)]
                 elif isinstance(module, RowParallelLinear):
                     a_cols = (module.tp_rank * module.input_size_per_rank, module.input_size_per_rank)
-            slots = LoRASlots(lora_config.max_loras, lora_config.max_lora_rank, module.weight.shape[1], parts,
+            slots = LoRASlots(lora_config.max_loras, lora_config.max_lora_rank, module.in_features, parts,
                               dtype, device, b_rows, a_cols)
             module.lora = slots
             self.layers.append((slots, [name[:-len(leaf)] + hf for hf, _ in subs]))

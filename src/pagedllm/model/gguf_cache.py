@@ -88,3 +88,22 @@ def iterate_gguf_tensors(gguf_file: str) -> Iterator[tuple[str, np.ndarray]]:
         raw = np.memmap(gguf_file, dtype=np.dtype(t["dtype"]), mode="r", offset=t["offset"],
                         shape=tuple(t["shape"]))
         yield t["name"], gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(t["qtype"]))
+
+
+def gguf_tensor_types(gguf_file: str) -> dict[str, int]:
+    """Each tensor's GGML quantization type (gguf.GGMLQuantizationType's value)."""
+    return {t["name"]: t["qtype"] for t in _tensor_index(gguf_file)["tensors"]}
+
+
+def iterate_gguf_tensors_raw(gguf_file: str, keep_raw) -> Iterator[tuple[str, np.ndarray, int | None]]:
+    """As ``iterate_gguf_tensors``, but tensors for which ``keep_raw(name, qtype)`` holds come as
+    their raw blocks (uint8 [rows, bytes]) with their type; the others dequantized, type None."""
+    import gguf
+
+    for t in _tensor_index(gguf_file)["tensors"]:
+        raw = np.memmap(gguf_file, dtype=np.dtype(t["dtype"]), mode="r", offset=t["offset"],
+                        shape=tuple(t["shape"]))
+        if keep_raw(t["name"], t["qtype"]):
+            yield t["name"], raw, t["qtype"]
+        else:
+            yield t["name"], gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(t["qtype"])), None

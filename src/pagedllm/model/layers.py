@@ -17,6 +17,7 @@ from pagedllm.distributed import (
     get_tp_rank, get_tp_size, tensor_model_parallel_all_gather, tensor_model_parallel_all_reduce,
 )
 from pagedllm.lora.layers import MAPPING as LORA_MAPPING
+from pagedllm.model.quantization.base import UnquantizedMethod, current_quant_config
 from pagedllm.model.rotary import RotaryEmbedding, rope_params  # noqa: F401  (re-exported)
 from pagedllm.ops import triton_ops_for
 from pagedllm.ops.cpu_linear import cpu_linear
@@ -32,10 +33,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+    if param.shape != loaded_weight.shape and param.numel() == loaded_weight.numel() == 1:
+        loaded_weight = loaded_weight.reshape(param.shape)  # a scalar saved as [] or [1]
     if param.shape != loaded_weight.shape:
         raise ValueError(
             f"checkpoint tensor has shape {tuple(loaded_weight.shape)}, parameter expects {tuple(param.shape)}")
     param.data.copy_(loaded_weight)  # copy_ also casts to the model's dtype and device
+
+
+def _check_quantized_dtype(param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+    if getattr(param, "exact_dtype", False) and loaded_weight.dtype != param.dtype:
+        raise ValueError(f"checkpoint tensor is {str(loaded_weight.dtype).removeprefix('torch.')}, the quantized "
+                         f"parameter holds {str(param.dtype).removeprefix('torch.')} (is the checkpoint in its "
+                         "quantized form?)")
 
 
 def _parameter(*shape: int, weight_loader=default_weight_loader, full_shape: tuple | None = None) -> nn.Parameter:
@@ -156,45 +166,120 @@ class SiluAndMul(nn.Module):
 
 class Linear(nn.Module):
     """``y = x W^T + b`` with loaders, replicated on every rank. With LoRA enabled the runner
-    attaches ``lora`` (pagedllm.lora.layers.LoRASlots): each token's adapter delta is added."""
+    attaches ``lora`` (pagedllm.lora.layers.LoRASlots): each token's adapter delta is added.
+
+    Quantization (pagedllm.model.quantization): built while a quantization config is current,
+    a ``quantizable`` linear leaves ``weight`` unset and the loader hands it a ``quant_method``
+    (by its name, which the checkpoint's ignore lists may exempt), whose ``create_weights``
+    registers the method's parameters (packed ints, fp8, scales, zeros). Every parameter says
+    which of its dims are the output (``output_dim``) and input (``input_dim``) features and how
+    many features one of its elements covers there (``output_div``/``input_div``: 8 for packed
+    int4, the group size for scales), so the loaders below slice any of them for tensor
+    parallelism; ``per_shard`` parameters (per-tensor scales of fused projections) hold one
+    value per shard."""
 
     lora = None
+    quant_method = None
+    tp_size, tp_rank = 1, 0
+    shards_input = False  # row-parallel: each rank holds a slice of the input features
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, quantizable: bool = True):
         super().__init__()
-        self.weight = _parameter(output_size, input_size, weight_loader=self.weight_loader)
-        self.bias = _parameter(output_size, weight_loader=self.weight_loader) if bias else None
+        self._set_sizes(input_size, input_size, [output_size], [output_size])
+        self._create_weights(bias, quantizable)
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+    def _set_sizes(self, input_size: int, input_size_per_rank: int, output_sizes: list[int],
+                   sizes_per_rank: list[int]) -> None:
+        self.input_size, self.input_size_per_rank = input_size, input_size_per_rank
+        self.output_sizes, self.sizes_per_rank = list(output_sizes), list(sizes_per_rank)
+
+    @property
+    def in_features(self) -> int:
+        """Input features of this rank's slice."""
+        return self.input_size_per_rank
+
+    @property
+    def out_features(self) -> int:
+        """Output features of this rank's slice."""
+        return sum(self.sizes_per_rank)
+
+    def _create_weights(self, bias: bool, quantizable: bool) -> None:
+        if quantizable and current_quant_config() is not None:
+            self.register_parameter("weight", None)  # the loader creates it with the layer's quant method
+        else:
+            self.weight = self._dense_weight()
+        self.bias = None
+        if bias:
+            self.bias = _parameter(self.out_features, weight_loader=self.weight_loader,
+                                   full_shape=(sum(self.output_sizes),))
+            self.bias.output_dim = 0
+
+    def _dense_weight(self) -> nn.Parameter:
+        weight = _parameter(self.out_features, self.input_size_per_rank, weight_loader=self.weight_loader,
+                            full_shape=(sum(self.output_sizes), self.input_size))
+        weight.output_dim, weight.input_dim = 0, 1
+        return weight
+
+    def set_quant_method(self, method) -> None:
+        """Create this layer's weights with ``method`` (a QuantizationMethod; None: dense)."""
+        method = method or UnquantizedMethod()
+        method.create_weights(self)
+        self.quant_method = None if isinstance(method, UnquantizedMethod) else method
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
+        _check_quantized_dtype(param, loaded_weight)
         default_weight_loader(param, loaded_weight)
 
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.quant_method is None:
+            return linear(x, self.weight, bias)
+        return self.quant_method.apply(self, x, bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight, self.bias)
+        y = self._matmul(x, self.bias)
         return y if self.lora is None or not LORA_MAPPING.groups else self.lora.apply(x, y)
+
+
+def _narrow_features(tensor: torch.Tensor, dim: int, start: int, size: int, div: int, what: str) -> torch.Tensor:
+    """Features [start, start + size) of ``tensor`` along ``dim``, where one element covers
+    ``div`` features (packed int4: 8; group scales: the group size)."""
+    if start % div or size % div:
+        raise ValueError(f"{what}: features [{start}, {start + size}) do not align with the quantization's "
+                         f"{div}-feature packs/groups (tensor parallel or fused-projection split)")
+    return tensor.narrow(dim, start // div, size // div)
 
 
 class RowParallelLinear(Linear):
     """``o_proj`` / ``down_proj``: each rank holds a slice of the input columns and computes a
     partial sum; one all-reduce adds them up, then the (replicated) bias is added once."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+    shards_input = True
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, quantizable: bool = True):
         nn.Module.__init__(self)
         self.tp_size, self.tp_rank = get_tp_size(), get_tp_rank()
-        self.input_size_per_rank = _divide(input_size, self.tp_size, "input size of a row-parallel linear")
-        self.weight = _parameter(output_size, self.input_size_per_rank, weight_loader=self.weight_loader,
-                                 full_shape=(output_size, input_size))
-        self.bias = _parameter(output_size, weight_loader=self.weight_loader) if bias else None
+        per_rank = _divide(input_size, self.tp_size, "input size of a row-parallel linear")
+        self._set_sizes(input_size, per_rank, [output_size], [output_size])
+        self._create_weights(bias, quantizable)
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
-        if self.tp_size > 1 and param is self.weight:
-            _check_full_rows(loaded_weight, param.full_shape[1], dim=1)
-            loaded_weight = loaded_weight.narrow(1, self.tp_rank * self.input_size_per_rank, self.input_size_per_rank)
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
+        _check_quantized_dtype(param, loaded_weight)
+        dim = getattr(param, "input_dim", None)
+        if self.tp_size > 1 and dim is not None:
+            div = getattr(param, "input_div", 1)
+            _check_full_rows(loaded_weight, param.full_shape[dim], dim=dim)
+            loaded_weight = _narrow_features(loaded_weight, dim, self.tp_rank * self.input_size_per_rank,
+                                             self.input_size_per_rank, div, "row-parallel linear")
         default_weight_loader(param, loaded_weight)
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's partial sum, before the all-reduce and the bias."""
+        return self._matmul(x, None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             return Linear.forward(self, x)
-        y = linear(x, self.weight)
+        y = self.partial(x)
         if self.lora is not None and LORA_MAPPING.groups:  # this rank's part of the delta, summed below
             y = self.lora.apply(x, y)
         y = tensor_model_parallel_all_reduce(y)
@@ -206,15 +291,13 @@ class MergedLinear(Linear):
     column-parallel: each rank holds its slice of every projection's rows, stacked."""
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
-                 sizes_per_rank: list[int] | None = None):
+                 sizes_per_rank: list[int] | None = None, quantizable: bool = True):
         nn.Module.__init__(self)
         self.tp_size, self.tp_rank = get_tp_size(), get_tp_rank()
-        self.output_sizes = list(output_sizes)  # full, as in the checkpoint
-        self.sizes_per_rank = sizes_per_rank or [
+        sizes_per_rank = sizes_per_rank or [
             _divide(size, self.tp_size, "output size of a column-parallel linear") for size in output_sizes]
-        local, full = sum(self.sizes_per_rank), sum(self.output_sizes)
-        self.weight = _parameter(local, input_size, weight_loader=self.weight_loader, full_shape=(full, input_size))
-        self.bias = _parameter(local, weight_loader=self.weight_loader, full_shape=(full,)) if bias else None
+        self._set_sizes(input_size, input_size, output_sizes, sizes_per_rank)
+        self._create_weights(bias, quantizable)
 
     def _shard_ids(self) -> list:
         return list(range(len(self.output_sizes)))
@@ -231,19 +314,41 @@ class MergedLinear(Linear):
         return self.tp_rank * self.sizes_per_rank[index]
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
+        _check_quantized_dtype(param, loaded_weight)
+        if getattr(param, "per_shard", False):  # one value per projection (a per-tensor scale)
+            index = None if shard_id is None else self._shard_index(shard_id)
+            if loaded_weight.numel() != 1:
+                raise ValueError(f"checkpoint tensor has shape {tuple(loaded_weight.shape)}, expected one value "
+                                 "(a per-tensor scale)")
+            target = param.data if index is None else param.data[index]
+            target.fill_(loaded_weight.reshape(()).item())
+            return
+        dim = getattr(param, "output_dim", None)
+        if dim is None:  # not split by output features
+            return default_weight_loader(param, loaded_weight)
+        div = getattr(param, "output_div", 1)
         if shard_id is None:  # an already fused checkpoint tensor
             if self.tp_size == 1:
                 return default_weight_loader(param, loaded_weight)
-            _check_full_rows(loaded_weight, sum(self.output_sizes))
-            for sid, part in zip(self._shard_ids(), loaded_weight.split(self.output_sizes, dim=0)):
+            _check_full_rows(loaded_weight, param.full_shape[dim], dim)
+            sizes = [size // div for size in self.output_sizes]
+            if any(size % div for size in self.output_sizes):
+                raise ValueError(f"fused projections of sizes {self.output_sizes} do not align with the "
+                                 f"quantization's {div}-feature packs/groups")
+            for sid, part in zip(self._shard_ids(), loaded_weight.split(sizes, dim=dim)):
                 self.weight_loader(param, part, sid)
             return
         offset, size = self._shard_range(shard_id)
+        index = self._shard_index(shard_id)
         if self.tp_size > 1:
-            index = self._shard_index(shard_id)
-            _check_full_rows(loaded_weight, self.output_sizes[index])
-            loaded_weight = loaded_weight.narrow(0, self._shard_start(index), size)
-        default_weight_loader(param.data.narrow(0, offset, size), loaded_weight)
+            full = self.output_sizes[index]
+            _check_full_rows(loaded_weight, -(-full // div), dim)
+            loaded_weight = _narrow_features(loaded_weight, dim, self._shard_start(index), size, div,
+                                             "column-parallel linear")
+        if div > 1 and len(self.output_sizes) > 1 and (offset % div or size % div):
+            raise ValueError(f"fused projections of sizes {self.sizes_per_rank} (per rank) do not align with the "
+                             f"quantization's {div}-feature packs/groups")
+        default_weight_loader(param.data.narrow(dim, offset // div, -(-size // div)), loaded_weight)
 
 
 class QKVLinear(MergedLinear):

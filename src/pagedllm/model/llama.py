@@ -237,6 +237,7 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         shards_seen: dict[str, set] = {}
         head_from_embedding = self.lm_head is not None and getattr(self.lm_head.weight, "checkpoint_name", None)
+        quant_config = getattr(self, "quant_config", None)
         for name, tensor in weights:
             name = self.checkpoint_name(name)
             if name is None or "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name == "lm_head.weight"):
@@ -250,6 +251,11 @@ class LlamaForCausalLM(nn.Module):
             if load_kv_scale(self, name, tensor):  # an fp8 KV cache's k_scale / v_scale: a buffer
                 continue
             name, shard_id = self.stacked_name(name)
+            if name not in params and quant_config is not None and (name.endswith(".bias")
+                                                                     or quant_config.skips_tensor(name)):
+                # GPTQ checkpoints may store zero biases of layers that have none; compressed-tensors'
+                # shape records; KV-cache scales where the model reads none
+                continue
             if name not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}")
             param = params[name]

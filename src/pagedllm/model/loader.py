@@ -17,8 +17,11 @@ import transformers
 from torch import nn
 from tqdm import tqdm
 
-from pagedllm.model.gguf_cache import gguf_architecture, iterate_gguf_tensors, load_gguf_config
-from pagedllm.model.layers import RMSNorm
+from pagedllm.model.gguf_cache import gguf_architecture, iterate_gguf_tensors_raw, load_gguf_config
+from pagedllm.model.layers import Linear, RMSNorm
+from pagedllm.model.quantization import get_quantization_config
+from pagedllm.model.quantization.base import checkpoint_prefixes, quant_config_context
+from pagedllm.model.quantization.gguf import blocks_to_canonical, canonical_tensors
 from pagedllm.model.registry import TEXT_MODEL_OF_MULTIMODAL, get_model_class
 
 logger = logging.getLogger("pagedllm")
@@ -215,8 +218,9 @@ def _detect_format(resolved: ResolvedModel) -> str:
     raise ValueError(f"no weight files in {str(folder)!r}; looked for {'; '.join(_LOOKED_FOR.values())}")
 
 
-def iterate_weights(resolved: ResolvedModel, load_format: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, cpu_tensor)`` for every tensor of the checkpoint."""
+def iterate_weights(resolved: ResolvedModel, load_format: str, quant_config=None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, cpu_tensor)`` for every tensor of the checkpoint (GGUF with
+    ``quantization="gguf"``: the 4-bit projections as the quantized layers' tensors)."""
     if load_format not in ("auto", "safetensors", "pt", "gguf"):
         raise ValueError(f"load_format {load_format!r} has no weight files; use one of {list(LOAD_FORMATS)}")
     folder = Path(resolved.path)
@@ -226,7 +230,7 @@ def iterate_weights(resolved: ResolvedModel, load_format: str) -> Iterator[tuple
         gguf_path = _gguf_path(resolved)
         if gguf_path is None:
             raise ValueError(f"no GGUF weights in {str(folder)!r}; looked for {_LOOKED_FOR['gguf']}")
-        yield from _iterate_gguf(gguf_path, resolved.hf_config)
+        yield from _iterate_gguf(gguf_path, resolved.hf_config, quant_config)
         return
     files = _safetensors_files(folder) if load_format == "safetensors" else _pt_files(folder)
     if not files:
@@ -270,20 +274,32 @@ def _unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def _iterate_gguf(gguf_path: str, config) -> Iterator[tuple[str, torch.Tensor]]:
+def _iterate_gguf(gguf_path: str, config, quant_config=None) -> Iterator[tuple[str, torch.Tensor]]:
     permuted = gguf_architecture(gguf_path) == "llama"  # only llama's q/k rows are permuted
     n_heads = config.num_attention_heads
     n_kv_heads = getattr(config, "num_key_value_heads", None) or n_heads
-    for name, array in _progress(list(iterate_gguf_tensors(gguf_path)), "Loading GGUF weights"):
+    quantized = quant_config.types if getattr(quant_config, "name", None) == "gguf" else {}
+
+    def keep_raw(name: str, qtype: int) -> bool:  # a projection that runs quantized: its blocks as they are
+        hf_name = _gguf_to_hf_name(name)
+        return hf_name is not None and hf_name.endswith(".weight") and hf_name[:-len(".weight")] in quantized
+
+    for name, array, qtype in _progress(list(iterate_gguf_tensors_raw(gguf_path, keep_raw)), "Loading GGUF weights"):
         hf_name = _gguf_to_hf_name(name)
         if hf_name is None:
             continue
+        heads = n_heads if ".self_attn.q_proj." in hf_name else n_kv_heads if ".self_attn.k_proj." in hf_name else None
+        if qtype is not None:
+            parts = blocks_to_canonical(array, qtype)
+            if permuted and heads is not None:
+                parts = {key: _unpermute_rope_rows(value, heads) for key, value in parts.items()}
+            for suffix, tensor in canonical_tensors(parts).items():
+                yield f"{hf_name[:-len('.weight')]}.{suffix}", tensor
+            continue
         # Dequantized arrays are fresh; unquantized ones are read-only views of the mmap.
         weight = torch.from_numpy(array) if array.flags.writeable else torch.tensor(array)
-        if permuted and ".self_attn.q_proj." in hf_name:
-            weight = _unpermute_rope_rows(weight, n_heads)
-        elif permuted and ".self_attn.k_proj." in hf_name:
-            weight = _unpermute_rope_rows(weight, n_kv_heads)
+        if permuted and heads is not None:
+            weight = _unpermute_rope_rows(weight, heads)
         yield hf_name, weight
 
 
@@ -299,10 +315,12 @@ def _default_dtype(dtype: torch.dtype):
 
 def load_model(
     resolved: ResolvedModel, load_format: str, dtype: torch.dtype, device: torch.device, seed: int = 0,
-    max_model_len: int | None = None, convert: str = "none",
+    max_model_len: int | None = None, convert: str = "none", quantization: str | None = None,
 ) -> nn.Module:
     """Build the model in ``dtype`` directly on ``device`` and fill its weights. ``max_model_len``
-    (the engine's context limit) reaches model classes that take it (LongRoPE's choice)."""
+    (the engine's context limit) reaches model classes that take it (LongRoPE's choice).
+    ``quantization``: the method its linear layers run (pagedllm.model.quantization; resolved
+    from the engine args and the checkpoint's quantization_config)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format {load_format!r} is not one of {list(LOAD_FORMATS)}")
     device = torch.device(device)
@@ -310,20 +328,49 @@ def load_model(
     kwargs = {}
     if max_model_len is not None and "max_model_len" in inspect.signature(model_cls).parameters:
         kwargs["max_model_len"] = max_model_len
-    with _default_dtype(dtype), device:  # parameters are allocated once, where they will live
+    gguf = load_format == "gguf" or (load_format == "auto" and _detect_format(resolved) == "gguf")
+    if quantization is not None and gguf != (quantization == "gguf"):
+        raise ValueError(f"quantization={quantization!r} with {'GGUF' if gguf else load_format} weights: GGUF weights "
+                         "run quantized with quantization='gguf' only, and only GGUF weights do")
+    quant_config = get_quantization_config(quantization, resolved.hf_config,
+                                           gguf_file=_gguf_path(resolved) if gguf else None)
+    # Parameters are allocated once, where they will live.
+    with _default_dtype(dtype), device, quant_config_context(quant_config):
         model = model_cls(resolved.hf_config, **kwargs)
+        if quant_config is not None:
+            _attach_quant_methods(model, quant_config)
+    model.quant_config = quant_config
     start = time.perf_counter()
     if load_format == "dummy":
         _init_dummy(model, seed, device)
     else:
-        loaded = model.load_weights(iterate_weights(resolved, load_format))
-        missing = sorted({name for name, _ in model.named_parameters()} - loaded)
+        loaded = model.load_weights(iterate_weights(resolved, load_format, quant_config))
+        missing = sorted({name for name, p in model.named_parameters() if not getattr(p, "optional", False)} - loaded)
         if missing:
             shown = ", ".join(missing[:10]) + (f", ... ({len(missing)} in all)" if len(missing) > 10 else "")
             raise ValueError(f"checkpoint in {resolved.path!r} lacks weights for: {shown}")
-    logger.info("Loaded %s (%s weights, %s, %s) in %.1f s", model_cls.__name__, load_format,
-                str(dtype).removeprefix("torch."), device, time.perf_counter() - start)
+    if quant_config is not None:
+        with _default_dtype(dtype), device, torch.no_grad():
+            for module in model.modules():
+                if getattr(module, "quant_method", None) is not None:
+                    module.quant_method.process_after_loading(module)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # tied weights once
+    logger.info("Loaded %s (%s weights, %s, %s%s) in %.1f s: %.2f GiB", model_cls.__name__, load_format,
+                str(dtype).removeprefix("torch."), device,
+                f", {quant_config.name} quantized" if quant_config is not None else "", time.perf_counter() - start,
+                weight_bytes / 2**30)
     return model.eval()
+
+
+def _attach_quant_methods(model: nn.Module, quant_config) -> None:
+    """Give every quantizable linear its method (by its checkpoint names: ignore lists exempt some)."""
+    if hasattr(model, "moe_blocks"):
+        raise ValueError(f"quantization {quant_config.name!r} is not supported for mixture-of-experts models yet "
+                         f"({type(model).__name__}): the fused expert kernels run 16/32-bit weights only")
+    stacked = getattr(model, "stacked_params", {})
+    for name, module in model.named_modules():
+        if isinstance(module, Linear) and module.weight is None and module.quant_method is None:
+            module.set_quant_method(quant_config.method_for(module, name, checkpoint_prefixes(name, stacked)))
 
 
 @torch.no_grad()
@@ -341,8 +388,11 @@ def _init_dummy(model: nn.Module, seed: int, device: torch.device) -> None:
         key = getattr(param, "checkpoint_name", name)
         generator.manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()))
         full_shape = getattr(param, "full_shape", tuple(param.shape))
+        # Quantized parameters (packed ints, fp8, scales) say how to fill them.
+        fill = getattr(param, "dummy_fill", None) or (lambda t, g: t.normal_(0.0, 0.02, generator=g))
         if full_shape == tuple(param.shape):
-            param.normal_(0.0, 0.02, generator=generator)
+            fill(param.data, generator)
         else:
-            full = torch.empty(full_shape, dtype=param.dtype, device=param.device).normal_(0.0, 0.02, generator=generator)
+            full = torch.empty(full_shape, dtype=param.dtype, device=param.device)
+            fill(full, generator)
             param.weight_loader(param, full)

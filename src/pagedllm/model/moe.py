@@ -20,7 +20,6 @@ from torch import nn
 from pagedllm.distributed import (
     expert_parallel_enabled, get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce,
 )
-from pagedllm.model import layers
 from pagedllm.model.layers import (
     Linear, MergedLinear, RowParallelLinear, SiluAndMul, _check_full_rows, _divide, _parameter, default_weight_loader,
 )
@@ -116,7 +115,7 @@ class SharedExpert(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return layers.linear(self.act_fn(self.gate_up_proj(x)), self.down_proj.weight)
+        return self.down_proj.partial(self.act_fn(self.gate_up_proj(x)))
 
 
 class SparseMoeBlock(nn.Module):
@@ -127,13 +126,13 @@ class SparseMoeBlock(nn.Module):
                  renormalize: bool, round_weights: bool, shared_intermediate_size: int | None = None,
                  scoring: str = "softmax"):
         super().__init__()
-        self.gate = Linear(hidden_size, num_experts)
+        self.gate = Linear(hidden_size, num_experts, quantizable=False)  # the router stays dense
         self.experts = FusedMoE(num_experts, top_k, hidden_size, intermediate_size, renormalize=renormalize,
                                 scoring=scoring, round_weights=round_weights)
         self.shared_expert = None
         if shared_intermediate_size:
             self.shared_expert = SharedExpert(hidden_size, shared_intermediate_size)
-            self.shared_expert_gate = Linear(hidden_size, 1)
+            self.shared_expert_gate = Linear(hidden_size, 1, quantizable=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.experts(x, self.gate(x))

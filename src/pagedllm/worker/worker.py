@@ -50,13 +50,14 @@ class Worker:
         torch.manual_seed(mc.seed)
         resolved = ResolvedModel(path=mc.path, gguf_file=mc.gguf_file, hf_config=mc.hf_config)
         model = load_model(resolved, mc.load_format, TORCH_DTYPES[mc.dtype],
-                           self.device, seed=mc.seed, max_model_len=mc.max_model_len, convert=mc.convert)
+                           self.device, seed=mc.seed, max_model_len=mc.max_model_len, convert=mc.convert,
+                           quantization=mc.quantization)
         draft = None
         if config.draft_model_config is not None:  # speculative decoding's draft, sharded as the target
             dmc = config.draft_model_config
             draft = load_model(ResolvedModel(path=dmc.path, gguf_file=dmc.gguf_file, hf_config=dmc.hf_config),
                                dmc.load_format, TORCH_DTYPES[dmc.dtype], self.device, seed=mc.seed,
-                               max_model_len=mc.max_model_len)
+                               max_model_len=mc.max_model_len, quantization=dmc.quantization)
         self.model_runner = ModelRunner(config, model, self.device, draft)
         if self.device.type == "cuda" and precompile_available():
             precompile(self.model_runner.compile_dry_run, self.device, pc.world_size)
@@ -142,6 +143,10 @@ class Worker:
         returns the parameter names fully loaded. Copies in place: CUDA graphs stay valid."""
         if self._weights_asleep is not None:
             raise ValueError("the weights are asleep; call wake_up(tags=['weights']) before loading weights")
+        quantization = self.config.model_config.quantization
+        if quantization is not None:
+            raise ValueError(f"loading weights into a running model is not supported with quantization={quantization!r} "
+                             "(its layers hold the processed quantized layout)")
         with torch.no_grad():
             loaded = self.model_runner.model.load_weights(weights)
         if self.device.type == "cuda":

@@ -1,0 +1,47 @@
+"""Quantized layers under tensor (and pipeline) parallelism (CPU, gloo, two ranks): packed int4 weights, their
+group scales and zero points, fp8 weights with per-tensor, per-channel and block scales are each
+split on their own axes (column-parallel by output features, row-parallel by input features and
+groups), so TP=2 matches the same transformers reference as TP=1 (tests/model/test_quantization.py,
+same tolerances). One difference is by design (vLLM's too): dynamic per-token activation scales
+of a row-parallel layer are each rank's, over the slice of the features it holds, so that
+reference fake-quantizes o_proj's and down_proj's inputs per half."""
+from __future__ import annotations
+
+import multiprocessing
+
+import pytest
+
+from tests.model import quant_checkpoints as qc
+from tests.model.test_quantization import W4A16_TOL, W8A8_TOL, check_against_reference, make_llm
+
+CASES = {
+    "gptq-asym-g32": (lambda d: qc.write_gptq(d, group=32, symmetric=False), W4A16_TOL),
+    "awq-g32": (lambda d: qc.write_awq(d, group=32), W4A16_TOL),
+    "ct-int4-asym-g32": (lambda d: qc.write_ct_int4(d, group=32, symmetric=False), W4A16_TOL),
+    "fp8-static": (lambda d: qc.write_fp8(d, "static"), W8A8_TOL),
+    "fp8-block32": (lambda d: qc.write_fp8_block(d, 32), W8A8_TOL),
+    "ct-fp8-channel-dynamic": (lambda d: qc.write_ct_fp8(d, "channel", dynamic=True, tp=2), W8A8_TOL),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_tp2_quantized_matches_reference(tmp_path, case):
+    write, tol = CASES[case]
+    reference = write(str(tmp_path))
+    llm = make_llm(str(tmp_path), tensor_parallel_size=2)
+    try:
+        check_against_reference(llm, reference, tol, exact_greedy=tol == W4A16_TOL)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    assert multiprocessing.active_children() == []
+
+
+def test_pp2_quantized_matches_reference(tmp_path):
+    """Pipeline stages build and load only their layers' quantized parameters."""
+    reference = qc.write_gptq(str(tmp_path), group=64, symmetric=True)
+    llm = make_llm(str(tmp_path), pipeline_parallel_size=2)
+    try:
+        check_against_reference(llm, reference, W4A16_TOL, exact_greedy=True)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    assert multiprocessing.active_children() == []

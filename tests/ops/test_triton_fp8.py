@@ -1,0 +1,74 @@
+"""The block-scaled FP8 Triton GEMM equals the torch path of pagedllm.model.quantization.fp8 (the
+same fp8 values times their row-group and weight-block scales, in float32): rows 1..32 and
+prefill sizes, blocks of 32 and 128, K not a multiple of the block (a partial last block), N
+not a multiple of the tile or the block, scales that differ per block. Triton's interpreter runs
+the fp8 dot by upcasting (so this runs on CPU); on a GPU the dot is the fp8 tensor-core one.
+‖out − ref‖/‖ref‖ < 1e-5 in float32 output, 1e-2 in bfloat16."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm.model.quantization.fp8 import (
+    FP8_DTYPE, block_scales_to_elements, fp8_block_linear, quantize_per_token_group,
+)
+from tests.ops.conftest import DEVICE
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.mark.parametrize("m, n, k, block", [
+    (1, 96, 256, (32, 32)),
+    (7, 80, 200, (32, 64)),
+    (32, 256, 256, (128, 128)),
+    (33, 200, 384, (128, 128)),
+    (70, 64, 160, (32, 32)),
+])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_fp8_block_matmul_matches_dequantized_product(triton_fp8, m, n, k, block, out_dtype):
+    bn, bk = block
+    g = torch.Generator().manual_seed(m + n)
+    x = torch.randn(m, k, generator=g)
+    kp = -(-k // bk) * bk  # activations are quantized in whole groups: pad K for the scales
+    xq, xs = quantize_per_token_group(torch.nn.functional.pad(x, (0, kp - k)), bk)
+    xq = xq[:, :k].contiguous()
+    w_scale = torch.rand(-(-n // bn), -(-k // bk), generator=g) * 0.01 + 0.001
+    wq = torch.randn(n, k, generator=g).mul(100).clamp(-448, 448).to(FP8_DTYPE)
+    y = triton_fp8.fp8_block_matmul(xq.to(DEVICE), xs.to(DEVICE), wq.to(DEVICE), w_scale.to(DEVICE), block, out_dtype)
+    x_dq = xq.float() * xs.repeat_interleave(bk, 1)[:, :k]
+    ref = x_dq.double() @ (wq.float() * block_scales_to_elements(w_scale, n, k, bn, bk)).double().t()
+    assert y.shape == (m, n) and y.dtype == out_dtype
+    assert _rel(y.cpu(), ref) < (1e-5 if out_dtype == torch.float32 else 1e-2)
+
+
+def test_fp8_block_linear_torch_path_equals_kernel_inputs():
+    """The CPU path of a block-wise layer: activations per token and K group, weights per tile."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 128, generator=g)
+    wq = torch.randn(64, 128, generator=g).mul(50).to(FP8_DTYPE)
+    w_scale = torch.rand(2, 2, generator=g) * 0.01
+    y = fp8_block_linear(x, wq, w_scale, None, (32, 64))
+    xq, xs = quantize_per_token_group(x, 64)
+    ref = (xq.float() * xs.repeat_interleave(64, 1)) @ (wq.float() * block_scales_to_elements(w_scale, 64, 128, 32, 64)).t()
+    assert torch.allclose(y, ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("m, n, k, bias", [(1, 96, 256, False), (5, 200, 320, True), (16, 64, 512, False),
+                                           (29, 80, 200, True)])
+def test_fp8_small_m_kernel_matches_float32_products(triton_fp8, m, n, k, bias):
+    """The decode kernel: per-row activation and per-channel weight scales, K not a multiple of
+    the 256-wide tile, bias in bfloat16."""
+    from pagedllm.model.quantization.fp8 import quantize_per_token
+
+    g = torch.Generator().manual_seed(m * 3 + n)
+    x = torch.randn(m, k, generator=g)
+    xq, xs = quantize_per_token(x)
+    wq = torch.randn(n, k, generator=g).mul(100).clamp(-448, 448).to(FP8_DTYPE)
+    ws = torch.rand(n, generator=g) * 0.001 + 1e-4
+    b = torch.randn(n, generator=g).to(torch.bfloat16) if bias else None
+    y = triton_fp8.fp8_small_m_linear(xq.to(DEVICE), xs.to(DEVICE), wq.to(DEVICE), ws.to(DEVICE),
+                                      None if b is None else b.to(DEVICE), torch.bfloat16)
+    ref = (xq.double() * xs.double()) @ (wq.double() * ws.double()[:, None]).t() + (b.double() if bias else 0)
+    assert y.shape == (m, n) and _rel(y.cpu(), ref) < 1e-2

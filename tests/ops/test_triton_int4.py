@@ -1,0 +1,102 @@
+"""The W4A16 Triton GEMM equals the torch dequantize-then-matmul path (pagedllm.model.quantization.int4):
+decode rows 1..32 (small-row tiling) and prefill sizes, K of 3..12 groups (not a multiple of the
+64-wide tile: 96, 160), groups of 32/64/128 with tiles never straddling a group, N not a
+multiple of the tile, zero points or none, bias or none, bf16 and fp16. ‖out − ref‖/‖ref‖
+against the float64 product of the same dequantized weight (one rounding of an fp32
+accumulation: 1e-2 bf16, 2e-3 fp16)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm.model.quantization.int4 import dequantize, pack_cols, pack_rows
+from tests.ops.conftest import DEVICE
+
+TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def _weights(n, k, group, zp, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (k, n), generator=g)
+    scales = (torch.rand(k // group, n, generator=g) * 0.02 + 0.001).to(dtype)
+    zeros = torch.randint(0, 16, (k // group, n), generator=g) if zp else None
+    return (pack_rows(q).to(DEVICE), scales.to(DEVICE), None if zeros is None else pack_cols(zeros).to(DEVICE))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m, n, k, group, zp, bias", [
+    (1, 40, 96, 32, True, False),
+    (1, 136, 256, 128, False, True),
+    (3, 64, 160, 32, False, False),
+    (16, 48, 192, 64, True, True),
+    (17, 40, 128, 64, False, False),
+    (32, 72, 256, 128, True, False),
+    (45, 136, 96, 32, True, True),
+    (130, 200, 384, 128, True, False),
+])
+def test_w4a16_kernel_matches_dequantized_matmul(triton_int4, dtype, m, n, k, group, zp, bias):
+    qweight, scales, qzeros = _weights(n, k, group, zp, dtype, seed=m * 7 + n)
+    g = torch.Generator().manual_seed(m)
+    x = torch.randn(m, k, generator=g).to(DEVICE, dtype)
+    b = torch.randn(n, generator=g).to(DEVICE, dtype) if bias else None
+    y = triton_int4.w4a16_linear(x, qweight, scales, qzeros, group, b)
+    w = dequantize(qweight, scales, qzeros, group, k, dtype)  # [K, N], rounded as the kernel rounds it
+    exact = x.double() @ w.double() + (b.double() if bias else 0)
+    assert y.shape == (m, n) and y.dtype == dtype
+    assert _rel(y, exact) < TOL[dtype]
+
+
+@pytest.mark.parametrize("m, tiles", [(1, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64)),
+                                      (40, dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128))])
+def test_packed_load_variant_matches(triton_int4, m, tiles):
+    """The variant that loads each word once and spreads its eight values by a reshape."""
+    qweight, scales, qzeros = _weights(96, 256, 128, True, torch.bfloat16, seed=m)
+    x = torch.randn(m, 256).to(DEVICE, torch.bfloat16)
+    want = triton_int4.w4a16_linear(x, qweight, scales, qzeros, 128, **tiles)
+    got = triton_int4.w4a16_linear(x, qweight, scales, qzeros, 128, PACKED_LOAD=True, **tiles)
+    assert torch.equal(got, want)
+
+
+def test_tilings_and_refusals(triton_int4):
+    assert triton_int4.tiles_for(1, 4096, 128)["BLOCK_M"] == 16 and triton_int4.tiles_for(20, 4096, 32)["BLOCK_M"] == 32
+    assert triton_int4.tiles_for(33, 4096, 128)["BLOCK_M"] == 64
+    for group in (32, 64, 128):
+        assert group % triton_int4.tiles_for(1, 64, group)["BLOCK_K"] == 0
+    qweight, scales, qzeros = _weights(16, 64, 32, True, torch.bfloat16, 0)
+    with pytest.raises(ValueError, match="w4a16_linear"):
+        triton_int4.w4a16_linear(torch.zeros(2, 72, dtype=torch.bfloat16, device=DEVICE), qweight, scales, qzeros, 32)
+
+
+@pytest.mark.parametrize("k, n, group, zp", [(96, 40, 32, True), (256, 136, 128, False), (192, 200, 64, True)])
+def test_dequantize_kernel_equals_torch_dequantize(triton_int4, k, n, group, zp):
+    qweight, scales, qzeros = _weights(n, k, group, zp, torch.bfloat16, seed=k + n)
+    w = triton_int4.w4a16_dequantize(qweight, scales, qzeros, group, torch.bfloat16)
+    assert torch.equal(w, dequantize(qweight, scales, qzeros, group, k, torch.bfloat16))
+
+
+def test_large_prefill_takes_the_dequantize_path(triton_int4, monkeypatch):
+    monkeypatch.setattr(triton_int4, "DEQUANT_ROWS", 40)
+    qweight, scales, qzeros = _weights(48, 64, 32, True, torch.bfloat16, seed=1)
+    x = torch.randn(40, 64).to(DEVICE, torch.bfloat16)
+    b = torch.randn(48).to(DEVICE, torch.bfloat16)
+    y = triton_int4.w4a16_linear(x, qweight, scales, qzeros, 32, b)
+    exact = x.double() @ dequantize(qweight, scales, qzeros, 32, 64, torch.bfloat16).double() + b.double()
+    assert _rel(y, exact) < TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("m", [1, 20, 70])
+def test_gguf_q4_1_mins_variant(triton_int4, monkeypatch, m):
+    """GGUF Q4_1: ``w = q * s + m`` with a float min per group of 32 (the GEMM and the dequantize-
+    then-cuBLAS path)."""
+    qweight, scales, _ = _weights(48, 96, 32, False, torch.float16, seed=m)
+    mins = (torch.randn(3, 48) * 0.01).to(DEVICE, torch.float16)
+    x = torch.randn(m, 96).to(DEVICE, torch.bfloat16)
+    w = dequantize(qweight, scales, None, 32, 96, torch.bfloat16, mins)
+    monkeypatch.setattr(triton_int4, "DEQUANT_ROWS", 64)
+    y = triton_int4.w4a16_linear(x, qweight, scales, None, 32, mins=mins)
+    assert _rel(y, x.double() @ w.double()) < TOL[torch.bfloat16]
+    assert torch.equal(triton_int4.w4a16_dequantize(qweight, scales, None, 32, torch.bfloat16, mins), w)
