@@ -75,7 +75,7 @@ def _time_generate(llm, prompts, params, iters: int) -> float:
     return statistics.median(times_s)
 
 
-def main(argv: list[str] | None = None) -> None:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
     p.add_argument("--model", help="a real model folder instead of a dummy shape (its config.json sizes the roofline)")
@@ -94,7 +94,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--quantization", default=None, choices=sorted(QUANTIZATIONS),
                    help="quantized weights: a dummy shape gets that format's quantization_config ('fp8': the "
                         "engine quantizes the 16-bit weights at load); the roofline counts packed weights and scales")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
     if args.output_len < 2:
         raise ValueError(f"--output-len must be >= 2 (decode steps follow the first token), got {args.output_len}")
     if not args.batch_sizes or min(args.batch_sizes) < 1:

@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from pagedllm.engine.model_options import model_quantization, num_experts_of, routed_experts_option
 from pagedllm.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig,
                              LoRAConfig, SpeculativeConfig, StructuredOutputsConfig, resolve_kv_cache_dtype)
 
@@ -301,7 +302,7 @@ class EngineArgs:
                                  trust_remote_code=self.trust_remote_code, hf_overrides=self.hf_overrides)
         hf_config = resolved.hf_config
         runner, convert, pooler, is_encoder, pooling_kind = pooling_setup(self, resolved)
-        quantization = self._quantization(resolved)
+        quantization = model_quantization(self, resolved)
         derived_max_len = _derive_max_model_len(hf_config)
         max_model_len = self.max_model_len or derived_max_len
         if self.max_model_len and derived_max_len and self.max_model_len > derived_max_len:
@@ -335,7 +336,7 @@ class EngineArgs:
             generation_config=self.generation_config,
             override_generation_config=dict(self.override_generation_config or {}),
             enforce_eager=self.enforce_eager, enable_sleep_mode=bool(self.enable_sleep_mode),
-            enable_return_routed_experts=self._routed_experts_option(hf_config),
+            enable_return_routed_experts=routed_experts_option(self, hf_config),
             runner_type=runner, convert=convert, pooler_config=pooler, is_encoder=is_encoder, pooling_kind=pooling_kind,
             quantization=quantization,
         )
@@ -364,39 +365,6 @@ class EngineArgs:
                             log_stats=not self.disable_log_stats, parallel_config=parallel_config,
                             structured_outputs_config=structured, speculative_config=speculative,
                             lora_config=lora, draft_model_config=draft)
-
-    def _quantization(self, resolved: Any) -> str | None:
-        """The weight quantization the model runs; what cannot compose with it is refused here."""
-        from pagedllm.model.quantization import get_quantization_config, resolve_quantization
-
-        method = resolve_quantization(resolved.hf_config, self.quantization)
-        if method is None:
-            return None
-        gguf = resolved.gguf_file is not None or self.load_format == "gguf"
-        if gguf != (method == "gguf"):
-            raise ValueError(f"quantization={method!r} with {'GGUF' if gguf else 'these'} weights: GGUF weights run "
-                             "quantized with quantization='gguf' only (without it they are dequantized at load), and "
-                             "only GGUF weights do")
-        if not gguf:  # a config we cannot run fails here, not in a worker
-            get_quantization_config(method, resolved.hf_config)
-        if _num_experts(resolved.hf_config) is not None:
-            raise ValueError(f"quantization={method!r} is not supported for mixture-of-experts models yet: the fused "
-                             "expert kernels run 16/32-bit weights only")
-        return method
-
-    def _routed_experts_option(self, hf_config: Any) -> bool:
-        if not self.enable_return_routed_experts:
-            return False
-        if _num_experts(hf_config) is None:
-            raise ValueError("enable_return_routed_experts needs a mixture-of-experts model; "
-                             f"{(getattr(hf_config, 'architectures', None) or ['this model'])[0]} has no experts")
-        if self.pipeline_parallel_size > 1:
-            raise ValueError("enable_return_routed_experts cannot be combined with pipeline_parallel_size > 1 "
-                             "(the last stage, which reports outputs, does not see the other stages' layers)")
-        if self._speculative_config() is not None:
-            raise ValueError("enable_return_routed_experts cannot be combined with speculative decoding yet "
-                             "(rejected draft positions would need their routing rolled back)")
-        return True
 
     def _parallel_config(self, hf_config: Any, device: str) -> ParallelConfig:
         tp = self.tensor_parallel_size
@@ -429,22 +397,13 @@ class EngineArgs:
                 raise ValueError(f"tensor_parallel_size={tp} x pipeline_parallel_size={pp} needs {tp * pp} GPUs, "
                                  f"{torch.cuda.device_count()} visible (CUDA_VISIBLE_DEVICES)")
         expert_parallel = bool(self.enable_expert_parallel) and tp > 1
-        num_experts = _num_experts(hf_config)
+        num_experts = num_experts_of(hf_config)
         if expert_parallel and num_experts and num_experts % tp:
             raise ValueError(f"enable_expert_parallel: tensor_parallel_size={tp} must divide the model's "
                              f"{num_experts} experts (each rank holds whole experts)")
         return ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=self.pipeline_parallel_size,
                               distributed_executor_backend=backend, device_ids=device_ids,
                               enable_expert_parallel=expert_parallel)
-
-
-def _num_experts(hf_config: Any) -> int | None:
-    """Routed experts per MoE layer, by the names the MoE configs use (None: a dense model)."""
-    for key in ("num_experts", "num_local_experts", "n_routed_experts"):
-        v = getattr(hf_config, key, None)
-        if isinstance(v, int) and v > 0:
-            return v
-    return None
 
 
 def _derive_max_model_len(hf_config: Any) -> int:

@@ -107,3 +107,26 @@ def iterate_gguf_tensors_raw(gguf_file: str, keep_raw) -> Iterator[tuple[str, np
             yield t["name"], raw, t["qtype"]
         else:
             yield t["name"], gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(t["qtype"])), None
+
+
+# GGUF tensor names (llama.cpp) -> HF names.
+_GGUF_GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_GGUF_BLOCK = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+_GGUF_SKIPPED = {"rope_freqs"}  # llama3 rope factors; the config's rope scaling recomputes them
+
+
+def gguf_to_hf_name(name: str) -> str | None:
+    base, suffix = name.rsplit(".", 1)
+    if base in _GGUF_SKIPPED:
+        return None
+    if base in _GGUF_GLOBAL:
+        return f"{_GGUF_GLOBAL[base]}.{suffix}"
+    parts = base.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _GGUF_BLOCK:
+        return f"model.layers.{parts[1]}.{_GGUF_BLOCK[parts[2]]}.{suffix}"
+    raise ValueError(f"GGUF tensor {name!r} has no known HF name")

@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from pagedllm.model.gguf_cache import gguf_architecture, iterate_gguf_tensors_raw, load_gguf_config
 from pagedllm.model.layers import Linear, RMSNorm
+from pagedllm.model.gguf_cache import gguf_to_hf_name
 from pagedllm.model.quantization import get_quantization_config
 from pagedllm.model.quantization.base import checkpoint_prefixes, quant_config_context
 from pagedllm.model.quantization.gguf import blocks_to_canonical, canonical_tensors
@@ -246,29 +247,6 @@ def iterate_weights(resolved: ResolvedModel, load_format: str, quant_config=None
             yield from torch.load(file, weights_only=True, map_location="cpu").items()
 
 
-# GGUF tensor names (llama.cpp) -> HF names.
-_GGUF_GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_GGUF_BLOCK = {
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-}
-_GGUF_SKIPPED = {"rope_freqs"}  # llama3 rope factors; the config's rope scaling recomputes them
-
-
-def _gguf_to_hf_name(name: str) -> str | None:
-    base, suffix = name.rsplit(".", 1)
-    if base in _GGUF_SKIPPED:
-        return None
-    if base in _GGUF_GLOBAL:
-        return f"{_GGUF_GLOBAL[base]}.{suffix}"
-    parts = base.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _GGUF_BLOCK:
-        return f"model.layers.{parts[1]}.{_GGUF_BLOCK[parts[2]]}.{suffix}"
-    raise ValueError(f"GGUF tensor {name!r} has no known HF name")
-
-
 def _unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Undo llama.cpp's convert-time q/k row permutation (its rope pairs adjacent dims, HF's halves)."""
     return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
@@ -281,11 +259,11 @@ def _iterate_gguf(gguf_path: str, config, quant_config=None) -> Iterator[tuple[s
     quantized = quant_config.types if getattr(quant_config, "name", None) == "gguf" else {}
 
     def keep_raw(name: str, qtype: int) -> bool:  # a projection that runs quantized: its blocks as they are
-        hf_name = _gguf_to_hf_name(name)
+        hf_name = gguf_to_hf_name(name)
         return hf_name is not None and hf_name.endswith(".weight") and hf_name[:-len(".weight")] in quantized
 
     for name, array, qtype in _progress(list(iterate_gguf_tensors_raw(gguf_path, keep_raw)), "Loading GGUF weights"):
-        hf_name = _gguf_to_hf_name(name)
+        hf_name = gguf_to_hf_name(name)
         if hf_name is None:
             continue
         heads = n_heads if ".self_attn.q_proj." in hf_name else n_kv_heads if ".self_attn.k_proj." in hf_name else None

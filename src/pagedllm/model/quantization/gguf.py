@@ -54,12 +54,11 @@ class GGUFConfig(QuantizationConfig):
     def from_gguf(cls, gguf_file: str | None) -> "GGUFConfig":
         if gguf_file is None:
             raise ValueError("quantization='gguf' needs a GGUF model (a .gguf file)")
-        from pagedllm.model.gguf_cache import gguf_tensor_types
-        from pagedllm.model.loader import _gguf_to_hf_name
+        from pagedllm.model.gguf_cache import gguf_tensor_types, gguf_to_hf_name
 
         types = {}
         for name, qtype in gguf_tensor_types(gguf_file).items():
-            hf = _gguf_to_hf_name(name) if qtype in QUANTIZED_TYPES else None
+            hf = gguf_to_hf_name(name) if qtype in QUANTIZED_TYPES else None
             if hf is not None and hf.endswith(".weight") and hf.rsplit(".", 2)[-2] in _PROJECTIONS:
                 types[hf[:-len(".weight")]] = qtype
         # A fused projection runs quantized only when its parts share one type.
