@@ -109,6 +109,18 @@ stage quant && bench quant_latency_w4a16 python -m pagedllm.benchmarks.latency -
 stage quant && bench quant_throughput_fp8 python -m pagedllm.benchmarks.throughput --shape llama3-8b --quantization fp8
 stage quant && bench quant_throughput_w4a16 python -m pagedllm.benchmarks.throughput --shape llama3-8b --quantization gptq
 stage quanttune && bench quant_tune python -m pagedllm.benchmarks.quant_kernel --shape llama3-8b --tune --rows 1,16,32,256 --iters 20
+# This session's GPU paths in one pytest run: quantized linears and kernels, FP8 KV cache, pooling.
+if stage newtests; then
+  echo "== newtests"
+  python -m pytest -q -rfE -p no:cacheprovider tests/gpu tests/ops tests/attention/test_fp8_kv_cache.py \
+    tests/attention/test_bidirectional.py tests/engine/test_fp8_kv_cache.py tests/pooling \
+    --ignore=tests/pooling/test_pooling_server.py \
+    --deselect tests/gpu/test_gpu_fp8_kv_cache.py::test_bf16_logprobs_with_an_fp8_cache_stay_near_the_bf16_cache \
+    --deselect tests/engine/test_fp8_kv_cache.py::test_fp8_cache_logprobs_stay_within_a_bound_of_the_float32_cache \
+    > "$OUT/newtests.log" 2>&1
+  echo "   newtests rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/newtests.log" | tail -15 | cut -c1-250
+fi
+stage base8b && bench base_latency_8b python -m pagedllm.benchmarks.latency --shape llama3-8b --batch-sizes 1,32
 echo "== results"
 python - "$RES" <<'PY'
 import json, sys
