@@ -95,8 +95,8 @@ if stage fp8kv; then
     > "$OUT/fp8kv_tests.log" 2>&1  # (the deselected two read the SmolLM2 GGUF, too large to carry)
   echo "   fp8kv tests rc=$?"; tail -6 "$OUT/fp8kv_tests.log" | cut -c1-300
 fi
-stage fp8kvbench && bench kernel_bf16 python -m pagedllm.attention.kernel_bench
-stage fp8kvbench && bench kernel_fp8 python -m pagedllm.attention.kernel_bench --kv-cache-dtype fp8
+stage kernelbench && bench kernel_bf16 python -m pagedllm.attention.kernel_bench
+stage kernelbench && bench kernel_fp8 python -m pagedllm.attention.kernel_bench --kv-cache-dtype fp8
 stage fp8kvbench && bench tput_06b_bf16kv python -m pagedllm.benchmarks.throughput --shape qwen3-0.6b
 stage fp8kvbench && bench tput_06b_fp8kv python -m pagedllm.benchmarks.throughput --shape qwen3-0.6b --kv-cache-dtype fp8
 stage fp8kvbench && bench tput_8b_fp8kv python -m pagedllm.benchmarks.throughput --shape llama3-8b --kv-cache-dtype fp8

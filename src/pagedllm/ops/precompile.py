@@ -197,6 +197,16 @@ def pool_size(world_size: int = 1) -> int:
 LAST_SPECS: set[str] = set()  # the specialization records of the last dry run (for diagnosis)
 
 
+_DRY_RUN = False
+
+
+def in_dry_run() -> bool:
+    """Whether launches that would compile are being skipped (``collect_compiles``): a kernel
+    compiled earlier in this process still runs, and must not read index tensors a skipped one
+    left unwritten (callers that allocate such tensors fill them with safe values meanwhile)."""
+    return _DRY_RUN
+
+
 @contextlib.contextmanager
 def collect_compiles() -> Iterator[list[tuple]]:
     """Within: every Triton launch that would compile is recorded (module, kernel name,
@@ -217,12 +227,15 @@ def collect_compiles() -> Iterator[list[tuple]]:
                          options))
         return True  # skip the compile, and with it the launch
 
+    global _DRY_RUN
     previous = triton.knobs.runtime.jit_cache_hook
     triton.knobs.runtime.jit_cache_hook = hook
+    _DRY_RUN = True
     try:
         yield jobs
     finally:
         triton.knobs.runtime.jit_cache_hook = previous
+        _DRY_RUN = False
 
 
 def precompile(dry_run, device, world_size: int = 1) -> None:

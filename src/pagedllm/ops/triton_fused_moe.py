@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.ops.precompile import in_dry_run
+
 CONFIG_FILE = os.path.join(os.path.dirname(__file__), "fused_moe_configs.json")
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 # Larger batches run in chunks of this many tokens: the intermediate buffers stay bounded.
@@ -151,8 +153,12 @@ def align_pairs_triton(local_ids: torch.Tensor, num_experts: int, block_m: int) 
     num_pairs = local_ids.numel()
     max_blocks = min(num_experts, num_pairs) + triton.cdiv(num_pairs, block_m)
     e_pad = triton.next_power_of_2(num_experts)
-    sorted_pairs = torch.empty(max_blocks * block_m, dtype=torch.int32, device=local_ids.device)
-    block_expert = torch.empty(max_blocks, dtype=torch.int32, device=local_ids.device)
+    if in_dry_run():  # the align launch may be skipped while the GEMMs (compiled before) run: no garbage ids
+        sorted_pairs = torch.full((max_blocks * block_m,), num_pairs, dtype=torch.int32, device=local_ids.device)
+        block_expert = torch.full((max_blocks,), -1, dtype=torch.int32, device=local_ids.device)
+    else:
+        sorted_pairs = torch.empty(max_blocks * block_m, dtype=torch.int32, device=local_ids.device)
+        block_expert = torch.empty(max_blocks, dtype=torch.int32, device=local_ids.device)
     cursor = torch.empty(e_pad, dtype=torch.int32, device=local_ids.device)
     _moe_align_kernel[(1,)](local_ids.reshape(-1), sorted_pairs, block_expert, cursor, num_pairs, num_experts,
                             max_blocks, BLOCK_M=block_m, E_PAD=e_pad, CHUNK=1024,
