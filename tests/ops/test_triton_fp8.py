@@ -40,7 +40,10 @@ def test_fp8_block_matmul_matches_dequantized_product(triton_fp8, m, n, k, block
     x_dq = xq.float() * xs.repeat_interleave(bk, 1)[:, :k]
     ref = x_dq.double() @ (wq.float() * block_scales_to_elements(w_scale, n, k, bn, bk)).double().t()
     assert y.shape == (m, n) and y.dtype == out_dtype
-    assert _rel(y.cpu(), ref) < (1e-5 if out_dtype == torch.float32 else 1e-2)
+    # float32 out: 1e-5 in the interpreter (exact products); a GPU's fp8 tensor-core dot sums in
+    # another order, measured 4e-5..1.3e-4 on an H100.
+    tol32 = 5e-4 if y.is_cuda else 1e-5
+    assert _rel(y.cpu(), ref) < (tol32 if out_dtype == torch.float32 else 1e-2)
 
 
 def test_fp8_block_linear_torch_path_equals_kernel_inputs():

@@ -95,6 +95,7 @@ def test_qwen3_reranker_conversion(pooling_models):
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
 
 
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_tensor_parallel_pooling_equals_one_rank(pooling_models):
     """An encoder (heads, intermediate rows and output columns split over 2 gloo ranks) and a
     decoder classifier give one rank's embeddings / probabilities."""

@@ -35,13 +35,15 @@ def check_group_size(group_size: int, method: str) -> int:
 
 # ---- packing (int32 words, 4-bit fields) ---------------------------------------------------
 
-_SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
+def _shifts(device: torch.device) -> torch.Tensor:
+    """The 8 nibbles' bit offsets, made on ``device`` (no host copy: a CUDA graph may be capturing)."""
+    return torch.arange(0, 32, 4, dtype=torch.int32, device=device)
 
 
 def unpack_cols(packed: torch.Tensor, order: tuple[int, ...] | None = None) -> torch.Tensor:
     """[R, C] int32 -> [R, 8 C] values 0..15; column 8 c + j from bits of nibble ``order.index(j)``
     (sequential without ``order``)."""
-    vals = (packed.unsqueeze(-1) >> _SHIFTS.to(packed.device)) & 0xF  # [R, C, nibble]
+    vals = (packed.unsqueeze(-1) >> _shifts(packed.device)) & 0xF  # [R, C, nibble]
     if order is not None:
         vals = vals[..., [order.index(j) for j in range(PACK)]]
     return vals.reshape(packed.shape[0], -1)
@@ -49,20 +51,20 @@ def unpack_cols(packed: torch.Tensor, order: tuple[int, ...] | None = None) -> t
 
 def unpack_rows(packed: torch.Tensor) -> torch.Tensor:
     """[R, C] int32 -> [8 R, C]: value 8 r + i from nibble i of row r."""
-    vals = (packed.unsqueeze(1) >> _SHIFTS.to(packed.device).view(1, -1, 1)) & 0xF  # [R, nibble, C]
+    vals = (packed.unsqueeze(1) >> _shifts(packed.device).view(1, -1, 1)) & 0xF  # [R, nibble, C]
     return vals.reshape(-1, packed.shape[1])
 
 
 def pack_cols(vals: torch.Tensor) -> torch.Tensor:
     """[R, 8 C] values 0..15 -> [R, C] int32, sequential nibbles."""
     v = vals.to(torch.int32).reshape(vals.shape[0], -1, PACK)
-    return (v << _SHIFTS.to(vals.device)).sum(dim=-1, dtype=torch.int32)
+    return (v << _shifts(vals.device)).sum(dim=-1, dtype=torch.int32)
 
 
 def pack_rows(vals: torch.Tensor) -> torch.Tensor:
     """[8 R, C] values 0..15 -> [R, C] int32: nibble i of row r holds value 8 r + i."""
     v = vals.to(torch.int32).reshape(-1, PACK, vals.shape[1])
-    return (v << _SHIFTS.to(vals.device).view(1, -1, 1)).sum(dim=1, dtype=torch.int32)
+    return (v << _shifts(vals.device).view(1, -1, 1)).sum(dim=1, dtype=torch.int32)
 
 
 # ---- the canonical layout's math -----------------------------------------------------------
