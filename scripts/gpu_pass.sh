@@ -120,6 +120,12 @@ if stage newtests; then
     > "$OUT/newtests.log" 2>&1
   echo "   newtests rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/newtests.log" | tail -15 | cut -c1-250
 fi
+if stage recheck; then  # the tests that failed on the device last time, after their fixes
+  echo "== recheck"
+  python -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_gpu_quantization.py tests/ops/test_triton_fp8.py \
+    tests/gpu/test_gpu_moe.py tests/engine/test_fp8_kv_cache.py -k "not float32_cache" > "$OUT/recheck.log" 2>&1
+  echo "   recheck rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/recheck.log" | tail -12 | cut -c1-250
+fi
 stage base8b && bench base_latency_8b python -m pagedllm.benchmarks.latency --shape llama3-8b --batch-sizes 1,32
 echo "== results"
 python - "$RES" <<'PY'
