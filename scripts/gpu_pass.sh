@@ -3,7 +3,10 @@
 # short table. Usage (on the device machine, repo root): scripts/gpu_pass.sh [STAGES]
 # STAGES is a comma list of: tests, throughput, throughput8b, latency, startup, structured, lora,
 # moetune, moe, quant, quanttune, pooling, embed, embedprof, moedebug, fp8kv, fp8kvbench (default: startup,tests,throughput,throughput8b,latency).
-# Needs the SmolLM2 tokenizer saved under .gpu/tokenizer (carried with the call).
+# Needs the SmolLM2 tokenizer saved under .gpu/tokenizer (carried with the call), and wheels carried in .whl
+# for what the device lacks: xgrammar with apache-tvm-ffi, llguidance, pydantic (+ pydantic-core,
+# annotated-types, typing-inspection), jsonschema (+ jsonschema-specifications, referencing, rpds-py),
+# compressed-tensors with loguru (sentence-transformers, peft and accelerate are there).
 set -uo pipefail
 export PYTHONPATH=src:.${PYTHONPATH:+:$PYTHONPATH} PAGEDLLM_TEST_TOKENIZER_DIR=.gpu/tokenizer HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 # The device copy has no git history: the caller writes the commit to .gpu/commit.
