@@ -228,8 +228,9 @@ class ParallelConfig:
         return (self.pipeline_parallel_size - 1) * self.tensor_parallel_size
 
 
-_SPEC_METHODS = ("ngram", "draft_model")
-_SPEC_METHODS_PLANNED = ("eagle", "eagle3", "medusa", "mtp")
+_SPEC_METHODS = ("ngram", "draft_model", "eagle")
+_SPEC_METHODS_PLANNED = ("eagle3", "medusa", "mtp")
+SPEC_METHODS_WITH_MODEL = ("draft_model", "eagle")  # the workers hold a second network that proposes
 
 
 @dataclass
@@ -242,7 +243,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1  # n-gram: the shortest suffix looked up in the request's tokens
     prompt_lookup_max: int = 3  # n-gram: the longest (tried first)
     disable_by_batch_size: int | None = None  # steps with more running requests do not speculate
-    model: str | None = None  # draft_model: a smaller model with the target's vocabulary
+    model: str | None = None  # draft_model: a smaller model with the target's vocabulary; eagle: the head
     draft_tensor_parallel_size: int | None = None  # draft_model: None or the target's (the draft shards alike)
     max_model_len: int | None = None  # accepted for vLLM's configs; the target's applies
 
@@ -270,8 +271,9 @@ class SpeculativeConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"speculative_config {name} must be a positive integer, got {v!r}")
-        if self.method == "draft_model" and not self.model:
-            raise ValueError("speculative_config method 'draft_model' needs model (the draft's path or id)")
+        if self.method in SPEC_METHODS_WITH_MODEL and not self.model:
+            what = "the draft's" if self.method == "draft_model" else "the EAGLE head's"
+            raise ValueError(f"speculative_config method {self.method!r} needs model ({what} path or id)")
         if self.method == "ngram" and self.model:
             raise ValueError(f"speculative_config method 'ngram' takes no model, got {self.model!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
