@@ -176,3 +176,105 @@ def test_head_proposals_equal_an_independent_forward_of_the_layout(tiny_models, 
     for tokens, guesses in seen:
         assert guesses == reference_proposals(head, hf_target, tokens, len(guesses)), tokens
     assert {len(g) for _, g in seen} == {3}
+
+
+def test_greedy_is_the_plain_engines_chunked_preempted_and_with_prefix_hits(tiny_models, heads, hf_target, reference):
+    head = heads[(False, False)]
+    llm = LLM(tiny_models["llama"], max_model_len=160, max_num_batched_tokens=16, num_gpu_blocks_override=12,
+              speculative_config=_eagle(head, 2))
+    seen = _record_proposals(llm)
+    assert _tokens(llm, PROMPTS + PROMPTS[:2]) == reference + reference[:2]  # the repeats hit the prefix cache
+    stats = _stats(llm)
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+    assert 0 <= stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens and stats.spec_num_drafts > 20
+    # The head's cache stayed right through chunks, preemptions and hits: every guess is the reference's.
+    for tokens, guesses in seen[::7]:
+        assert guesses == reference_proposals(head, hf_target, tokens, len(guesses)), tokens
+
+
+@pytest.fixture(scope="module")
+def predictable(tiny_models, tmp_path_factory):
+    """A target whose next token depends on the last one only (attention and MLP outputs zeroed,
+    unit norms: the final hidden state is the normed embedding) and the head that is exact for it:
+    fc passes the token's embedding through, its layer adds nothing, the shared LM head scores it
+    (the same argmax as the target's on the normed embedding)."""
+    import shutil
+
+    target = str(tmp_path_factory.mktemp("bigram-target"))
+    shutil.copytree(tiny_models["llama"], target, dirs_exist_ok=True)
+    w = load_file(os.path.join(target, "model.safetensors"))
+    for name in w:
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            w[name] = torch.zeros_like(w[name])
+        elif name.endswith("norm.weight"):
+            w[name] = torch.ones_like(w[name])
+    save_file(w, os.path.join(target, "model.safetensors"))
+    exact = {"fc.weight": torch.cat([torch.eye(HIDDEN), torch.zeros(HIDDEN, HIDDEN)], 1),
+             "layers.0.self_attn.o_proj.weight": torch.zeros(HIDDEN, HIDDEN),
+             "layers.0.mlp.down_proj.weight": torch.zeros(HIDDEN, INTER)}
+    head = write_head(str(tmp_path_factory.mktemp("exact-head")), target, input_norm=False, fc_bias=False,
+                      weights=exact)
+    return target, head
+
+
+def test_an_exact_head_has_every_guess_accepted_and_the_target_runs_fewer_steps(predictable):
+    target, head = predictable
+    plain = _tokens(LLM(target, kv_cache_memory_bytes=TEST_KV_BYTES, max_model_len=256), PROMPTS[:3])
+    llm = LLM(target, kv_cache_memory_bytes=TEST_KV_BYTES, max_model_len=256, speculative_config=_eagle(head, 3))
+    core = llm.llm_engine.engine_core
+    steps, execute = 0, core.executor.execute_model
+
+    def counting(*args, **kwargs):
+        nonlocal steps
+        steps += 1
+        return execute(*args, **kwargs)
+
+    core.executor.execute_model = counting
+    assert _tokens(llm, PROMPTS[:1]) == plain[:1]
+    stats = _stats(llm)
+    assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens > 0
+    assert steps <= len(plain[0]) // 3 + 2
+    del core.executor.execute_model
+    assert _tokens(llm, PROMPTS[:3]) == plain
+
+
+def test_sampled_tokens_keep_the_target_distribution(predictable):
+    """The exact head proposes the target's most likely token (a point mass the target often
+    rejects at temperature 1): the first two sampled tokens' joint distribution must match the
+    plain engine's (total variation; always accepting would be off by about the rejection rate)."""
+    target, head = predictable
+    params = SamplingParams(temperature=1.0, top_k=3, max_tokens=3, ignore_eos=True)
+    runs, prompt = 1000, [PROMPTS[2]]
+
+    def pairs(llm):
+        outs = llm.generate([TokensPrompt(prompt_token_ids=prompt[0])] * runs, params, use_tqdm=False)
+        return collections.Counter(tuple(o.outputs[0].token_ids[:2]) for o in outs)
+
+    plain = pairs(LLM(target, kv_cache_memory_bytes=TEST_KV_BYTES, max_model_len=64))
+    llm = LLM(target, kv_cache_memory_bytes=TEST_KV_BYTES, max_model_len=64, speculative_config=_eagle(head, 2))
+    spec = pairs(llm)
+    stats = _stats(llm)
+    assert stats.spec_num_drafts >= runs and 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
+    keys = set(plain) | set(spec)
+    assert len(keys) <= 9
+    assert sum(abs(plain[k] - spec[k]) for k in keys) / (2 * runs) < 0.08
+
+
+def test_a_dummy_loaded_head_runs(tiny_models, heads):
+    llm = LLM(tiny_models["llama"], load_format="dummy", kv_cache_memory_bytes=TEST_KV_BYTES, max_model_len=128,
+              speculative_config=_eagle(heads[(True, True)], 2))
+    assert all(len(t) == 20 for t in _tokens(llm, PROMPTS[:2]))
+    assert _stats(llm).spec_num_draft_tokens > 0
+
+
+def test_bad_eagle_configs_are_refused_naming_the_key(tiny_models, tmp_path):
+    narrow = write_head(str(tmp_path / "narrow"), tiny_models["llama"], input_norm=False, fc_bias=False, hidden=32)
+    for model, spec, match in (
+            (tiny_models["llama"], {"method": "eagle"}, "'eagle' needs model"),
+            (tiny_models["llama"], _eagle(narrow, 2), "hidden_size is 32, the target's 64"),
+            (tiny_models["qwen2"], _eagle(narrow, 2), "needs a target of architecture"),
+            (tiny_models["llama"], {**_eagle(narrow, 2), "num_speculative_tokens": 0}, "num_speculative_tokens"),
+            (tiny_models["llama"], {**_eagle(narrow, 2), "draft_tensor_parallel_size": 2},
+             "draft_tensor_parallel_size")):
+        with pytest.raises(ValueError, match=match):
+            LLM(model, max_model_len=64, speculative_config=spec)
