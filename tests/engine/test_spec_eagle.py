@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from pagedllm import LLM, SamplingParams, TokensPrompt
-from tests.conftest import TEST_KV_BYTES, build_tiny_model
+from tests.conftest import TEST_KV_BYTES, _tiny_config
 from tests.engine.test_correctness import mixed_prompts
 
 HIDDEN, HEADS, KV_HEADS, INTER, EPS, THETA = 64, 4, 2, 128, 1e-6, 10000.0
@@ -192,16 +192,23 @@ def test_greedy_is_the_plain_engines_chunked_preempted_and_with_prefix_hits(tiny
         assert guesses == reference_proposals(head, hf_target, tokens, len(guesses)), tokens
 
 
+SMALL_VOCAB = 512
+SMALL_PROMPTS = [[3 + t % (SMALL_VOCAB - 3) for t in p] for p in PROMPTS]
+
+
 @pytest.fixture(scope="module")
-def predictable(tiny_models, tmp_path_factory):
+def predictable(tmp_path_factory, smollm2_tokenizer_dir):
     """A target whose next token depends on the last one only (attention and MLP outputs zeroed,
     unit norms: the final hidden state is the normed embedding) and the head that is exact for it:
     fc passes the token's embedding through, its layer adds nothing, the shared LM head scores it
-    (the same argmax as the target's on the normed embedding)."""
-    import shutil
+    (the same argmax as the target's on the normed embedding). A small vocabulary keeps sampling
+    cheap."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     target = str(tmp_path_factory.mktemp("bigram-target"))
-    shutil.copytree(tiny_models["llama"], target, dirs_exist_ok=True)
+    torch.manual_seed(5)
+    AutoModelForCausalLM.from_config(_tiny_config("llama", SMALL_VOCAB), dtype=torch.float32).save_pretrained(target)
+    AutoTokenizer.from_pretrained(smollm2_tokenizer_dir).save_pretrained(target)
     w = load_file(os.path.join(target, "model.safetensors"))
     for name in w:
         if name.endswith(("o_proj.weight", "down_proj.weight")):
@@ -219,7 +226,7 @@ def predictable(tiny_models, tmp_path_factory):
 
 def test_an_exact_head_has_every_guess_accepted_and_the_target_runs_fewer_steps(predictable):
     target, head = predictable
-    plain = _tokens(LLM(target, kv_cache_memory_bytes=TEST_KV_BYTES, max_model_len=256), PROMPTS[:3])
+    plain = _tokens(LLM(target, kv_cache_memory_bytes=TEST_KV_BYTES, max_model_len=256), SMALL_PROMPTS[:3])
     llm = LLM(target, kv_cache_memory_bytes=TEST_KV_BYTES, max_model_len=256, speculative_config=_eagle(head, 3))
     core = llm.llm_engine.engine_core
     steps, execute = 0, core.executor.execute_model
@@ -230,12 +237,12 @@ def test_an_exact_head_has_every_guess_accepted_and_the_target_runs_fewer_steps(
         return execute(*args, **kwargs)
 
     core.executor.execute_model = counting
-    assert _tokens(llm, PROMPTS[:1]) == plain[:1]
+    assert _tokens(llm, SMALL_PROMPTS[:1]) == plain[:1]
     stats = _stats(llm)
     assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens > 0
     assert steps <= len(plain[0]) // 3 + 2
     del core.executor.execute_model
-    assert _tokens(llm, PROMPTS[:3]) == plain
+    assert _tokens(llm, SMALL_PROMPTS[:3]) == plain
 
 
 def test_sampled_tokens_keep_the_target_distribution(predictable):
@@ -244,7 +251,7 @@ def test_sampled_tokens_keep_the_target_distribution(predictable):
     plain engine's (total variation; always accepting would be off by about the rejection rate)."""
     target, head = predictable
     params = SamplingParams(temperature=1.0, top_k=3, max_tokens=3, ignore_eos=True)
-    runs, prompt = 1000, [PROMPTS[2]]
+    runs, prompt = 3000, [SMALL_PROMPTS[2]]
 
     def pairs(llm):
         outs = llm.generate([TokensPrompt(prompt_token_ids=prompt[0])] * runs, params, use_tqdm=False)
@@ -254,10 +261,12 @@ def test_sampled_tokens_keep_the_target_distribution(predictable):
     llm = LLM(target, kv_cache_memory_bytes=TEST_KV_BYTES, max_model_len=64, speculative_config=_eagle(head, 2))
     spec = pairs(llm)
     stats = _stats(llm)
-    assert stats.spec_num_drafts >= runs and 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
+    assert stats.spec_num_drafts >= runs and runs // 4 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens * 0.9
     keys = set(plain) | set(spec)
     assert len(keys) <= 9
-    assert sum(abs(plain[k] - spec[k]) for k in keys) / (2 * runs) < 0.08
+    # Two samples of 3000 from one distribution on 9 pairs differ by ~0.03 in total variation;
+    # accepting every guess would move about 0.4 of the mass here (59% of the guesses are accepted).
+    assert sum(abs(plain[k] - spec[k]) for k in keys) / (2 * runs) < 0.06
 
 
 def test_a_dummy_loaded_head_runs(tiny_models, heads):
