@@ -54,3 +54,7 @@ def _check_eagle(spec: SpeculativeConfig, target: ModelConfig, parallel: Paralle
     if head != want:
         raise ValueError(f"speculative_config model {spec.model!r}: the EAGLE head's hidden_size is {head}, the "
                          f"target's {want}; a head is trained for one target")
+    head_len = getattr(head_config, "max_position_embeddings", None)
+    if head_len is not None and head_len < target.max_model_len:
+        raise ValueError(f"speculative_config model {spec.model!r}: the EAGLE head's max_position_embeddings "
+                         f"({head_len}) is below max_model_len={target.max_model_len}; lower max_model_len")
