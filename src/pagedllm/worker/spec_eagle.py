@@ -62,6 +62,8 @@ class EagleProposer(DraftModel):
         token_rows = np.repeat(rows[keep], counts)
         ids = runner.input_batch.token_ids_cpu[token_rows, positions + 1]
         md = self._metadata(rows[keep], positions, counts)
+        # FP8 KV with calculate_kv_scales: the head's layer sets its scales on the target's first step.
+        md.calculate_kv_scales = batch.attn_metadata is not None and batch.attn_metadata.calculate_kv_scales
         features = self._run(ids, hidden[torch.from_numpy(src).to(hidden.device)], positions, md)
         # Requests that sampled: their first guess reads the pass's last row.
         last_row = np.cumsum(counts) - 1
