@@ -253,7 +253,7 @@ class SpeculativeConfig:
         if values.get("model") in ("[ngram]", "ngram"):  # vLLM's older spelling of the method
             values.pop("model")
             values.setdefault("method", "ngram")
-        method = values.get("method", "ngram" if "model" not in values else "draft_model")
+        method = values.get("method", "ngram" if "model" not in values else _model_method(str(values["model"])))
         values.setdefault("method", method)
         if method in _SPEC_METHODS_PLANNED:
             raise ValueError(f"speculative_config method {method!r} is not supported yet; supported: "
@@ -282,6 +282,13 @@ class SpeculativeConfig:
         v = self.disable_by_batch_size
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
             raise ValueError(f"speculative_config disable_by_batch_size must be a positive integer or None, got {v!r}")
+
+
+def _model_method(model: str) -> str:
+    """vLLM's guess when speculative_config names a model but no method: EAGLE heads by name (the
+    last path part only: a folder called eagle above a draft model does not make it a head)."""
+    name = model.rstrip("/").rsplit("/", 1)[-1].lower()
+    return "eagle3" if "eagle3" in name else "eagle" if "eagle" in name else "draft_model"
 
 
 @dataclass

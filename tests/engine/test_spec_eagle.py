@@ -292,6 +292,15 @@ def test_a_dummy_loaded_head_runs(tiny_models, heads):
     assert _stats(llm).spec_num_draft_tokens > 0
 
 
+def test_a_head_named_eagle_needs_no_method_as_in_vllm():
+    from pagedllm.config import SpeculativeConfig
+
+    assert SpeculativeConfig.from_dict({"model": "yuhuili/EAGLE-LLaMA3-Instruct-8B"}).method == "eagle"
+    assert SpeculativeConfig.from_dict({"model": "/eagle/llama-3.2-1b"}).method == "draft_model"
+    with pytest.raises(ValueError, match="'eagle3' is not supported yet"):
+        SpeculativeConfig.from_dict({"model": "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"})
+
+
 def test_bad_eagle_configs_are_refused_naming_the_key(tiny_models, tmp_path):
     narrow = write_head(str(tmp_path / "narrow"), tiny_models["llama"], input_norm=False, fc_bias=False, hidden=32)
     for model, spec, match in (
