@@ -228,8 +228,9 @@ class ParallelConfig:
         return (self.pipeline_parallel_size - 1) * self.tensor_parallel_size
 
 
-_SPEC_METHODS = ("ngram", "draft_model")
-_SPEC_METHODS_PLANNED = ("eagle", "eagle3", "medusa", "mtp")
+_SPEC_METHODS = ("ngram", "draft_model", "eagle")
+_SPEC_METHODS_PLANNED = ("eagle3", "medusa", "mtp")
+SPEC_METHODS_WITH_MODEL = ("draft_model", "eagle")  # the workers hold a second network that proposes
 
 
 @dataclass
@@ -242,7 +243,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1  # n-gram: the shortest suffix looked up in the request's tokens
     prompt_lookup_max: int = 3  # n-gram: the longest (tried first)
     disable_by_batch_size: int | None = None  # steps with more running requests do not speculate
-    model: str | None = None  # draft_model: a smaller model with the target's vocabulary
+    model: str | None = None  # draft_model: a smaller model with the target's vocabulary; eagle: the head
     draft_tensor_parallel_size: int | None = None  # draft_model: None or the target's (the draft shards alike)
     max_model_len: int | None = None  # accepted for vLLM's configs; the target's applies
 
@@ -252,7 +253,7 @@ class SpeculativeConfig:
         if values.get("model") in ("[ngram]", "ngram"):  # vLLM's older spelling of the method
             values.pop("model")
             values.setdefault("method", "ngram")
-        method = values.get("method", "ngram" if "model" not in values else "draft_model")
+        method = values.get("method", "ngram" if "model" not in values else _model_method(str(values["model"])))
         values.setdefault("method", method)
         if method in _SPEC_METHODS_PLANNED:
             raise ValueError(f"speculative_config method {method!r} is not supported yet; supported: "
@@ -270,8 +271,9 @@ class SpeculativeConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"speculative_config {name} must be a positive integer, got {v!r}")
-        if self.method == "draft_model" and not self.model:
-            raise ValueError("speculative_config method 'draft_model' needs model (the draft's path or id)")
+        if self.method in SPEC_METHODS_WITH_MODEL and not self.model:
+            what = "the draft's" if self.method == "draft_model" else "the EAGLE head's"
+            raise ValueError(f"speculative_config method {self.method!r} needs model ({what} path or id)")
         if self.method == "ngram" and self.model:
             raise ValueError(f"speculative_config method 'ngram' takes no model, got {self.model!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
@@ -280,6 +282,13 @@ class SpeculativeConfig:
         v = self.disable_by_batch_size
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
             raise ValueError(f"speculative_config disable_by_batch_size must be a positive integer or None, got {v!r}")
+
+
+def _model_method(model: str) -> str:
+    """vLLM's guess when speculative_config names a model but no method: EAGLE heads by name (the
+    last path part only: a folder called eagle above a draft model does not make it a head)."""
+    name = model.rstrip("/").rsplit("/", 1)[-1].lower()
+    return "eagle3" if "eagle3" in name else "eagle" if "eagle" in name else "draft_model"
 
 
 @dataclass

@@ -9,8 +9,10 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from pagedllm.engine.model_options import model_quantization, num_experts_of, routed_experts_option
+from pagedllm.engine.spec_args import draft_model_config
 from pagedllm.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig,
-                             LoRAConfig, SpeculativeConfig, StructuredOutputsConfig, resolve_kv_cache_dtype)
+                             LoRAConfig, SpeculativeConfig, StructuredOutputsConfig, SPEC_METHODS_WITH_MODEL,
+                             resolve_kv_cache_dtype)
 
 _DTYPES = {
     "auto": "auto", "half": "float16", "float16": "float16", "fp16": "float16",
@@ -256,28 +258,6 @@ class EngineArgs:
             raise ValueError("enable_lora is not supported with pipeline parallelism yet")
         return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras, self.lora_dtype)
 
-    def _draft_model_config(self, spec: SpeculativeConfig | None, target: ModelConfig,
-                            parallel: ParallelConfig) -> ModelConfig | None:
-        """The draft of speculative_config method draft_model: its vocabulary must be the target's."""
-        if spec is None or spec.method != "draft_model":
-            return None
-        from pagedllm.model.loader import resolve_model
-
-        if spec.draft_tensor_parallel_size not in (None, parallel.tensor_parallel_size):
-            raise ValueError(f"speculative_config draft_tensor_parallel_size must be None or the target's "
-                             f"tensor_parallel_size ({parallel.tensor_parallel_size}), got "
-                             f"{spec.draft_tensor_parallel_size}")
-        resolved = resolve_model(spec.model, trust_remote_code=self.trust_remote_code)
-        if resolved.hf_config.vocab_size != target.vocab_size:
-            raise ValueError(f"speculative_config model {spec.model!r} has a vocabulary of "
-                             f"{resolved.hf_config.vocab_size} tokens, the target {target.vocab_size}: a draft must "
-                             "share the target's tokenizer")
-        from pagedllm.model.quantization import resolve_quantization
-
-        return dataclasses.replace(target, model=spec.model, path=resolved.path, gguf_file=resolved.gguf_file,
-                                   hf_config=resolved.hf_config,
-                                   quantization=resolve_quantization(resolved.hf_config, None))
-
     def resolve_device(self) -> str:
         import torch
 
@@ -358,9 +338,9 @@ class EngineArgs:
             max_concurrent_batches=self.pipeline_parallel_size,
             max_loras=lora.max_loras if lora is not None else None,
             num_lookahead_tokens=speculative.num_speculative_tokens
-            if speculative is not None and speculative.method == "draft_model" else 0,
+            if speculative is not None and speculative.method in SPEC_METHODS_WITH_MODEL else 0,
         )
-        draft = self._draft_model_config(speculative, model_config, parallel_config)
+        draft = draft_model_config(speculative, model_config, parallel_config, self.trust_remote_code)
         return EngineConfig(model_config, cache_config, scheduler_config, device,
                             log_stats=not self.disable_log_stats, parallel_config=parallel_config,
                             structured_outputs_config=structured, speculative_config=speculative,

@@ -5,7 +5,7 @@ import logging
 from collections import deque
 from typing import Any
 
-from pagedllm.config import EngineConfig
+from pagedllm.config import SPEC_METHODS_WITH_MODEL, EngineConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from pagedllm.core.request import Request
@@ -72,7 +72,8 @@ class EngineCore:
             config.structured_outputs_config, mc.vocab_size, lambda: get_tokenizer(mc), mc.generation_eos_token_ids())
         spec = config.speculative_config
         self.proposer = NgramProposer(spec) if spec is not None and spec.method == "ngram" else None
-        self.takes_drafts = spec is not None and spec.method == "draft_model"  # the workers' draft model proposes
+        # The workers' second network (a draft model, an EAGLE head) proposes.
+        self.takes_drafts = spec is not None and spec.method in SPEC_METHODS_WITH_MODEL
         freeze_gc_heap()
 
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -134,7 +135,7 @@ class EngineCore:
     # ---- speculative decoding -------------------------------------------------------------------
     def _propose_drafts(self, from_workers: dict[str, list[int]]) -> None:
         """Each decoding request that may speculate gets the proposer's guess of its next tokens
-        (n-gram here, or the draft model's from the workers), as many as can still be emitted
+        (n-gram here, or the draft model's / EAGLE head's from the workers), as many as can still be emitted
         (max_tokens) and fit (max_model_len)."""
         spec, running = self.config.speculative_config, self.scheduler.running
         if spec.disable_by_batch_size is not None and len(running) > spec.disable_by_batch_size:

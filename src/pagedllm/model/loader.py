@@ -294,15 +294,17 @@ def _default_dtype(dtype: torch.dtype):
 def load_model(
     resolved: ResolvedModel, load_format: str, dtype: torch.dtype, device: torch.device, seed: int = 0,
     max_model_len: int | None = None, convert: str = "none", quantization: str | None = None,
+    model_cls: type[nn.Module] | None = None,
 ) -> nn.Module:
     """Build the model in ``dtype`` directly on ``device`` and fill its weights. ``max_model_len``
     (the engine's context limit) reaches model classes that take it (LongRoPE's choice).
     ``quantization``: the method its linear layers run (pagedllm.model.quantization; resolved
-    from the engine args and the checkpoint's quantization_config)."""
+    from the engine args and the checkpoint's quantization_config). ``model_cls``: the class to
+    build instead of the one its ``architectures`` name (an EAGLE head's config names its target's)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format {load_format!r} is not one of {list(LOAD_FORMATS)}")
     device = torch.device(device)
-    model_cls = get_model_class(getattr(resolved.hf_config, "architectures", None), convert)
+    model_cls = model_cls or get_model_class(getattr(resolved.hf_config, "architectures", None), convert)
     kwargs = {}
     if max_model_len is not None and "max_model_len" in inspect.signature(model_cls).parameters:
         kwargs["max_model_len"] = max_model_len

@@ -35,6 +35,7 @@ from pagedllm.worker.kv_cache import check_fp8_kv_cache, zeroed_cache
 from pagedllm.worker.pooling import PoolingSteps
 from pagedllm.worker.prompt_logprobs import prompt_logprobs
 from pagedllm.worker.spec_draft import DraftModel
+from pagedllm.worker.spec_eagle import EagleProposer
 from pagedllm.worker.routed_experts import RoutedExpertsCapture, split_routed
 from pagedllm.worker.spec_verify import verify_drafts
 
@@ -95,9 +96,10 @@ class ModelRunner:
         self.graphs = CudaGraphs(self._buffers, device, getattr(self.attn_backend, "cuda_graph_safe", False),
                                  self.pp_size, self.max_num_reqs, self.max_num_tokens, sc.max_model_len)
         self.lora = lora_manager_for(self.input_batch, config, model, device, self.dtype)
-        # Speculative decoding with a draft model (worker/spec_draft.py).
-        self.draft = None if draft_model is None else DraftModel(
-            self, draft_model, config.speculative_config.num_speculative_tokens)
+        # Speculative decoding with a draft model or an EAGLE head (worker/spec_draft.py, spec_eagle.py).
+        spec = config.speculative_config
+        self.draft = None if draft_model is None else (EagleProposer if spec.method == "eagle" else DraftModel)(
+            self, draft_model, spec.num_speculative_tokens)
         # Async scheduling: the last step's sampled tokens, still on the device.
         self._pending: _PendingOutput | None = None
         self._prev_sampled: torch.Tensor | None = None
@@ -237,7 +239,7 @@ class ModelRunner:
         if lora_ids is not None:
             self.lora.clear_mapping()
         if self.draft is not None:  # the draft's cache follows the target's positions
-            self.draft.follow(batch)
+            self.draft.follow(batch, hidden)
         if not self.is_last_stage:  # the last stage samples; the engine reads its output
             output = ModelRunnerOutput(req_ids, [[] for _ in req_ids])
             return _PendingOutput.done(output) if non_block else output

@@ -46,8 +46,9 @@ class DraftModel:
             layer.kv_cache = None
 
     @torch.inference_mode()
-    def follow(self, batch: "_Batch") -> None:
-        """Run the draft on the step's inputs: its cache gets the same positions as the target's."""
+    def follow(self, batch: "_Batch", hidden: torch.Tensor | None = None) -> None:
+        """Run the draft on the step's inputs: its cache gets the same positions as the target's
+        (``hidden``, the target's output, is for proposers that read it: worker/spec_eagle.py)."""
         md = batch.attn_metadata
         if md is None:  # the target replayed a decode graph: the same inputs sit in its buffers
             md = self.runner.graphs.metadata(batch.graph_size)
