@@ -129,7 +129,7 @@ def hf_target(tiny_models):
 
 @pytest.fixture(scope="module")
 def reference(tiny_models):
-    return _tokens(LLM(tiny_models["llama"], kv_cache_memory_bytes=TEST_KV_BYTES, max_model_len=256))
+    return _tokens(LLM(tiny_models["llama"], dtype="float32", kv_cache_memory_bytes=TEST_KV_BYTES, max_model_len=256))
 
 
 def _tokens(llm, prompts=PROMPTS, params=GREEDY):
@@ -164,7 +164,7 @@ def _eagle(head: str, k: int) -> dict:
 @pytest.mark.parametrize("norm_bias", [(False, False), (True, True)], ids=["published", "with-norm-and-bias"])
 def test_head_proposals_equal_an_independent_forward_of_the_layout(tiny_models, heads, hf_target, norm_bias):
     head = heads[norm_bias]
-    llm = LLM(tiny_models["llama"], kv_cache_memory_bytes=TEST_KV_BYTES, max_model_len=256,
+    llm = LLM(tiny_models["llama"], dtype="float32", kv_cache_memory_bytes=TEST_KV_BYTES, max_model_len=256,
               speculative_config=_eagle(head, 3))
     model = llm.llm_engine.engine_core.executor.worker.model_runner.draft.model
     assert (model.fc.bias is not None, not isinstance(model.layers[0].input_layernorm, torch.nn.Identity)) == norm_bias
@@ -180,7 +180,7 @@ def test_head_proposals_equal_an_independent_forward_of_the_layout(tiny_models, 
 
 def test_greedy_is_the_plain_engines_chunked_preempted_and_with_prefix_hits(tiny_models, heads, hf_target, reference):
     head = heads[(False, False)]
-    llm = LLM(tiny_models["llama"], max_model_len=160, max_num_batched_tokens=16, num_gpu_blocks_override=12,
+    llm = LLM(tiny_models["llama"], dtype="float32", max_model_len=160, max_num_batched_tokens=16, num_gpu_blocks_override=12,
               speculative_config=_eagle(head, 2))
     seen = _record_proposals(llm)
     assert _tokens(llm, PROMPTS + PROMPTS[:2]) == reference + reference[:2]  # the repeats hit the prefix cache
@@ -197,7 +197,7 @@ SMALL_PROMPTS = [[3 + t % (SMALL_VOCAB - 3) for t in p] for p in PROMPTS]
 
 
 def test_an_aborted_request_leaves_the_others_and_the_next_ones_exact(tiny_models, heads, reference):
-    llm = LLM(tiny_models["llama"], max_model_len=160, max_num_batched_tokens=16, num_gpu_blocks_override=12,
+    llm = LLM(tiny_models["llama"], dtype="float32", max_model_len=160, max_num_batched_tokens=16, num_gpu_blocks_override=12,
               speculative_config=_eagle(heads[(True, True)], 3))
     engine, done = llm.llm_engine, {}
     for i in (0, 1, 4):
@@ -242,8 +242,8 @@ def predictable(tmp_path_factory, smollm2_tokenizer_dir):
 
 def test_an_exact_head_has_every_guess_accepted_and_the_target_runs_fewer_steps(predictable):
     target, head = predictable
-    plain = _tokens(LLM(target, kv_cache_memory_bytes=TEST_KV_BYTES, max_model_len=256), SMALL_PROMPTS[:3])
-    llm = LLM(target, kv_cache_memory_bytes=TEST_KV_BYTES, max_model_len=256, speculative_config=_eagle(head, 3))
+    plain = _tokens(LLM(target, dtype="float32", kv_cache_memory_bytes=TEST_KV_BYTES, max_model_len=256), SMALL_PROMPTS[:3])
+    llm = LLM(target, dtype="float32", kv_cache_memory_bytes=TEST_KV_BYTES, max_model_len=256, speculative_config=_eagle(head, 3))
     core = llm.llm_engine.engine_core
     steps, execute = 0, core.executor.execute_model
 
@@ -273,8 +273,8 @@ def test_sampled_tokens_keep_the_target_distribution(predictable):
         outs = llm.generate([TokensPrompt(prompt_token_ids=prompt[0])] * runs, params, use_tqdm=False)
         return collections.Counter(tuple(o.outputs[0].token_ids[:2]) for o in outs)
 
-    plain = pairs(LLM(target, kv_cache_memory_bytes=TEST_KV_BYTES, max_model_len=64))
-    llm = LLM(target, kv_cache_memory_bytes=TEST_KV_BYTES, max_model_len=64, speculative_config=_eagle(head, 2))
+    plain = pairs(LLM(target, dtype="float32", kv_cache_memory_bytes=TEST_KV_BYTES, max_model_len=64))
+    llm = LLM(target, dtype="float32", kv_cache_memory_bytes=TEST_KV_BYTES, max_model_len=64, speculative_config=_eagle(head, 2))
     spec = pairs(llm)
     stats = _stats(llm)
     assert stats.spec_num_drafts >= runs and runs // 4 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens * 0.9
