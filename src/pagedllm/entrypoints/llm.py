@@ -11,6 +11,7 @@ from tqdm.auto import tqdm
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.chat_utils import ChatMessage, apply_chat_template
+from pagedllm.entrypoints.score_utils import pair_prompts
 from pagedllm.inputs import PromptType
 from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import (
@@ -244,15 +245,8 @@ class LLM:
             raise ValueError("score takes texts (strings)")
         if self.llm_engine.model_config.pooling_kind == "embed":
             return self._cosine_scores(first, second, use_tqdm, truncate_prompt_tokens, pooling_params)
-        tokenizer = self.get_tokenizer()
-        prompts = []
-        for a, b in zip(first, second):
-            enc = tokenizer(a, b, truncation=truncate_prompt_tokens is not None,
-                            max_length=truncate_prompt_tokens if truncate_prompt_tokens not in (None, -1) else None)
-            prompt = {"prompt_token_ids": enc["input_ids"]}
-            if enc.get("token_type_ids") is not None:
-                prompt["token_type_ids"] = enc["token_type_ids"]
-            prompts.append(prompt)
+        prompts = pair_prompts(self.get_tokenizer(), first, second, truncation=truncate_prompt_tokens is not None,
+                               max_length=truncate_prompt_tokens if truncate_prompt_tokens not in (None, -1) else None)
         out = self.encode(prompts, pooling_params, use_tqdm=use_tqdm, pooling_task="score")
         return [ScoringRequestOutput.from_base(o) for o in out]
 

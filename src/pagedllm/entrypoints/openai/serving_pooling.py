@@ -11,6 +11,7 @@ import numpy as np
 from fastapi import Request
 
 from pagedllm.entrypoints.chat_utils import apply_chat_template
+from pagedllm.entrypoints.score_utils import pair_prompts
 from pagedllm.entrypoints.openai.protocol import BadParam
 from pagedllm.entrypoints.openai.protocol_pooling import (
     ClassificationData, ClassificationRequest, ClassificationResponse, EmbeddingData, EmbeddingRequest,
@@ -68,16 +69,10 @@ class OpenAIServingPooling(OpenAIServing):
     def _pair_prompts(self, first: list[str], second: list[str], truncate: Optional[int]) -> list[dict[str, Any]]:
         """Cross-encoder inputs: each pair as one sequence, with BERT token types where the
         tokenizer gives them."""
-        prompts = []
         for a, b in zip(first, second):
             self.check_text_length(a + b, "text")
-            enc = self.tokenizer(a, b, truncation=truncate not in (None, -1),
-                                 max_length=truncate if truncate not in (None, -1) else None)
-            prompt = {"prompt_token_ids": enc["input_ids"]}
-            if enc.get("token_type_ids") is not None:
-                prompt["token_type_ids"] = enc["token_type_ids"]
-            prompts.append(prompt)
-        return prompts
+        cut = truncate not in (None, -1)
+        return pair_prompts(self.tokenizer, first, second, truncation=cut, max_length=truncate if cut else None)
 
     # ---- running --------------------------------------------------------------------------------
     async def _run(self, raw: Request, prefix: str, req: Any, prompts: list[dict[str, Any]],
