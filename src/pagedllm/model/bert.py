@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.attention.backend import AttentionBackend, AttentionMetadata
-from pagedllm.model.layers import MergedLinear, QKVLinear, RowParallelLinear, default_weight_loader
+from pagedllm.model.layers import MergedLinear, QKVLinear, RowParallelLinear, load_tensor
 
 _ACTIVATIONS = {"gelu": F.gelu, "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
                 "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu, "silu": F.silu}
@@ -121,14 +121,7 @@ class BertModel(nn.Module):
                 continue
             if name not in params:
                 raise ValueError(f"checkpoint tensor {ckpt_name!r} has no matching parameter in {type(self).__name__}")
-            param = params[name]
-            loader = getattr(param, "weight_loader", None)
-            if loader is None:
-                default_weight_loader(param, tensor)
-            elif shard is None:
-                loader(param, tensor)
-            else:
-                loader(param, tensor, shard)
+            load_tensor(params[name], tensor, shard, repr(ckpt_name))
             seen.setdefault(name, set()).add(shard)
         return {n for n, s in seen.items() if None in s or ".qkv." not in n or s >= {"q", "k", "v"}}
 

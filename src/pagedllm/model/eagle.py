@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from pagedllm.attention.backend import AttentionMetadata
-from pagedllm.model.layers import Linear
+from pagedllm.model.layers import Linear, load_tensor
 from pagedllm.model.llama import DecoderLayer, LlamaForCausalLM
 
 _SKIPPED = ("embed_tokens.weight", "lm_head.weight")
@@ -69,14 +69,7 @@ class EagleLlamaHead(nn.Module):
             if name not in params:
                 raise ValueError(f"EAGLE head tensor {name!r} has no matching parameter (expected fc.* and "
                                  "layers.0.* of one Llama decoder layer)")
-            param = params[name]
-            try:
-                if shard_id is None:
-                    param.weight_loader(param, tensor)
-                else:
-                    param.weight_loader(param, tensor, shard_id)
-            except ValueError as e:
-                raise ValueError(f"loading EAGLE head tensor {name!r} (shard {shard_id}): {e}") from None
+            load_tensor(params[name], tensor, shard_id, f"EAGLE head tensor {name!r}")
             shards_seen.setdefault(name, set()).add(shard_id)
         loaded = {name for name, seen in shards_seen.items()
                   if None in seen or LlamaForCausalLM.shards_needed(self, name) <= seen}

@@ -48,6 +48,16 @@ def _check_quantized_dtype(param: nn.Parameter, loaded_weight: torch.Tensor) -> 
                          "quantized form?)")
 
 
+def load_tensor(param: nn.Parameter, tensor: torch.Tensor, shard_id=None, what: str = "") -> None:
+    """``param``'s weight_loader (a plain copy where it has none) takes a checkpoint tensor (a
+    fused parameter's part: ``shard_id``); a loader's ValueError names ``what``."""
+    loader = getattr(param, "weight_loader", default_weight_loader)
+    try:
+        loader(*(param, tensor) if shard_id is None else (param, tensor, shard_id))
+    except ValueError as e:
+        raise ValueError(f"loading {what} (shard {shard_id}): {e}") from None
+
+
 def _parameter(*shape: int, weight_loader=default_weight_loader, full_shape: tuple | None = None) -> nn.Parameter:
     # Allocated in the default dtype/device, which the loader sets, so nothing is built twice.
     param = nn.Parameter(torch.empty(*shape), requires_grad=False)

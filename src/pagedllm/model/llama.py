@@ -13,7 +13,7 @@ from pagedllm.model import layers
 from pagedllm.model.kv_scales import load_kv_scale
 from pagedllm.model.layers import (
     GeluTanhAndMul, LMHead, MergedLinear, QKVLinear, RMSNorm, RotaryEmbedding, RowParallelLinear, SiluAndMul,
-    VocabEmbedding,
+    VocabEmbedding, load_tensor,
 )
 
 
@@ -258,14 +258,7 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}")
-            param = params[name]
-            try:
-                if shard_id is None:
-                    param.weight_loader(param, tensor)
-                else:
-                    param.weight_loader(param, tensor, shard_id)
-            except ValueError as e:
-                raise ValueError(f"loading {name!r} (shard {shard_id}): {e}") from None
+            load_tensor(params[name], tensor, shard_id, repr(name))
             shards_seen.setdefault(name, set()).add(shard_id)
         loaded = set()
         for name, seen in shards_seen.items():
