@@ -2,7 +2,8 @@
 # One device call does the whole GPU pass: correctness tests, then the benchmarks, then a
 # short table. Usage (on the device machine, repo root): scripts/gpu_pass.sh [STAGES]
 # STAGES is a comma list of: tests, throughput, throughput8b, latency, startup, structured, lora,
-# moetune, moe, quant, quanttune, pooling, embed, embedprof, moedebug, fp8kv, fp8kvbench (default: startup,tests,throughput,throughput8b,latency).
+# moetune, moe, quant, quanttune, pooling, embed, embedprof, moedebug, fp8kv, fp8kvbench, structuredab,
+# prefill, structuredub (default: startup,tests,throughput,throughput8b,latency).
 # Needs the SmolLM2 tokenizer saved under .gpu/tokenizer (carried with the call), and wheels carried in .whl
 # for what the device lacks: xgrammar with apache-tvm-ffi, llguidance, pydantic (+ pydantic-core,
 # annotated-types, typing-inspection), jsonschema (+ jsonschema-specifications, referencing, rpds-py),
@@ -52,6 +53,12 @@ stage throughput && bench throughput_run2 python -m pagedllm.benchmarks.throughp
 stage throughput8b && bench throughput8b python -m pagedllm.benchmarks.throughput --shape llama3-8b
 stage latency && bench latency python -m pagedllm.benchmarks.latency --shape llama3-8b --batch-sizes 1,32
 stage structured && bench structured python -m pagedllm.benchmarks.structured --shape qwen3-0.6b --tokenizer .gpu/tokenizer
+# Issue 15: both grammar backends (each row's masks filled on 8 threads while the forward runs).
+stage structuredab && bench structured_xgr python -m pagedllm.benchmarks.structured --shape qwen3-0.6b --tokenizer .gpu/tokenizer --backend xgrammar
+stage structuredab && bench structured_llg python -m pagedllm.benchmarks.structured --shape qwen3-0.6b --tokenizer .gpu/tokenizer --backend guidance
+# Issue 19: long-prompt prefill attention, the Triton kernel (and its tilings) against torch's SDPA backends.
+stage prefill && bench prefill python -m pagedllm.attention.prefill_bench --sweep
+stage structuredub && bench structured_unbounded python -m pagedllm.benchmarks.structured --shape qwen3-0.6b --tokenizer .gpu/tokenizer --backend xgrammar --schema unbounded
 stage lora && bench lora python -m pagedllm.benchmarks.lora --shape llama3-8b
 stage specdraft && bench spec_draft env PAGEDLLM_SPEC_FORCE_ACCEPT=1 python -m pagedllm.benchmarks.spec_draft
 # MoE (issue 16): --tune writes the tile table to $OUT (copy it to src/pagedllm/ops/fused_moe_configs.json),

@@ -328,7 +328,7 @@ class StructuredOutputsConfig:
     max_spec_bytes: int = 64 << 10  # a schema / regex / grammar larger than this is refused
     max_nesting_depth: int = 32  # a JSON schema nested deeper than this is refused
     max_compile_threads: int = 2  # the compile pool's threads
-    max_fill_threads: int = 8  # threads filling one step's masks (xgrammar's batch fill), at most the CPUs
+    max_fill_threads: int = 8  # threads filling one step's masks (xgrammar's batch fill, llguidance's executor), at most the CPUs
     disable_fallback: bool = False  # "auto" never falls back to llguidance
     # With a reasoning parser (vLLM's field; ``serve --reasoning-parser`` sets it) a constraint
     # applies to the answer: from the token that ends the reasoning on, unless enable_in_reasoning.

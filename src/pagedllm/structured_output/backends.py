@@ -103,7 +103,7 @@ class XgrammarMatcher:
         self._m.rollback(num_tokens)
 
 
-class BatchFiller:
+class XgrammarBatchFiller:
     """xgrammar's batch fill: many matchers' rows on ``max_threads`` threads (its C++ releases
     the GIL), one call per step."""
 
@@ -116,6 +116,9 @@ class BatchFiller:
 
     def fill(self, matchers: list[XgrammarMatcher], bitmask: np.ndarray, rows: list[int]) -> None:
         self._batch.batch_fill_next_token_bitmask([m._m for m in matchers], self._torch.from_numpy(bitmask), rows)
+
+
+XgrammarMatcher.batch_filler = XgrammarBatchFiller
 
 
 # ---- llguidance ---------------------------------------------------------------------------------
@@ -198,6 +201,23 @@ class _GuidanceMatcher:
     def rollback(self, num_tokens: int) -> None:
         self._m.rollback(num_tokens)
 
+
+class GuidanceBatchFiller:
+    """llguidance's parallel fill: many matchers' rows on an ``LLExecutor``'s ``max_threads``
+    threads (Rust, without the GIL), one call per step."""
+
+    def __init__(self, max_threads: int) -> None:
+        import llguidance
+        import llguidance.numpy as lln
+
+        self._executor = llguidance.LLExecutor(max_threads)
+        self._fill = lln.fill_next_token_bitmask_par
+
+    def fill(self, matchers: list[_GuidanceMatcher], bitmask: np.ndarray, rows: list[int]) -> None:
+        self._fill(self._executor, [(m._m, row) for m, row in zip(matchers, rows)], bitmask)
+
+
+_GuidanceMatcher.batch_filler = GuidanceBatchFiller
 
 BACKEND_CLASSES = {"xgrammar": XgrammarBackend, "guidance": GuidanceBackend}
 
