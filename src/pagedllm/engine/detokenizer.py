@@ -193,16 +193,17 @@ class IncrementalDetokenizer:
         """
         if self.stop_reason is not None:
             return None
+        token_ids, decoded, decode_next = self.output_token_ids, self.output_token_decoded, self._decode_next
         for token_id in new_token_ids:
-            new_text_start = len(self._text)
-            self.output_token_ids.append(token_id)
-            piece = self._decode_next(token_id)
-            self.output_token_decoded.append(piece)
+            token_ids.append(token_id)
+            piece = decode_next(token_id)
+            decoded.append(piece)
             if not piece:
                 continue
+            new_text_start = len(self._text)
             self._text += piece
             # vLLM semantics: no stop string may end within the first min_tokens tokens.
-            if not self.stop or len(self.output_token_ids) <= self.min_tokens:
+            if not self.stop or len(token_ids) <= self.min_tokens:
                 continue
             stop = self._find_stop(new_text_start)
             if stop is not None:
@@ -216,7 +217,7 @@ class IncrementalDetokenizer:
         so a stop string still forming is never streamed out.
         """
         end = len(self._text)
-        if not finished:
+        if not finished and self._stop_holdback_chars:
             end = max(end - self._stop_holdback_chars, 0)
         if not delta:
             return self._text[:end]
