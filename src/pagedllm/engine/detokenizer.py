@@ -240,8 +240,10 @@ class IncrementalDetokenizer:
     def _decode_next(self, token_id: int) -> str:
         if token_id in self._skipped_ids:
             return ""
+        if not self._raw_consecutive_added:  # the usual case: no added-token rule to track
+            return self._pieces.next(token_id) or ""
         is_added = token_id in self._added_tokens
-        if is_added and self._last_kept_is_added and self._raw_consecutive_added:
+        if is_added and self._last_kept_is_added:
             self._pieces.push_emitted(token_id)
             return self._added_tokens[token_id]
         piece = self._pieces.next(token_id)
@@ -308,7 +310,10 @@ class _StreamPieces:
                 piece = None
             else:
                 if piece is not None:
-                    self._advance()
+                    # The tokens just emitted become the context for the next ones (_advance, inline).
+                    self._prefix, self._read = self._read, len(ids)
+                    if self._prefix > _MAX_KEPT_IDS:
+                        self._drop_emitted()
                     return piece
                 if len(ids) - self._read < _MAX_PENDING_TOKENS:
                     return ""
@@ -336,9 +341,12 @@ class _StreamPieces:
         # The tokens just emitted become the context for the next ones.
         self._prefix, self._read = self._read, len(self._ids)
         if self._prefix > _MAX_KEPT_IDS:
-            del self._ids[: self._prefix]
-            self._read -= self._prefix
-            self._prefix = 0
+            self._drop_emitted()
+
+    def _drop_emitted(self) -> None:
+        del self._ids[: self._prefix]
+        self._read -= self._prefix
+        self._prefix = 0
 
     def _restart(self) -> None:
         window = self._ids[self._prefix : self._read]
