@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call does the whole GPU pass: correctness tests, then the benchmarks, then a
 # short table. Usage (on the device machine, repo root): scripts/gpu_pass.sh [STAGES]
-# STAGES is a comma list of: tests, throughput, throughput8b, latency, startup, structured, lora,
+# STAGES is a comma list of: tests, throughput, throughput8b, latency, long, startup, structured, lora,
 # moetune, moe, quant, quanttune, pooling, embed, embedprof, moedebug, fp8kv, fp8kvbench, structuredab,
 # prefill, structuredub (default: startup,tests,throughput,throughput8b,latency).
 # Needs the SmolLM2 tokenizer saved under .gpu/tokenizer (carried with the call), and wheels carried in .whl
@@ -52,6 +52,10 @@ stage throughput && bench throughput python -m pagedllm.benchmarks.throughput --
 stage throughput && bench throughput_run2 python -m pagedllm.benchmarks.throughput --shape qwen3-0.6b
 stage throughput8b && bench throughput8b python -m pagedllm.benchmarks.throughput --shape llama3-8b
 stage latency && bench latency python -m pagedllm.benchmarks.latency --shape llama3-8b --batch-sizes 1,32
+stage long && bench long_prompt_06b python -m pagedllm.benchmarks.long_prompt --shape qwen3-0.6b
+stage long && bench long_prompt_8b python -m pagedllm.benchmarks.long_prompt --shape llama3-8b
+stage long && bench shared_prefix_06b python -m pagedllm.benchmarks.shared_prefix --shape qwen3-0.6b
+stage long && bench shared_prefix_8b python -m pagedllm.benchmarks.shared_prefix --shape llama3-8b
 stage structured && bench structured python -m pagedllm.benchmarks.structured --shape qwen3-0.6b --tokenizer .gpu/tokenizer
 # Issue 15: both grammar backends (each row's masks filled on 8 threads while the forward runs).
 stage structuredab && bench structured_xgr python -m pagedllm.benchmarks.structured --shape qwen3-0.6b --tokenizer .gpu/tokenizer --backend xgrammar

@@ -12,7 +12,9 @@ import threading
 import pytest
 import torch
 
-from pagedllm.benchmarks import common, cpu_vs_hf, latency, moe_kernel, serve, startup, structured, throughput
+from pagedllm.benchmarks import (
+    common, cpu_vs_hf, latency, long_prompt, moe_kernel, serve, shared_prefix, startup, structured, throughput,
+)
 from tests.conftest import TEST_KV_BYTES, build_tiny_model
 
 KV = f"kv_cache_memory_bytes={TEST_KV_BYTES}"
@@ -46,6 +48,35 @@ def test_throughput_counts_every_drawn_output_token(capsys):
     assert row["benchmark"] == "throughput" and row["num_prompts"] == 3
     assert row["output_tokens"] == 3 * 4  # max_tokens drawn from randint(4, 4), ignore_eos
     assert row["total_tok_s"] > row["output_tok_s"] > 0
+
+
+
+def test_long_prompt_reports_total_and_prefill_rates_of_the_drawn_prompts(capsys):
+    long_prompt.main(["--shape", "tiny-llama", "--num-prompts", "3", "--min-input-len", "40", "--max-input-len", "80",
+                      "--min-output-len", "2", "--max-output-len", "3", "--dtype", "float32", "--engine-args", KV])
+    (row,) = _json_lines(capsys)
+    assert row["benchmark"] == "long_prompt" and row["num_prompts"] == 3
+    assert 3 * 40 <= row["prompt_tokens"] <= 3 * 80 and 3 * 2 <= row["output_tokens"] <= 3 * 3
+    assert row["total_tok_s"] == pytest.approx((row["prompt_tokens"] + row["output_tokens"]) / row["elapsed_s"],
+                                               rel=0.01)
+    # Every prompt is prefilled before the run ends, so the prefill rate is at least the total.
+    assert 0 < row["prefill_s"] <= row["elapsed_s"] and row["prefill_tok_s"] > 0
+    assert 0 < row["ttft_ms_p50"] <= row["ttft_ms_p90"] <= row["ttft_ms_p99"] <= row["prefill_s"] * 1e3 + 1
+    assert row["cached_prompt_tokens"] == 0  # random prompts (and the warm-up) share no block
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_shared_prefix_hits_every_prefix_block_after_the_cold_request(capsys, caching):
+    shared_prefix.main(["--shape", "tiny-llama", "--num-prompts", "4", "--prefix-len", "64", "--min-suffix-len", "4",
+                        "--max-suffix-len", "8", "--min-output-len", "2", "--max-output-len", "2",
+                        "--dtype", "float32", "--engine-args", f"{KV},enable_prefix_caching={str(caching).lower()}"])
+    (row,) = _json_lines(capsys)
+    assert row["benchmark"] == "shared_prefix" and row["enable_prefix_caching"] is caching
+    assert 3 * (64 + 4) <= row["prompt_tokens"] <= 3 * (64 + 8) and row["output_tokens"] == 3 * 2
+    # The prefix is 4 whole blocks of 16: with the cache, each of the 3 timed requests hits all of it.
+    assert row["cached_prompt_tokens"] == (3 * 64 if caching else 0)
+    assert row["hit_rate"] == pytest.approx(row["ideal_hit_rate"] if caching else 0.0)
+    assert row["ttft_cold_ms"] > 0 and 0 < row["ttft_ms_p50"] <= row["ttft_ms_p99"]
 
 
 def test_structured_compares_json_with_unconstrained_in_one_run(capsys, smollm2_tokenizer_dir):

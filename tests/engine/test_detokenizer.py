@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import random
 from typing import Any
 
 import pytest
 import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from pagedllm.engine import detokenizer
 from pagedllm.engine.detokenizer import IncrementalDetokenizer, decode_token
 
 TEXTS = [
@@ -19,6 +21,15 @@ TEXTS = [
     "a real replacement char x\ufffdy stays",
     "line one\nline two\ttabbed",
 ]
+
+
+@pytest.fixture(autouse=True, params=["decode_stream", "python_window"])
+def text_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test runs on both paths of fast tokenizers: tokenizers' Rust DecodeStream (the
+    default) and the Python window (what tokenizers without DecodeStream get)."""
+    if request.param == "python_window":
+        monkeypatch.setattr(detokenizer, "DecodeStream", None)
+    return request.param
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +153,9 @@ def test_cost_per_step_does_not_grow_with_output_length(smol: Any) -> None:
 
     spy = WindowSpy(smol)
     ids = smol.encode("Streaming 世界 😀 one token at a time. " * 100, add_special_tokens=False)
-    detok = IncrementalDetokenizer(spy, smol.encode("a long prompt " * 50, add_special_tokens=False))
+    detok = IncrementalDetokenizer(
+        spy, smol.encode("a long prompt " * 50, add_special_tokens=False), use_decode_stream=False
+    )
     for token_id in ids:
         detok.update([token_id])
     assert detok.output_text == smol.decode(ids)
@@ -352,3 +365,115 @@ def test_decode_token_gives_each_tokens_own_text(smol: Any, llama: Any) -> None:
     assert [decode_token(smol, i) for i in ids] == ["Hello", " world"]
     assert decode_token(smol, 2) == "<|im_end|>"
     assert decode_token(llama, llama.convert_tokens_to_ids("<0xE4>")) == "\ufffd"
+
+
+def test_decode_token_decodes_each_id_once(smol: Any) -> None:
+    class DecodeCounter:
+        def __init__(self) -> None:
+            self.calls = 0
+
+        def decode(self, ids: list[int]) -> str:
+            self.calls += 1
+            return smol.decode(ids)
+
+    counter = DecodeCounter()
+    assert [decode_token(counter, i) for i in (2, 2, 3, 2)] == ["<|im_end|>", "<|im_end|>", "<repo_name>", "<|im_end|>"]
+    assert counter.calls == 2
+
+
+# ---- tokenizers' DecodeStream against the Python window, on random ids ------------------------------
+
+
+@pytest.fixture(scope="module", params=["smol", "llama", "wordpiece"])
+def fast_tokenizer(request: pytest.FixtureRequest) -> Any:
+    return request.getfixturevalue(request.param)
+
+
+def _id_pools(tokenizer: Any) -> dict[str, list[int]]:
+    """Ids by kind: whole-text tokens, byte tokens (alone they decode to U+FFFD: split
+    characters, invalid bytes), added/special tokens, and ids past the vocabulary."""
+    n = len(tokenizer)
+    added = sorted(set(tokenizer.all_special_ids) | set(tokenizer.added_tokens_decoder))
+    texts = tokenizer.backend_tokenizer.decode_batch([[i] for i in range(n)], skip_special_tokens=False)
+    byte_ids = [i for i, t in enumerate(texts) if "\ufffd" in t]
+    whole = [i for i, t in enumerate(texts) if "\ufffd" not in t and i not in added]
+    return {"whole": whole, "byte": byte_ids, "added": added, "oov": list(range(n, n + 64))}
+
+
+def _draw(rng: random.Random, pools: dict[str, list[int]], count: int, weights: dict[str, float]) -> list[int]:
+    kinds = [k for k in weights if pools[k]]
+    picks = rng.choices(kinds, [weights[k] for k in kinds], k=count)
+    return [rng.choice(pools[k]) for k in picks]
+
+
+def _run(tokenizer: Any, prompt: list[int], output: list[int], chunk: int, **kwargs: Any) -> tuple:
+    detok = IncrementalDetokenizer(tokenizer, prompt, **kwargs)
+    deltas, stop = _stream(detok, output, chunk=chunk)
+    return detok.output_text, deltas, detok.output_token_decoded, stop
+
+
+def test_fast_tokenizers_take_the_decode_stream_path(fast_tokenizer: Any, text_path: str) -> None:
+    pieces = IncrementalDetokenizer(fast_tokenizer, [])._pieces
+    expected = detokenizer._StreamPieces if text_path == "decode_stream" else detokenizer._WindowPieces
+    assert type(pieces) is expected
+    assert type(IncrementalDetokenizer(fast_tokenizer, [], use_decode_stream=False)._pieces) is detokenizer._WindowPieces
+    assert type(IncrementalDetokenizer(CharTokenizer(), [])._pieces) is detokenizer._WindowPieces
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_decode_stream_streams_what_the_python_window_streams(fast_tokenizer: Any, text_path: str, seed: int) -> None:
+    """Random ids as a random model samples them: byte tokens that split or break characters,
+    specials, ids past the vocabulary; random prompts (some ending mid-character), settings,
+    stop strings and step sizes. Every delta, per-token piece and stop matches."""
+    if text_path != "decode_stream":
+        pytest.skip("compares the two paths itself")
+    rng = random.Random(seed)
+    pools = _id_pools(fast_tokenizer)
+    weights = {"whole": 0.55, "byte": 0.3, "added": 0.1, "oov": 0.05}
+    for _ in range(60):
+        prompt = _draw(rng, pools, rng.randint(0, 10), weights)
+        output = _draw(rng, pools, rng.randint(1, 40), weights)
+        kwargs: dict[str, Any] = dict(
+            skip_special_tokens=rng.random() < 0.5, spaces_between_special_tokens=rng.random() < 0.5,
+            min_tokens=rng.choice([0, 0, 3]),
+        )
+        if rng.random() < 0.4:
+            kwargs.update(stop=["e", " th", "\ufffd"], include_stop_str_in_output=rng.random() < 0.5)
+        chunk = rng.choice([1, 1, 2, 5])
+        window = _run(fast_tokenizer, prompt, output, chunk, use_decode_stream=False, **kwargs)
+        stream = _run(fast_tokenizer, prompt, output, chunk, **kwargs)
+        assert stream == window, (prompt, output, kwargs, chunk)
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_decode_stream_text_equals_decode_of_prompt_and_output(
+    fast_tokenizer: Any, text_path: str, skip_special_tokens: bool
+) -> None:
+    """Ids of whole characters (specials and ids past the vocabulary included): the streamed
+    text is what `tokenizer.decode` gives the output after the prompt, and no delta holds a
+    half character."""
+    rng = random.Random(1)
+    pools = _id_pools(fast_tokenizer)
+    weights = {"whole": 0.85, "added": 0.1, "oov": 0.05}
+
+    def decode(ids: list[int]) -> str:
+        return fast_tokenizer.decode(ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
+
+    for _ in range(40):
+        prompt = _draw(rng, pools, rng.randint(0, 8), weights)
+        output = _draw(rng, pools, rng.randint(1, 60), weights)
+        full, prompt_text = decode(prompt + output), decode(prompt)
+        assert full.startswith(prompt_text)
+        text, deltas, _, _ = _run(fast_tokenizer, prompt, output, rng.choice([1, 3]),
+                                  skip_special_tokens=skip_special_tokens)
+        assert text == "".join(deltas) == full[len(prompt_text) :], (prompt, output)
+        assert not any("\ufffd" in d for d in deltas)
+
+
+def test_decode_stream_window_stays_bounded_over_a_long_output(smol: Any, text_path: str) -> None:
+    ids = smol.encode("Streaming 世界 😀 one token at a time. " * 300, add_special_tokens=False)
+    detok = IncrementalDetokenizer(smol, smol.encode("a long prompt " * 50, add_special_tokens=False))
+    deltas, _ = _stream(detok, ids)
+    assert detok.output_text == "".join(deltas) == smol.decode(ids)
+    if text_path == "decode_stream":
+        assert len(ids) > 3000 and len(detok._pieces._ids) <= detokenizer._MAX_KEPT_IDS + 8

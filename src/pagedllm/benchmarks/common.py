@@ -215,6 +215,29 @@ def float_list(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x]
 
 
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile, linear interpolation between closest ranks (numpy's default)."""
+    values = sorted(values)
+    pos = (len(values) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(values) - 1)
+    return values[lo] + (values[hi] - values[lo]) * (pos - lo)
+
+
+def ttft_figures(outputs: Sequence) -> dict:
+    """TTFT p50 / p90 / p99 in ms of an LLM.generate's RequestOutputs (first token − arrival)."""
+    ttfts = [o.metrics.first_token_time - o.metrics.arrival_time for o in outputs]
+    return {f"ttft_ms_p{q}": round(percentile(ttfts, q) * 1e3, 2) for q in (50, 90, 99)}
+
+
+def engine_figures(llm) -> dict:
+    """The engine sizes a result depends on: KV blocks, block size, the step's token budget."""
+    config = llm.llm_engine.config
+    return {"num_kv_blocks": llm.llm_engine.engine_core.kv_cache_manager.num_blocks,
+            "block_size": config.cache_config.block_size,
+            "max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens}
+
+
 def git_commit() -> str:
     """PAGEDLLM_COMMIT when set (a copied tree without its history), else git's HEAD."""
     if envs.PAGEDLLM_COMMIT:

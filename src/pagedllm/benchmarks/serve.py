@@ -40,7 +40,7 @@ import urllib.request
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from pagedllm.benchmarks.common import SHAPES, emit, float_list, print_table, write_shape
+from pagedllm.benchmarks.common import SHAPES, emit, float_list, percentile, print_table, write_shape
 
 SERVE_VOCAB_SIZE = 49152  # SmolLM2's tokenizer
 PERCENTILES = (50, 90, 99)
@@ -211,15 +211,6 @@ async def run_rate(lines_of, url: str, model: str, requests: list[BenchRequest],
     return list(results), time.perf_counter() - start
 
 
-def _percentile(values: list[float], q: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default)."""
-    values = sorted(values)
-    pos = (len(values) - 1) * q / 100
-    lo = int(pos)
-    hi = min(lo + 1, len(values) - 1)
-    return values[lo] + (values[hi] - values[lo]) * (pos - lo)
-
-
 def summarize(requests: list[BenchRequest], results: list[RequestResult], duration_s: float) -> dict:
     done = [(q, r) for q, r in zip(requests, results) if r.ok]
     out_tokens = sum(r.output_tokens for _, r in done)
@@ -240,7 +231,7 @@ def summarize(requests: list[BenchRequest], results: list[RequestResult], durati
     for name, values in series.items():
         summary[f"{name}_ms_mean"] = round(sum(values) / len(values) * 1e3, 2) if values else None
         for q in PERCENTILES:
-            summary[f"{name}_ms_p{q}"] = round(_percentile(values, q) * 1e3, 2) if values else None
+            summary[f"{name}_ms_p{q}"] = round(percentile(values, q) * 1e3, 2) if values else None
     summary["error_samples"] = sorted({r.error for r in results if not r.ok})[:3]
     return summary
 
