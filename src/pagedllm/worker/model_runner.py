@@ -102,6 +102,7 @@ class ModelRunner:
             self, draft_model, spec.num_speculative_tokens)
         # Async scheduling: the last step's sampled tokens, still on the device.
         self._pending: _PendingOutput | None = None
+        self._deferred: tuple | None = None  # a defer_grammar step waiting for sample_tokens
         self._prev_sampled: torch.Tensor | None = None
         self._prev_index: dict[str, int] = {}
         self.routed_experts = None  # enable_return_routed_experts: rows by KV slot, beside the cache
@@ -250,25 +251,22 @@ class ModelRunner:
 
         sample_rows = batch.sample_rows
         pending = _PendingOutput(self, req_ids, sample_rows)
+        deferred = None
         if sample_rows:
             sampling = [states[i] for i in sample_rows]
             last_hidden = hidden[:batch.num_tokens] if batch.sample_index is None else hidden[batch.sample_index]
             logits = self.model.compute_logits(last_hidden)
             if batch.num_drafts is not None:  # speculative decoding: drafted requests verify theirs
+                if sched.defer_grammar:
+                    raise RuntimeError("a step with speculative tokens cannot defer its grammar masks")
                 for state in sampling:
                     state.num_inflight += 1
                 sampling, logits, md = verify_drafts(self, sched, states, batch, logits, pending)
+                self._sample(pending, sampling, logits, md)
+            elif sched.defer_grammar:  # the masks come with sample_tokens, once the step in flight landed
+                deferred = (pending, sampling, logits, batch)
             else:
-                if sched.grammar is not None:  # structured outputs: constrained rows keep allowed tokens only
-                    apply_grammar(logits, sched.grammar, [s.req_id for s in sampling])
-                md = self.sampling_metadata.build(sampling, batch.sample_batch_rows, batch.temperature)
-                for state in sampling:
-                    state.num_inflight += 1
-            if sampling:
-                out = self.sampler(logits, md)
-                pending.launch_copy(sampling, out, self._buffers.sampled_tokens_host(len(sampling)))
-                self._prev_sampled = out.sampled_token_ids
-                self._prev_index = {state.req_id: j for j, state in enumerate(sampling)}
+                self._sample_masked(pending, sampling, logits, batch, sched.grammar)
         pending.prompt_logprobs = prompt_logprobs(self.model, states, batch.starts, batch.query_start_loc, hidden)
         if self.routed_experts is not None:
             pending.routed = self.routed_experts.collect(sched, req_ids, self.input_batch.block_table_cpu, rows,
@@ -276,10 +274,45 @@ class ModelRunner:
         if self.draft is not None:  # the step's tokens land, then the draft guesses the next ones
             output = self.draft.after_step(pending.result())
             return _PendingOutput.done(output) if non_block else output
+        if sched.defer_grammar:
+            self._deferred = (pending, None, None, None) if deferred is None else deferred
+            return pending if non_block else None
         if non_block:
             self._pending = pending
             return pending
         return pending.result()
+
+    @torch.inference_mode()
+    def sample_tokens(self, grammar, non_block: bool = False):
+        """Finish the step launched with ``defer_grammar``: apply ``grammar`` (the masks of its
+        constrained rows, or None) and sample. Returns that step's handle (``non_block``) or its
+        ModelRunnerOutput."""
+        if self._deferred is None:
+            raise RuntimeError("sample_tokens() without a step launched with defer_grammar")
+        (pending, sampling, logits, batch), self._deferred = self._deferred, None
+        if sampling is not None:
+            self._sample_masked(pending, sampling, logits, batch, grammar)
+        if non_block:
+            self._pending = pending
+            return pending
+        return pending.result()
+
+    def _sample_masked(self, pending: "_PendingOutput", sampling: list[CachedRequestState], logits: torch.Tensor,
+                       batch: "_Batch", grammar) -> None:
+        if grammar is not None:  # structured outputs: constrained rows keep allowed tokens only
+            apply_grammar(logits, grammar, [s.req_id for s in sampling])
+        md = self.sampling_metadata.build(sampling, batch.sample_batch_rows, batch.temperature)
+        for state in sampling:
+            state.num_inflight += 1
+        self._sample(pending, sampling, logits, md)
+
+    def _sample(self, pending: "_PendingOutput", sampling: list[CachedRequestState], logits: torch.Tensor,
+                md) -> None:
+        if sampling:
+            out = self.sampler(logits, md)
+            pending.launch_copy(sampling, out, self._buffers.sampled_tokens_host(len(sampling)))
+            self._prev_sampled = out.sampled_token_ids
+            self._prev_index = {state.req_id: j for j, state in enumerate(sampling)}
 
     def land_sampled(self, pending: "_PendingOutput", states: list[CachedRequestState], tokens: list[int]) -> None:
         """A step's sampled tokens reached the host: they join their requests' rows, and
