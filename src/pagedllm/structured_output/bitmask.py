@@ -26,8 +26,8 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: np.ndarray | torch.Tensor
     if triton_ops_for(logits) is not None:
         from pagedllm.structured_output.triton_bitmask import apply_bitmask_triton
 
-        apply_bitmask_triton(logits, torch.as_tensor(bitmask).to(logits.device, non_blocking=True),
-                             torch.from_numpy(rows_np).to(logits.device, non_blocking=True))
+        mask_d, rows_d = _staging(logits.device).upload(np.asarray(bitmask, dtype=np.int32), rows_np)
+        apply_bitmask_triton(logits, mask_d, rows_d)
         return
     # numpy unpacks the bits a byte at a time (8x less work than shifting int32 words).
     host = bitmask.cpu().numpy() if isinstance(bitmask, torch.Tensor) else np.ascontiguousarray(bitmask)
@@ -38,6 +38,51 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: np.ndarray | torch.Tensor
     else:
         rows_t = torch.from_numpy(rows_np).to(logits.device)
         logits[rows_t] = logits[rows_t].masked_fill_(disallowed, float("-inf"))
+
+
+class _PinnedStaging:
+    """The masks (and their rows) go to the device through pinned host buffers, two used in
+    turn: a copy from pageable memory may wait for the device's queue (the forward in flight),
+    a pinned one does not. A buffer is rewritten only once its last copy has run."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.host: list[torch.Tensor | None] = [None, None]
+        self.copied = [torch.cuda.Event(), torch.cuda.Event()]
+        self.used = [False, False]
+        self.dev: torch.Tensor | None = None
+        self.turn = 0
+
+    def upload(self, bitmask: np.ndarray, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        r, words = bitmask.shape
+        n = r + r * words
+        self.turn ^= 1
+        t = self.turn
+        if self.used[t]:
+            self.copied[t].synchronize()
+        if self.host[t] is None or self.host[t].numel() < n:
+            self.host[t] = torch.empty(max(n, 2 * (self.host[t].numel() if self.host[t] is not None else 0)),
+                                       dtype=torch.int32, pin_memory=True)
+        if self.dev is None or self.dev.numel() < n:
+            self.dev = torch.empty(self.host[t].numel(), dtype=torch.int32, device=self.device)
+        host = self.host[t].numpy()
+        host[:r] = rows
+        host[r:n].reshape(r, words)[:] = bitmask
+        dev = self.dev[:n]
+        dev.copy_(self.host[t][:n], non_blocking=True)
+        self.copied[t].record()
+        self.used[t] = True
+        return dev[r:].view(r, words), dev[:r]
+
+
+_STAGINGS: dict[torch.device, _PinnedStaging] = {}
+
+
+def _staging(device: torch.device) -> _PinnedStaging:
+    staging = _STAGINGS.get(device)
+    if staging is None:
+        staging = _STAGINGS[device] = _PinnedStaging(device)
+    return staging
 
 
 def apply_grammar(logits: torch.Tensor, grammar, req_ids: list[str]) -> None:
