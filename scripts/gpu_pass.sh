@@ -3,7 +3,7 @@
 # short table. Usage (on the device machine, repo root): scripts/gpu_pass.sh [STAGES]
 # STAGES is a comma list of: tests, throughput, throughput8b, latency, long, startup, structured, lora,
 # moetune, moe, quant, quanttune, pooling, embed, embedprof, moedebug, fp8kv, fp8kvbench, structuredab,
-# prefill, structuredub (default: startup,tests,throughput,throughput8b,latency).
+# prefill, structuredub, structuredoverlap (default: startup,tests,throughput,throughput8b,latency).
 # Needs the SmolLM2 tokenizer saved under .gpu/tokenizer (carried with the call), and wheels carried in .whl
 # for what the device lacks: xgrammar with apache-tvm-ffi, llguidance, pydantic (+ pydantic-core,
 # annotated-types, typing-inspection), jsonschema (+ jsonschema-specifications, referencing, rpds-py),
@@ -63,6 +63,11 @@ stage structuredab && bench structured_llg python -m pagedllm.benchmarks.structu
 # Issue 19: long-prompt prefill attention, the Triton kernel (and its tilings) against torch's SDPA backends.
 stage prefill && bench prefill python -m pagedllm.attention.prefill_bench --sweep
 stage structuredub && bench structured_unbounded python -m pagedllm.benchmarks.structured --shape qwen3-0.6b --tokenizer .gpu/tokenizer --backend xgrammar --schema unbounded
+# Issue 15: async scheduling's overlap kept under constraints (deferred sampling) against the old pause, same run.
+for schema in bounded unbounded; do
+  stage structuredoverlap && bench structured_defer_$schema python -m pagedllm.benchmarks.structured --shape qwen3-0.6b --tokenizer .gpu/tokenizer --backend xgrammar --schema $schema
+  stage structuredoverlap && bench structured_pause_$schema env PAGEDLLM_DEFER_GRAMMAR=0 python -m pagedllm.benchmarks.structured --shape qwen3-0.6b --tokenizer .gpu/tokenizer --backend xgrammar --schema $schema
+done
 stage lora && bench lora python -m pagedllm.benchmarks.lora --shape llama3-8b
 stage specdraft && bench spec_draft env PAGEDLLM_SPEC_FORCE_ACCEPT=1 python -m pagedllm.benchmarks.spec_draft
 # MoE (issue 16): --tune writes the tile table to $OUT (copy it to src/pagedllm/ops/fused_moe_configs.json),

@@ -5,6 +5,7 @@ import logging
 from collections import deque
 from typing import Any
 
+from pagedllm import envs
 from pagedllm.config import SPEC_METHODS_WITH_MODEL, EngineConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
@@ -77,7 +78,8 @@ class EngineCore:
         self.takes_drafts = spec is not None and spec.method in SPEC_METHODS_WITH_MODEL
         # Async scheduling (two steps in flight, no pipeline stages, no speculation): a step may be
         # launched while one with constrained rows is in flight; its masks follow (sample_tokens).
-        self._defers_grammar = self._max_in_flight == 2 and sc.max_concurrent_batches <= 1 and spec is None
+        self._defers_grammar = self._max_in_flight == 2 and sc.max_concurrent_batches <= 1 and spec is None \
+            and envs.PAGEDLLM_DEFER_GRAMMAR
         freeze_gc_heap()
 
     def add_request(self, request: EngineCoreRequest) -> None:
