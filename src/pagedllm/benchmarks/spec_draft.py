@@ -15,7 +15,7 @@ import argparse
 import random
 import time
 
-from pagedllm.benchmarks.common import SHAPES, emit, int_list, write_shape
+from pagedllm.benchmarks.common import SHAPES, emit, int_list, release_engines, write_shape
 
 
 def _rate(llm, batch: int, output_len: int) -> float:
@@ -53,6 +53,7 @@ def main(argv: list[str] | None = None) -> None:
         llm = LLM(path, **common)
         plain[shape] = {b: _rate(llm, b, args.output_len) for b in args.batch_sizes}
         del llm
+        release_engines()
     for k in args.ks:
         llm = LLM(target_dir, speculative_config={"model": draft_dir, "num_speculative_tokens": k}, **common)
         for b in args.batch_sizes:
@@ -64,6 +65,7 @@ def main(argv: list[str] | None = None) -> None:
                   "speedup": round(rate / plain[args.shape][b], 3), "ideal_speedup": round(ideal, 3),
                   "of_ideal": round(rate / plain[args.shape][b] / ideal, 3)})
         del llm
+        release_engines()
 
 
 if __name__ == "__main__":
