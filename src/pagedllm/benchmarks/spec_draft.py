@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> None:
     if not envs.PAGEDLLM_SPEC_FORCE_ACCEPT:
         p.error("run with PAGEDLLM_SPEC_FORCE_ACCEPT=1: dummy drafts are accepted only when forced")
 
-    common = dict(load_format="dummy", skip_tokenizer_init=True, max_model_len=2048, gpu_memory_utilization=0.45)
+    common = dict(load_format="dummy", skip_tokenizer_init=True, max_model_len=2048, kv_cache_memory_bytes=4 << 30)
     target_dir, draft_dir = write_shape(args.shape), write_shape(args.draft_shape)
     plain = {}
     for shape, path in ((args.shape, target_dir), (args.draft_shape, draft_dir)):
