@@ -58,6 +58,7 @@ class _Batch:
     sample_index: torch.Tensor | None  # their last tokens' rows of the flat batch (None: all, a decode)
     temperature: torch.Tensor | None  # their temperatures, on the device (one per logits row)
     num_drafts: list[int] | None = None  # per sampling request: its proposed tokens (None: no drafts)
+    graph_q: int = 1  # tokens per request of the replayed graph (1 + k: a speculative step)
 
 
 class ModelRunner:
@@ -93,11 +94,12 @@ class ModelRunner:
         self.sampling_metadata = SamplingMetadataBuilder(ib.sampling, ib.sampling_counts, ib.token_ids_cpu,
                                                          ib.num_prompt_tokens, self.vocab_size, device)
         self._buffers = DeviceBuffers(self.max_num_tokens, self.max_num_reqs, max_blocks_per_req, device)
+        spec = config.speculative_config
         self.graphs = CudaGraphs(self._buffers, device, getattr(self.attn_backend, "cuda_graph_safe", False),
-                                 self.pp_size, self.max_num_reqs, self.max_num_tokens, sc.max_model_len)
+                                 self.pp_size, self.max_num_reqs, self.max_num_tokens, sc.max_model_len,
+                                 spec_q=None if spec is None else 1 + spec.num_speculative_tokens)
         self.lora = lora_manager_for(self.input_batch, config, model, device, self.dtype)
         # Speculative decoding with a draft model or an EAGLE head (worker/spec_draft.py, spec_eagle.py).
-        spec = config.speculative_config
         self.draft = None if draft_model is None else (EagleProposer if spec.method == "eagle" else DraftModel)(
             self, draft_model, spec.num_speculative_tokens)
         # Async scheduling: the last step's sampled tokens, still on the device.
@@ -170,9 +172,13 @@ class ModelRunner:
 
     def capture_cuda_graphs(self) -> None:
         self.graphs.capture(self.model, self.lora)
+        if self.draft is not None:
+            self.draft.capture_cuda_graphs()
 
     def release_cuda_graphs(self) -> None:
         self.graphs.release()
+        if self.draft is not None:
+            self.draft.release_cuda_graphs()
         # The last step's sampled tokens may live in a graph's pool.
         self._prev_sampled = None
         self._prev_index = {}
@@ -231,7 +237,7 @@ class ModelRunner:
                                  count=len(states))
             self.lora.prepare_step(lora_ids, counts, batch.graph_size)
         if batch.graph_size is not None:
-            hidden = self.graphs.replay(batch.graph_size, len(req_ids), lora=lora_ids is not None)
+            hidden = self.graphs.replay(batch.graph_size, batch.num_tokens, lora=lora_ids is not None, q=batch.graph_q)
         elif self.pooling is not None and self.pooling.is_encoder:
             hidden = self.model(batch.input_ids, batch.positions, batch.attn_metadata,
                                 token_type_ids=self.pooling.token_types(states, batch.query_start_loc, batch.num_tokens))
@@ -363,17 +369,20 @@ class ModelRunner:
         for s, end in zip(states, seq_lens.tolist()):
             s.num_computed_tokens = end
 
-        graph_size = self.graphs.size_for(num_reqs, lora) if total == num_reqs else None
+        # A CUDA graph: a pure decode, or a step of 1 + k tokens per request (speculation).
+        q = 1 if total == num_reqs else self.graphs.spec_q if total == num_reqs * (self.graphs.spec_q or 0) \
+            and (counts == total // num_reqs).all() else None
+        graph_size = None if q is None else self.graphs.size_for(num_reqs, lora, q=q)
         buf = self._buffers
         qsl_list = qsl.tolist()
         buf.begin_step()
         md = None  # a replayed graph reads the same buffers through its captured metadata
         if graph_size is not None:
-            n = graph_size
+            n = graph_size * q
             ids_d = buf.upload("input_ids", input_ids, n, pad=0)
             pos_d = buf.upload("positions", positions, n, pad=0)
             buf.upload("slot_mapping", slots, n, pad=-1)
-            buf.upload("seq_lens", seq_lens, n, pad=1)
+            buf.upload("seq_lens", seq_lens, graph_size, pad=q)
             buf.upload_block_tables(block_tables)
         else:
             ids_d = buf.upload("input_ids", input_ids)
@@ -412,7 +421,7 @@ class ModelRunner:
                 sample_index = buf.upload("sample_index", qsl[np.asarray(sample_rows) + 1] - 1)
         buf.end_step()
         return _Batch(ids_d, pos_d, md, total, qsl_list, starts, graph_size, sample_rows, sample_batch_rows,
-                      sample_index, temperature, spec_counts)
+                      sample_index, temperature, spec_counts, graph_q=q or 1)
 
 
 class _PendingOutput:
