@@ -216,7 +216,7 @@ def tiles_for(m: int, n: int, group: int) -> dict:
 
 CONFIG_FILE = os.path.join(os.path.dirname(__file__), "w4a16_configs.json")
 M_BUCKETS = (1, 2, 4, 8, 16, 32)  # the table's row buckets (a row count takes the next bucket up)
-FMA_ROWS = 4  # up to this many rows the FMA variant is the default (no dot: any group size)
+FMA_ROWS = 4  # up to this many rows the FMA variant serves groups under 128 (the dot needs 128-wide tiles)
 TARGET_PROGRAMS_PER_SM = 2
 
 
@@ -255,17 +255,18 @@ def splitk_eligible(m: int, group: int, config: dict) -> bool:
 
 
 def default_splitk_config(m: int, n: int, k: int, group: int, sm_count: int = 132) -> dict:
-    """Untuned: FMAs up to FMA_ROWS rows (BLOCK_M the next power of two), a dot per nibble above
-    (16 or 32 padded rows; needs tiles of 128 = group 128); 128 features per program, K split
-    until the grid has about two programs per SM, while the fp32 partials written and read back
-    (2 * 4 * SPLIT_K * M * N bytes) stay under an eighth of the packed weight (N * K / 2)."""
-    use_dot = m > FMA_ROWS
-    block_m = 1 << (m - 1).bit_length() if not use_dot else (16 if m <= 16 else 32)
+    """Untuned: the dot variant (rows padded to 16 or 32; tiles of 128 along K, so group 128) where
+    the group allows, else FMAs (up to FMA_ROWS rows, BLOCK_M the next power of two); 128 features
+    per program, K split until the grid has about two programs per SM, while the fp32 partials
+    written and read back (2 * 4 * SPLIT_K * M * N bytes) stay under an eighth of the packed
+    weight (N * K / 2). The tuning sweep times the alternatives (FMA at 1..4 rows included)."""
+    use_dot = group >= 128 or m > FMA_ROWS
+    block_m = (16 if m <= 16 else 32) if use_dot else 1 << (m - 1).bit_length()
     block_k = 128 if use_dot else min(group, 128)
     block_n = 128 if n >= 2048 else 64
     config = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=use_dot, num_warps=4, num_stages=3)
-    n_tiles, k_tiles = triton.cdiv(n, block_n), k // block_k
-    split = max(1, min(k_tiles, triton.cdiv(TARGET_PROGRAMS_PER_SM * sm_count, n_tiles), max(1, k // (64 * m))))
+    n_tiles, k_tiles = triton.cdiv(n, block_n), max(1, k // block_k)
+    split = max(1, min(k_tiles, triton.cdiv(TARGET_PROGRAMS_PER_SM * sm_count, n_tiles), max(1, k // (128 * m))))
     config["SPLIT_K"] = triton.cdiv(k_tiles, triton.cdiv(k_tiles, split))
     return config
 
