@@ -119,8 +119,14 @@ def _w4a16_splitk_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, cnt_
     if HAS_ZP:
         z_shift = (n % 8) * 4
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if not USE_DOT:  # no dot for Triton's pipeliner to stage loads for: the next tile's words load by hand
+        words_next = tl.load(q_ptrs, mask=n_ok[None, :] & (kt_lo < kt_hi), other=0)
     for kt in range(kt_lo, kt_hi):
-        words = tl.load(q_ptrs, mask=n_ok[None, :], other=0)
+        if USE_DOT:
+            words = tl.load(q_ptrs, mask=n_ok[None, :], other=0)
+        else:
+            words = words_next
+            words_next = tl.load(q_ptrs + BKW * N, mask=n_ok[None, :] & (kt + 1 < kt_hi), other=0)
         g = (kt * BLOCK_K) // GROUP
         s = tl.load(s_ptr + g * N + n, mask=n_ok, other=0.0).to(tl.float32)
         xsum = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -130,6 +136,13 @@ def _w4a16_splitk_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, cnt_
                 xi = tl.load(x_ptrs + i, mask=m_ok[:, None], other=0.0)  # [BLOCK_M, BKW]: k = k0 + 8 j + i
                 part = tl.dot(xi, _nibble_f32(words, i).to(x_ptr.dtype.element_ty), part)
                 xsum += tl.sum(xi.to(tl.float32), axis=1)
+        elif BLOCK_M == 1:  # a GEMV: [BKW, BLOCK_N] products, summed over the words once per tile
+            part2 = tl.zeros((BKW, BLOCK_N), dtype=tl.float32)
+            for i in tl.static_range(8):
+                xi = tl.load(x_ptr + kt * BLOCK_K + 8 * j + i).to(tl.float32)
+                part2 += xi[:, None] * _nibble_f32(words, i)
+                xsum += tl.sum(xi, axis=0)
+            part = tl.sum(part2, axis=0)[None, :]
         else:
             part3 = tl.zeros((BLOCK_M, BKW, BLOCK_N), dtype=tl.float32)
             for i in tl.static_range(8):
