@@ -163,7 +163,8 @@ def test_decode_dispatch_reads_the_tuning_table(triton_int4, monkeypatch, tmp_pa
     try:
         assert triton_int4.decode_config(1, 96, 256, 128)["BLOCK_N"] == 32
         assert triton_int4.decode_config(5, 96, 256, 128) is None  # bucket 8: the tiled kernel won
-        assert triton_int4.decode_config(9, 96, 256, 128, "cpu")["BLOCK_M"] == 16  # bucket 16 missing: default
+        assert triton_int4.decode_config(9, 96, 256, 128, "cpu")["BLOCK_M"] == 16  # no bucket from 9 up: default
+        assert triton_int4.decode_config(9, 96, 256, 128, "cpu")["BLOCK_N"] == 64  # (the table says 32)
         qweight, scales, qzeros = _weights(96, 256, 128, True, torch.bfloat16, seed=9)
         calls = []
         original = triton_int4.w4a16_splitk

@@ -87,11 +87,11 @@ def _nibble_f32(words, i: tl.constexpr):
     return (((words >> (4 * i)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
 
 
-@triton.jit(do_not_specialize=["M", "K_TILES_PER_SPLIT"])
+@triton.jit(do_not_specialize=["M", "K_TILES_PER_SPLIT", "SPLIT_K"])
 def _w4a16_splitk_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_ym,
-                         K_TILES_PER_SPLIT, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         K_TILES_PER_SPLIT, SPLIT_K, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr,
                          HAS_MIN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr):
+                         BLOCK_K: tl.constexpr, USE_SPLIT: tl.constexpr, USE_DOT: tl.constexpr):
     """Decode rows (M <= BLOCK_M <= 32): program (pid_n, pid_k) owns ``BLOCK_N`` output features and
     the ``pid_k``-th slice of K (``K_TILES_PER_SPLIT`` tiles of ``BLOCK_K``, each inside one group),
     and reads each packed word of that slice once: one [BLOCK_K / 8, BLOCK_N] int32 load per tile,
@@ -100,7 +100,8 @@ def _w4a16_splitk_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, cnt_
     rows padded to 16/32) or by FMAs (a few rows), and the group's scale and zero point are applied
     once per tile and feature: ``acc += s * (sum_k x q - z * sum_k x)`` (Q4_1: ``s * sum x q + m * sum x``).
 
-    SPLIT_K > 1: each program writes its fp32 partial to ``ws`` [SPLIT_K, M, N]; the last of a
+    USE_SPLIT (SPLIT_K > 1; the count itself is a run-time argument, so one compiled variant serves
+    every split): each program writes its fp32 partial to ``ws`` [SPLIT_K, M, N]; the last of a
     column tile's programs to finish (a counter per column tile, ``cnt``, which it resets to 0 for
     the next launch) sums the SPLIT_K partials in split order, adds the bias and writes y. One
     launch, and the result does not depend on which program finished last (deterministic)."""
@@ -120,13 +121,14 @@ def _w4a16_splitk_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, cnt_
         z_shift = (n % 8) * 4
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if not USE_DOT:  # no dot for Triton's pipeliner to stage loads for: the next tile's words load by hand
-        words_next = tl.load(q_ptrs, mask=n_ok[None, :] & (kt_lo < kt_hi), other=0)
+        words_next = tl.load(q_ptrs, mask=n_ok[None, :] & (kt_lo * BKW + j < kt_hi * BKW)[:, None], other=0)
     for kt in range(kt_lo, kt_hi):
         if USE_DOT:
             words = tl.load(q_ptrs, mask=n_ok[None, :], other=0)
         else:
             words = words_next
-            words_next = tl.load(q_ptrs + BKW * N, mask=n_ok[None, :] & (kt + 1 < kt_hi), other=0)
+            words_next = tl.load(q_ptrs + BKW * N, mask=n_ok[None, :] & ((kt + 1) * BKW + j < kt_hi * BKW)[:, None],
+                                 other=0)
         g = (kt * BLOCK_K) // GROUP
         s = tl.load(s_ptr + g * N + n, mask=n_ok, other=0.0).to(tl.float32)
         xsum = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -163,7 +165,7 @@ def _w4a16_splitk_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, cnt_
         x_ptrs += BLOCK_K
     y_ptrs = y_ptr + m.to(tl.int64)[:, None] * stride_ym + n[None, :]
     y_mask = m_ok[:, None] & n_ok[None, :]
-    if SPLIT_K == 1:
+    if not USE_SPLIT:
         if HAS_BIAS:
             acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
@@ -285,12 +287,13 @@ def default_splitk_config(m: int, n: int, k: int, group: int, sm_count: int = 13
 
 
 def decode_config(m: int, n: int, k: int, group: int, device: str = "cuda") -> dict | None:
-    """The split-K kernel's config for ``m`` rows: the table's entry for the row bucket (the
-    tuning sweep's best; ``{"kernel": "tiled"}`` where the tiled kernel won), else the default.
+    """The split-K kernel's config for ``m`` rows: the table's entry for the smallest tuned row
+    bucket that holds ``m`` rows (the tuning sweep's best; ``{"kernel": "tiled"}`` where the tiled kernel won), else the default.
     None: the tiled kernel (too many rows, or no variant fits the group size)."""
     if m > M_BUCKETS[-1]:
         return None
-    entry = _config_table().get(config_key(n, k, group), {}).get(str(m_bucket(m)))
+    tuned = _config_table().get(config_key(n, k, group), {})
+    entry = next((tuned[str(b)] for b in M_BUCKETS if b >= m and str(b) in tuned), None)
     if entry is not None:
         if entry.get("kernel") == "tiled":
             return None
@@ -341,8 +344,8 @@ def w4a16_splitk(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, q
     second = mins if mins is not None else qzeros if qzeros is not None else qweight
     _w4a16_splitk_kernel[(n_tiles, split)](
         x, qweight, scales, second, bias if bias is not None else y, y, ws, cnt, m, n, k, x.stride(0), y.stride(0),
-        per_split, GROUP=group_size, HAS_ZP=qzeros is not None, HAS_BIAS=bias is not None, HAS_MIN=mins is not None,
-        SPLIT_K=split, **cfg)
+        per_split, split, GROUP=group_size, HAS_ZP=qzeros is not None, HAS_BIAS=bias is not None, HAS_MIN=mins is not None,
+        USE_SPLIT=split > 1, **cfg)
     return y
 
 
