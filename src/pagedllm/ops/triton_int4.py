@@ -106,6 +106,8 @@ def _w4a16_splitk_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, cnt_
     the next launch) sums the SPLIT_K partials in split order, adds the bias and writes y. One
     launch, and the result does not depend on which program finished last (deterministic)."""
     BKW: tl.constexpr = BLOCK_K // 8
+    MAGIC: tl.constexpr = 0x43004300 if x_ptr.dtype.element_ty == tl.bfloat16 else 0x64006400  # 128 | 1024
+    BASE: tl.constexpr = 128.0 if x_ptr.dtype.element_ty == tl.bfloat16 else 1024.0
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -133,11 +135,20 @@ def _w4a16_splitk_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, cnt_
         s = tl.load(s_ptr + g * N + n, mask=n_ok, other=0.0).to(tl.float32)
         xsum = tl.zeros((BLOCK_M,), dtype=tl.float32)
         if USE_DOT:
+            # Nibbles i and i + 4 of a word, each in a 16-bit half OR'd into the bits of BASE (128 in
+            # bf16, 1024 in fp16: one unit per mantissa step) by one shift and one and-or: the
+            # operands are BASE + q, exact; BASE * sum_k x is taken off with the zero point below.
             part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for i in tl.static_range(8):
-                xi = tl.load(x_ptrs + i, mask=m_ok[:, None], other=0.0)  # [BLOCK_M, BKW]: k = k0 + 8 j + i
-                part = tl.dot(xi, _nibble_f32(words, i).to(x_ptr.dtype.element_ty), part)
-                xsum += tl.sum(xi.to(tl.float32), axis=1)
+            for i in tl.static_range(4):
+                pair = ((words >> (4 * i)) & 0x000F000F) | MAGIC
+                lo = pair.to(tl.int16).to(x_ptr.dtype.element_ty, bitcast=True)
+                hi = (pair >> 16).to(tl.int16).to(x_ptr.dtype.element_ty, bitcast=True)
+                part = tl.dot(tl.load(x_ptrs + i, mask=m_ok[:, None], other=0.0), lo, part)  # k = k0 + 8 j + i
+                part = tl.dot(tl.load(x_ptrs + i + 4, mask=m_ok[:, None], other=0.0), hi, part)
+            xt = tl.load(x_ptr + m.to(tl.int64)[:, None] * stride_xm + kt * BLOCK_K + tl.arange(0, BLOCK_K)[None, :],
+                         mask=m_ok[:, None], other=0.0)
+            xsum = tl.sum(xt.to(tl.float32), axis=1)
+            part -= BASE * xsum[:, None]
         elif BLOCK_M == 1:  # a GEMV: [BKW, BLOCK_N] products, summed over the words once per tile
             part2 = tl.zeros((BKW, BLOCK_N), dtype=tl.float32)
             for i in tl.static_range(8):
