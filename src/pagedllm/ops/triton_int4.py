@@ -84,7 +84,7 @@ def _w4a16_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, strid
 def _nibble_f32(words, i: tl.constexpr):
     """Nibble ``i`` of each word as float32 without an int -> float conversion: the value's bits OR'd
     into the mantissa of 2**23 (0x4B000000), then 2**23 subtracted (exact)."""
-    return (((words >> (4 * i)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+    return (((words >> (4 * i)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0  # words: uint32
 
 
 @triton.jit(do_not_specialize=["M", "K_TILES_PER_SPLIT", "SPLIT_K"])
@@ -128,7 +128,7 @@ def _w4a16_splitk_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, cnt_
         if USE_DOT:
             words = tl.load(q_ptrs, mask=n_ok[None, :], other=0)
         else:
-            words = words_next
+            words = words_next.to(tl.uint32, bitcast=True)  # logical shifts: no sign extension per nibble
             words_next = tl.load(q_ptrs + BKW * N, mask=n_ok[None, :] & ((kt + 1) * BKW + j < kt_hi * BKW)[:, None],
                                  other=0)
         g = (kt * BLOCK_K) // GROUP
@@ -148,7 +148,6 @@ def _w4a16_splitk_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, cnt_
             xt = tl.load(x_ptr + m.to(tl.int64)[:, None] * stride_xm + kt * BLOCK_K + tl.arange(0, BLOCK_K)[None, :],
                          mask=m_ok[:, None], other=0.0)
             xsum = tl.sum(xt.to(tl.float32), axis=1)
-            part -= BASE * xsum[:, None]
         elif BLOCK_M == 1:  # a GEMV: [BKW, BLOCK_N] products, summed over the words once per tile
             part2 = tl.zeros((BKW, BLOCK_N), dtype=tl.float32)
             for i in tl.static_range(8):
@@ -165,12 +164,16 @@ def _w4a16_splitk_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, cnt_
             part = tl.sum(part3, axis=1)
         if HAS_MIN:
             mn = tl.load(z_ptr + g * N + n, mask=n_ok, other=0.0).to(tl.float32)
+            if USE_DOT:  # the dot's operands were BASE + q
+                mn -= BASE * s
             acc += s[None, :] * part + xsum[:, None] * mn[None, :]
         else:
             if HAS_ZP:
                 z = ((tl.load(z_ptr + g * (N // 8) + n // 8, mask=n_ok, other=0) >> z_shift) & 0xF).to(tl.float32)
             else:
                 z = tl.full((BLOCK_N,), 8.0, tl.float32)
+            if USE_DOT:  # the dot's operands were BASE + q
+                z += BASE
             acc += s[None, :] * (part - xsum[:, None] * z[None, :])
         q_ptrs += BKW * N
         x_ptrs += BLOCK_K
@@ -282,15 +285,18 @@ def splitk_eligible(m: int, group: int, config: dict) -> bool:
 
 def default_splitk_config(m: int, n: int, k: int, group: int, sm_count: int = 132) -> dict:
     """Untuned: the dot variant (rows padded to 16 or 32; tiles of 128 along K, so group 128) where
-    the group allows, else FMAs (up to FMA_ROWS rows, BLOCK_M the next power of two); 128 features
-    per program, K split until the grid has about two programs per SM, while the fp32 partials
+    the group allows, else FMAs (up to FMA_ROWS rows, BLOCK_M the next power of two); 256 features
+    per program and 8 warps from N = 4096 (the x operand's staging, fixed per tile, is spread over
+    more columns: 3.7 SASS instructions per weight and thread in the loop against 4.4 at 128 x 4
+    warps, and at copy bandwidth the loop is near the SM's issue rate), else 128 or 64; K split until the grid has about two programs per SM, while the fp32 partials
     written and read back (2 * 4 * SPLIT_K * M * N bytes) stay under an eighth of the packed
     weight (N * K / 2). The tuning sweep times the alternatives (FMA at 1..4 rows included)."""
     use_dot = group >= 128 or m > FMA_ROWS
     block_m = (16 if m <= 16 else 32) if use_dot else 1 << (m - 1).bit_length()
     block_k = 128 if use_dot else min(group, 128)
-    block_n = 128 if n >= 2048 else 64
-    config = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=use_dot, num_warps=4, num_stages=3)
+    block_n = 256 if n >= 4096 else 128 if n >= 2048 else 64
+    config = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=use_dot,
+                  num_warps=8 if block_n == 256 else 4, num_stages=3)
     n_tiles, k_tiles = triton.cdiv(n, block_n), max(1, k // block_k)
     split = max(1, min(k_tiles, triton.cdiv(TARGET_PROGRAMS_PER_SM * sm_count, n_tiles), max(1, k // (128 * m))))
     config["SPLIT_K"] = triton.cdiv(k_tiles, triton.cdiv(k_tiles, split))
