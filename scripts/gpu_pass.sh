@@ -133,7 +133,7 @@ if stage w4tune; then
   timeout 300 python -m pytest -q -rfE -p no:cacheprovider tests/ops/test_triton_int4.py tests/ops/test_quant_kernels_compile.py \
     tests/gpu/test_gpu_quantization.py -k "triton_int4 or compile or w4a16 or gptq or awq or ct-int4" > "$OUT/w4tune_tests.log" 2>&1
   echo "   w4tune tests rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/w4tune_tests.log" | tail -10 | cut -c1-250
-  bench w4a16_tune timeout 240 python -m pagedllm.benchmarks.quant_kernel --shape llama3-8b --tune --rows 1,8,16,32 --replays 10
+  bench w4a16_tune timeout 300 python -m pagedllm.benchmarks.quant_kernel --shape llama3-8b --tune --rows 1,8,16,32 --replays 10
   cp src/pagedllm/ops/w4a16_configs.json "$OUT/w4a16_configs.json" 2>/dev/null
   bench w4a16_graph_chain timeout 180 python -m pagedllm.benchmarks.quant_kernel --shape llama3-8b --graph-chain --rows 1,8,32 --replays 20
   bench w4a16_latency timeout 240 python -m pagedllm.benchmarks.latency --shape llama3-8b --batch-sizes 1,32 --quantization gptq

@@ -112,9 +112,10 @@ def _int4_bytes(n: int, k: int, group: int, zero_points: bool) -> int:
 
 SPLITS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 DOT_TILES = [dict(BLOCK_N=bn, num_warps=w, num_stages=st) for bn in (64, 128, 256)
-             for w, st in ((4, 2), (4, 3), (4, 4), (8, 3))] + \
+             for w, st in ((4, 3), (4, 4), (8, 3))] + \
     [dict(BLOCK_N=512, num_warps=w, num_stages=3) for w in (8, 16)]  # (16 rows only: 32 spill at 8 warps)
-FMA_TILES = [dict(BLOCK_N=bn, num_warps=w, num_stages=2) for bn in (64, 128, 256) for w in (4, 8)]
+FMA_TILES = [dict(BLOCK_N=bn, num_warps=w, num_stages=2) for bn in (128, 256) for w in (4, 8)]
+# About 50 compiled variants in all (each tile with and without the split): 1-3 minutes of compiling.
 
 
 def splitk_candidates(m: int, n: int, k: int, group: int, sm_count: int) -> list[dict]:
