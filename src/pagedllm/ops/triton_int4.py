@@ -332,7 +332,9 @@ _COUNTERS: dict[torch.device, torch.Tensor] = {}
 def _counters(device: torch.device, size: int) -> torch.Tensor:
     """The split-K kernel's per-column-tile counters: zeros, and zeros again after every launch (the
     last program of a tile resets its counter), so one buffer made outside any graph serves every
-    launch and replay. Made during a capture (no buffer yet), a fresh one is captured with the graph."""
+    launch and replay. Made during a capture (no buffer yet), a fresh one is captured with the graph.
+    One buffer per device: split-K launches on one device must not run concurrently (the engine
+    runs its forward, eager or graph replay, on one stream)."""
     buf = _COUNTERS.get(device)
     if buf is None or buf.numel() < size:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
