@@ -58,8 +58,8 @@ compile_("w4a16 dequantize GGUF Q4_1 mins", triton_int4._w4a16_dequant_kernel,
          {"GROUP": 32, "HAS_ZP": False, "BLOCK_N": 128, "BLOCK_K": 32, "HAS_MIN": True})
 splitk = {"x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*i32", "b_ptr": "*bf16", "y_ptr": "*bf16",
           "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32",
-          "stride_ym": "i32", "K_TILES_PER_SPLIT": "i32", "SPLIT_K": "i32", "GROUP": c, "HAS_ZP": c, "HAS_BIAS": c, "HAS_MIN": c,
-          "BLOCK_M": c, "BLOCK_N": c, "BLOCK_K": c, "USE_SPLIT": c, "USE_DOT": c}
+          "stride_ym": "i32", "K_TILES_PER_SPLIT": "i32", "SPLIT_K": "i32", "GROUP": c, "HAS_ZP": c, "HAS_BIAS": c,
+          "HAS_MIN": c, "BLOCK_M": c, "BLOCK_N": c, "BLOCK_K": c, "USE_SPLIT": c, "USE_DOT": c}
 for dot, block_m, split, zp, group in [(True, 16, 4, True, 128), (True, 32, 1, False, 128), (False, 1, 8, True, 128),
                                        (False, 4, 2, False, 32)]:
     compile_(f"w4a16 split-K dot={dot} rows={block_m} split={split}", triton_int4._w4a16_splitk_kernel, splitk,

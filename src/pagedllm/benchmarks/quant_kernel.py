@@ -208,7 +208,8 @@ def tune_splitk(args) -> dict:
                 if err < 1e-2:
                     kind, best, best_ms = cand_kind, cand, cand_ms
                     break
-                print(f"# {name} m={m} {cand}: relative difference {err:.3g} from the tiled kernel: skipped", flush=True)
+                print(f"# {name} m={m} {cand}: relative difference {err:.3g} from the tiled kernel: skipped",
+                      flush=True)
             tiled_ms = next((r[2] for r in results if r[0] == "tiled"), None)
             entry[str(m)] = {"kernel": "tiled", "ms": round(best_ms, 5)} if kind == "tiled" else \
                 {**best, "ms": round(best_ms, 5)}

@@ -310,7 +310,8 @@ def default_splitk_config(m: int, n: int, k: int, group: int, sm_count: int = 13
 
 def decode_config(m: int, n: int, k: int, group: int, device: str = "cuda") -> dict | None:
     """The split-K kernel's config for ``m`` rows: the table's entry for the smallest tuned row
-    bucket that holds ``m`` rows (the tuning sweep's best; ``{"kernel": "tiled"}`` where the tiled kernel won), else the default.
+    bucket that holds ``m`` rows (the tuning sweep's best; ``{"kernel": "tiled"}`` where the tiled
+    kernel won), else the default.
     None: the tiled kernel (too many rows, or no variant fits the group size)."""
     if m > M_BUCKETS[-1]:
         return None
@@ -368,8 +369,8 @@ def w4a16_splitk(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, q
     second = mins if mins is not None else qzeros if qzeros is not None else qweight
     _w4a16_splitk_kernel[(n_tiles, split)](
         x, qweight, scales, second, bias if bias is not None else y, y, ws, cnt, m, n, k, x.stride(0), y.stride(0),
-        per_split, split, GROUP=group_size, HAS_ZP=qzeros is not None, HAS_BIAS=bias is not None, HAS_MIN=mins is not None,
-        USE_SPLIT=split > 1, **cfg)
+        per_split, split, GROUP=group_size, HAS_ZP=qzeros is not None, HAS_BIAS=bias is not None,
+        HAS_MIN=mins is not None, USE_SPLIT=split > 1, **cfg)
     return y
 
 
