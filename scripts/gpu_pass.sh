@@ -70,6 +70,13 @@ for schema in bounded unbounded; do
 done
 stage lora && bench lora python -m pagedllm.benchmarks.lora --shape llama3-8b
 stage specdraft && bench spec_draft env PAGEDLLM_SPEC_FORCE_ACCEPT=1 python -m pagedllm.benchmarks.spec_draft
+if stage spec; then  # issue 21: speculative steps on CUDA graphs (tests, then the draft model's ceiling)
+  echo "== spec tests"
+  timeout 240 python -m pytest -q -rfE -p no:cacheprovider tests/engine/test_spec_draft.py tests/engine/test_spec_eagle.py \
+    tests/engine/test_spec_decode.py > "$OUT/spec_tests.log" 2>&1
+  echo "   spec tests rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/spec_tests.log" | tail -8 | cut -c1-250
+  bench spec_draft env PAGEDLLM_SPEC_FORCE_ACCEPT=1 timeout 300 python -m pagedllm.benchmarks.spec_draft
+fi
 # MoE (issue 16): --tune writes the tile table to $OUT (copy it to src/pagedllm/ops/fused_moe_configs.json),
 # and the later moe stages run with it when it is copied in first.
 stage moetune && bench moe_tune python -m pagedllm.benchmarks.moe_kernel --shape qwen3-30b-a3b --tune \
