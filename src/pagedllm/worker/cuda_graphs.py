@@ -39,11 +39,12 @@ MAX_SPEC_GRAPH_REQS = 64
 
 class CudaGraphs:
     """The decode graphs of one runner (or of its draft model), by padded batch size, over the
-    runner's device buffers. With speculative decoding a second set holds steps of ``spec_q``
-    (1 + k) tokens per request, the shape of a step where every request verifies k drafts."""
+    runner's device buffers. With speculative decoding (k drafts at most) more sets hold steps
+    of q = 2 .. 1 + k tokens per request: the shape of a step where every request verifies
+    q - 1 drafts (n-gram proposals may be shorter than k)."""
 
     def __init__(self, buffers: DeviceBuffers, device: torch.device, graph_safe: bool, pp_size: int,
-                 max_num_reqs: int, max_num_tokens: int, max_model_len: int, spec_q: int | None = None) -> None:
+                 max_num_reqs: int, max_num_tokens: int, max_model_len: int, max_spec_q: int | None = None) -> None:
         self.buffers = buffers
         self.device = device
         self.graph_safe = graph_safe  # the attention backend can be captured
@@ -54,20 +55,21 @@ class CudaGraphs:
         self.sizes: list[int] = []  # captured sizes, ascending (empty: every step runs eagerly)
         # With LoRA: a second set whose adapters map through the LoRA manager's fixed buffers.
         self.lora_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.spec_q = spec_q
-        self.spec_candidate_sizes = [] if spec_q is None else \
-            cuda_graph_sizes(min(max_num_reqs, MAX_SPEC_GRAPH_REQS), max_num_tokens // spec_q)
-        self.spec_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.spec_sizes: list[int] = []
-        self._spec_qsl: torch.Tensor | None = None  # 0, q, 2q, ...: the captured query starts
+        self.max_spec_q = max_spec_q
+        self.spec_qs = [] if max_spec_q is None else list(range(2, max_spec_q + 1))
+        self.spec_candidate_sizes = {q: cuda_graph_sizes(min(max_num_reqs, MAX_SPEC_GRAPH_REQS), max_num_tokens // q)
+                                     for q in self.spec_qs}
+        self.spec_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # (q, size)
+        self.spec_sizes: dict[int, list[int]] = {}
+        self._spec_qsl: dict[int, torch.Tensor] = {}  # 0, q, 2q, ...: the captured query starts
 
     def size_for(self, num_reqs: int, lora: bool = False, q: int = 1) -> int | None:
         """The captured batch size a step of ``num_reqs`` requests of ``q`` tokens each replays
         (None: run eagerly)."""
         if q != 1:
-            if q != self.spec_q or lora:
+            if lora or q not in self.spec_sizes:
                 return None
-            sizes = self.spec_sizes
+            sizes = self.spec_sizes[q]
         elif lora and not self.lora_graphs:
             return None
         else:
@@ -78,7 +80,7 @@ class CudaGraphs:
     def replay(self, size: int, num_tokens: int, lora: bool = False, q: int = 1) -> torch.Tensor:
         """Replay the graph of ``size`` requests (of ``q`` tokens each) over the buffers as
         uploaded; the first ``num_tokens`` rows of its output are the step's hidden states."""
-        graph, out = (self.spec_graphs if q != 1 else self.lora_graphs if lora else self.graphs)[size]
+        graph, out = self.spec_graphs[q, size] if q != 1 else (self.lora_graphs if lora else self.graphs)[size]
         graph.replay()
         return out[:num_tokens]
 
@@ -87,7 +89,7 @@ class CudaGraphs:
         views of the buffers."""
         buf = self.buffers
         n = bs * q
-        qsl = buf.graph_query_start_loc if q == 1 else self._spec_qsl
+        qsl = buf.graph_query_start_loc if q == 1 else self._spec_qsl[q]
         return AttentionMetadata(
             num_actual_tokens=n, slot_mapping=buf.slot_mapping[:n], block_tables=buf.block_tables[:bs],
             query_start_loc=qsl[:bs + 1], seq_lens=buf.seq_lens[:bs],
@@ -139,26 +141,26 @@ class CudaGraphs:
                 graphs[bs] = (graph, out)
             if with_lora is not None:
                 with_lora.clear_mapping()
-        q = self.spec_q
-        if q is not None:  # speculative steps: 1 + k tokens per request
-            self._spec_qsl = torch.arange(0, (self.spec_candidate_sizes[-1] + 1) * q, q, dtype=torch.int32,
-                                          device=self.device)
+        for q in reversed(self.spec_qs):  # speculative steps: q tokens per request
+            candidates = self.spec_candidate_sizes[q]
+            self._spec_qsl[q] = torch.arange(0, (candidates[-1] + 1) * q, q, dtype=torch.int32, device=self.device)
             buf = self.reset_inputs(q)
-            for bs in reversed(self.spec_candidate_sizes):
+            for bs in reversed(candidates):
                 args = (buf.input_ids[:bs * q], buf.positions[:bs * q], self.metadata(bs, q))
                 model(*args)
                 torch.cuda.synchronize(self.device)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
                     out = model(*args)
-                self.spec_graphs[bs] = (graph, out)
+                self.spec_graphs[q, bs] = (graph, out)
             self.reset_inputs()
         torch.cuda.synchronize(self.device)
         self.sizes = list(sizes)
-        self.spec_sizes = list(self.spec_candidate_sizes)
-        spec = f", and of {q} tokens per request for 1..{self.spec_sizes[-1]}" if q is not None else ""
+        self.spec_sizes = {q: list(c) for q, c in self.spec_candidate_sizes.items()}
+        spec = f", and of 2..{self.spec_qs[-1]} tokens per request for 1..{self.spec_candidate_sizes[2][-1]}" \
+            if self.spec_qs else ""
         logger.info("Captured %d CUDA graphs for decode batches of 1..%d%s%s in %.1f s",
-                    len(sizes) * len(sets) + len(self.spec_sizes), sizes[-1],
+                    len(sizes) * len(sets) + len(self.spec_graphs), sizes[-1],
                     " (with and without LoRA)" if len(sets) > 1 else "", spec, time.perf_counter() - t0)
 
     def release(self) -> None:
@@ -168,7 +170,7 @@ class CudaGraphs:
         self.lora_graphs = {}
         self.sizes = []
         self.spec_graphs = {}
-        self.spec_sizes = []
+        self.spec_sizes = {}
 
 
 @torch.inference_mode()

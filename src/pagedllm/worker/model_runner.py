@@ -97,7 +97,7 @@ class ModelRunner:
         spec = config.speculative_config
         self.graphs = CudaGraphs(self._buffers, device, getattr(self.attn_backend, "cuda_graph_safe", False),
                                  self.pp_size, self.max_num_reqs, self.max_num_tokens, sc.max_model_len,
-                                 spec_q=None if spec is None else 1 + spec.num_speculative_tokens)
+                                 max_spec_q=None if spec is None else 1 + spec.num_speculative_tokens)
         self.lora = lora_manager_for(self.input_batch, config, model, device, self.dtype)
         # Speculative decoding with a draft model or an EAGLE head (worker/spec_draft.py, spec_eagle.py).
         self.draft = None if draft_model is None else (EagleProposer if spec.method == "eagle" else DraftModel)(
@@ -370,8 +370,7 @@ class ModelRunner:
             s.num_computed_tokens = end
 
         # A CUDA graph: a pure decode, or a step of 1 + k tokens per request (speculation).
-        q = 1 if total == num_reqs else self.graphs.spec_q if total == num_reqs * (self.graphs.spec_q or 0) \
-            and (counts == total // num_reqs).all() else None
+        q = total // num_reqs if total % num_reqs == 0 and (counts == total // num_reqs).all() else None
         graph_size = None if q is None else self.graphs.size_for(num_reqs, lora, q=q)
         buf = self._buffers
         qsl_list = qsl.tolist()

@@ -37,7 +37,7 @@ class DraftModel:
             layer.attn_backend = runner.attn_backend
         g = runner.graphs
         self.graphs = CudaGraphs(runner._buffers, g.device, g.graph_safe, g.pp_size, runner.max_num_reqs,
-                                 runner.max_num_tokens, g.max_model_len, spec_q=g.spec_q) \
+                                 runner.max_num_tokens, g.max_model_len, max_spec_q=g.max_spec_q) \
             if self.uses_graphs else None
 
     def capture_cuda_graphs(self) -> None:
