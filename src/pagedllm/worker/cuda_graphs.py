@@ -65,12 +65,16 @@ class CudaGraphs:
     def metadata(self, bs: int) -> AttentionMetadata:
         """The attention metadata a graph of ``bs`` decodes captures: views of the buffers."""
         buf = self.buffers
-        return AttentionMetadata(
+        md = AttentionMetadata(
             num_actual_tokens=bs, slot_mapping=buf.slot_mapping[:bs], block_tables=buf.block_tables[:bs],
             query_start_loc=buf.graph_query_start_loc[:bs + 1], seq_lens=buf.seq_lens[:bs],
             query_start_loc_cpu=list(range(bs + 1)), seq_lens_cpu=[1] * bs,
             max_query_len=1, max_seq_len=self.max_model_len,
         )
+        if buf.num_kv_groups > 1:  # each further group's table and slots, from its own buffers
+            md.with_groups([(buf.block_tables_of(g)[:bs], buf.dev[f"slot_mapping_{g}"][:bs])
+                            for g in range(1, buf.num_kv_groups)])
+        return md
 
     def reset_inputs(self) -> DeviceBuffers:
         """The input buffers as graph capture (and its dry run) reads them: one context token
@@ -80,7 +84,10 @@ class CudaGraphs:
         buf.positions.zero_()
         buf.slot_mapping.fill_(-1)
         buf.seq_lens.fill_(1)
-        buf.block_tables.zero_()
+        for g in range(buf.num_kv_groups):
+            buf.block_tables_of(g).zero_()
+            if g:
+                buf.dev[f"slot_mapping_{g}"].fill_(-1)
         return buf
 
     @torch.inference_mode()
