@@ -49,9 +49,9 @@ def test_a_long_request_holds_the_window_in_sliding_groups_and_everything_in_the
     kv = engine.engine_core.kv_cache_manager
     sliding = [g for g, w in enumerate(kv.group_windows) if w is not None]
     rng = random.Random(5)
-    prompt = [rng.randrange(3, 40000) for _ in range(100)]
+    prompt = [rng.randrange(3, 40000) for _ in range(60)]
     engine.add_request("long", TokensPrompt(prompt_token_ids=prompt),
-                       SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True))
+                       SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True))
     held_sliding, held_full, tokens = [], [], []
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -62,12 +62,12 @@ def test_a_long_request_holds_the_window_in_sliding_groups_and_everything_in_the
             held_full.append(kv.num_held_blocks("long", 0))
     # The window's blocks, the one being written and one partly outside; the full group: all.
     assert max(held_sliding[3:]) <= WINDOW // BLOCK + 2
-    assert held_full[-1] == -(-(100 + 119) // BLOCK)
-    assert tokens == hf_greedy(model_dir, [prompt], max_new_tokens=120)[0]
+    assert held_full[-1] == -(-(60 + 49) // BLOCK)
+    assert tokens == hf_greedy(model_dir, [prompt], max_new_tokens=50)[0]
     assert kv.num_free_blocks == kv.num_blocks
     # The same prompt again starts from the prefix cache (each group's blocks were kept hashed).
     hits = kv.stats.hits
-    assert generate_ids(llm, [prompt], max_tokens=120)[0] == tokens
+    assert generate_ids(llm, [prompt], max_tokens=50)[0] == tokens
     assert kv.stats.hits - hits == (len(prompt) - 1) // BLOCK * BLOCK
 
 

@@ -102,6 +102,14 @@ class DeviceBuffers:
         dev.copy_(host.view(rows, cols), non_blocking=True)
         return dev
 
+    def upload_step_tables(self, tables: list[tuple[np.ndarray, np.ndarray]],
+                           size: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each KV cache group's (block tables, slot mapping) of a step on the device, the slots
+        padded with -1 up to ``size`` (a graph's batch)."""
+        return [(self.upload_block_tables(table, g), self.upload(f"slot_mapping_{g}" if g else "slot_mapping",
+                                                                   slots, size, pad=-1))
+                for g, (table, slots) in enumerate(tables)]
+
     def sampled_tokens_host(self, n: int) -> torch.Tensor | None:
         """A pinned host buffer for ``n`` sampled tokens (the other half of the double buffer
         from the last call); None on CPU, where the sampled tensor is read directly."""

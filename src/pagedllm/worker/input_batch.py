@@ -124,6 +124,14 @@ class InputBatch:
             n = len(state.token_ids)
             self.token_ids_cpu[state.row, n:n + len(drafts)] = drafts
 
+    def step_tables(self, rows: np.ndarray, token_rows: np.ndarray, positions: np.ndarray, num_blocks: int,
+                    block_size: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per KV cache group: the block tables of ``rows`` (``num_blocks`` wide) and the slot of
+        each token (``token_rows`` at ``positions``) in that group's blocks."""
+        index, offset = positions // block_size, positions % block_size
+        return [(t[rows, :num_blocks], t[token_rows, index].astype(np.int64) * block_size + offset)
+                for t in self.block_tables_cpu]
+
     def add_request(self, new: NewRequestData) -> CachedRequestState:
         """Give the request a row and write everything about it that a step reads."""
         generator = self._preempted_generators.pop(new.req_id, None)  # resumed: same RNG stream
@@ -144,7 +152,8 @@ class InputBatch:
             self.columns[c.name][row] = c.value(new)
         state = CachedRequestState(
             req_id=new.req_id, token_ids=token_ids, num_prompt_tokens=len(new.prompt_token_ids),
-            sampling_params=params, block_ids=tuple(list(ids) for ids in new.block_ids), num_computed_tokens=new.num_computed_tokens,
+            sampling_params=params, block_ids=tuple(list(ids) for ids in new.block_ids),
+            num_computed_tokens=new.num_computed_tokens,
             row=row, generator=generator,
         )
         self.requests[new.req_id] = state

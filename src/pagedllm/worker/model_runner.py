@@ -19,7 +19,7 @@ from pagedllm.attention.backend import AttentionMetadata, kv_cache_shape
 from pagedllm.attention.kv_quant import kv_cache_torch_dtype
 from pagedllm.attention.selector import get_attention_backend
 from pagedllm.config import EngineConfig
-from pagedllm.core.kv_cache_groups import layer_placement, make_kv_cache_groups
+from pagedllm.core.kv_cache_groups import make_kv_cache_groups
 from pagedllm.core.messages import PositionLogprobs
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.distributed import get_pp_size, is_first_pp_rank, is_last_pp_rank, pp_recv, pp_send
@@ -32,7 +32,7 @@ from pagedllm.worker.cuda_graphs import CudaGraphs
 from pagedllm.worker.device_buffers import DeviceBuffers
 from pagedllm.lora.manager import lora_manager_for
 from pagedllm.worker.input_batch import CachedRequestState, InputBatch
-from pagedllm.worker.kv_cache import check_fp8_kv_cache, zeroed_cache
+from pagedllm.worker.kv_cache import allocate_kv_caches, check_fp8_kv_cache, place_layers
 from pagedllm.worker.pooling import PoolingSteps
 from pagedllm.worker.prompt_logprobs import prompt_logprobs
 from pagedllm.worker.spec_draft import DraftModel
@@ -75,10 +75,9 @@ class ModelRunner:
         self.attn_layers = [m for m in model.modules() if hasattr(m, "kv_cache") and hasattr(m, "attn_backend")]
         for layer in self.attn_layers:
             layer.attn_backend = self.attn_backend
-        # KV cache groups (core/kv_cache_groups.py): each layer's group and its slot in a block.
+        # KV cache groups (core/kv_cache_groups.py): each layer's group and its cache tensor (slot).
         self.kv_groups = make_kv_cache_groups(config.model_config.layer_sliding_windows or [None])
-        self.num_kv_groups = len(self.kv_groups)
-        self._kv_slots = self._place_layers()
+        self._kv_slots = place_layers(self.attn_layers, self.kv_groups, type(model).__name__)
         self.sampler = Sampler()
         # Pipeline parallelism: this stage's place; only the last stage computes logits and samples.
         self.pp_size, self.is_first_stage, self.is_last_stage = get_pp_size(), is_first_pp_rank(), is_last_pp_rank()
@@ -91,14 +90,14 @@ class ModelRunner:
         self.max_num_tokens = sc.max_num_batched_tokens
         max_blocks_per_req = -(-sc.max_model_len // self.block_size)
         self.input_batch = InputBatch(self.max_num_reqs, sc.max_model_len, max_blocks_per_req, self.vocab_size,
-                                      device, num_kv_groups=self.num_kv_groups)
+                                      device, num_kv_groups=len(self.kv_groups))
         self.requests = self.input_batch.requests  # the same dict: req_id -> CachedRequestState
         self._free_rows = self.input_batch.free_rows  # the same list (read by tests)
         ib = self.input_batch
         self.sampling_metadata = SamplingMetadataBuilder(ib.sampling, ib.sampling_counts, ib.token_ids_cpu,
                                                          ib.num_prompt_tokens, self.vocab_size, device)
         self._buffers = DeviceBuffers(self.max_num_tokens, self.max_num_reqs, max_blocks_per_req, device,
-                                      self.num_kv_groups)
+                                      len(self.kv_groups))
         self.graphs = CudaGraphs(self._buffers, device, getattr(self.attn_backend, "cuda_graph_safe", False),
                                  self.pp_size, self.max_num_reqs, self.max_num_tokens, sc.max_model_len)
         self.lora = lora_manager_for(self.input_batch, config, model, device, self.dtype)
@@ -124,24 +123,6 @@ class ModelRunner:
         self._kv_scales_pending = check_fp8_kv_cache(config.cache_config, self.kv_dtype, all_attn, device)
 
     # ---- KV cache ---------------------------------------------------------------------------
-    def _place_layers(self) -> list[int]:
-        """Each attention layer's cache tensor, as a slot number (and its KV cache group, set on
-        the layer). One group: a tensor per layer, as listed. Several: slot i of every group
-        shares one tensor, so a physical block holds one layer of each slot; a block id belongs
-        to one group at a time (one pool), so the groups never write over each other."""
-        if self.num_kv_groups == 1:
-            return list(range(len(self.attn_layers)))
-        placement = layer_placement(self.kv_groups)
-        slots = []
-        for layer in self.attn_layers:
-            idx = getattr(layer, "layer_idx", None)
-            if idx not in placement:
-                raise ValueError(f"attention layer {idx!r} of {type(self.model).__name__} is not among the "
-                                 f"{len(placement)} layers its config's layer types describe")
-            layer.kv_cache_group, slot = placement[idx]
-            slots.append(slot)
-        return slots
-
     def kv_cache_bytes_per_block(self) -> int:
         extras = sum(x.bytes_per_block() for x in self._kv_extras)
         return len(set(self._kv_slots)) * int(np.prod(self._kv_shape(1))) * self.kv_dtype.itemsize + extras
@@ -151,11 +132,8 @@ class ModelRunner:
         return kv_cache_shape(num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        shape = self._kv_shape(num_blocks)
-        by_slot = {slot: zeroed_cache(shape, self.kv_dtype, self.device) for slot in sorted(set(self._kv_slots))}
-        self.kv_caches = list(by_slot.values())
-        for layer, slot in zip(self.attn_layers, self._kv_slots):
-            layer.kv_cache = by_slot[slot]
+        self.kv_caches = allocate_kv_caches(self.attn_layers, self._kv_slots, self._kv_shape(num_blocks),
+                                            self.kv_dtype, self.device)
         for extra in self._kv_extras:
             extra.allocate(num_blocks)
 
@@ -343,12 +321,8 @@ class ModelRunner:
             token_rows = np.repeat(rows, counts)
             positions = np.repeat(starts_np - qsl[:-1], counts) + np.arange(total)
         input_ids = ib.token_ids_cpu[token_rows, positions]
-        slots = ib.block_table_cpu[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
-        num_blocks = -(-int(seq_lens.max()) // bs)
-        block_tables = ib.block_table_cpu[rows, :num_blocks]
-        # Further KV cache groups: the same positions through their own block tables.
-        group_tables = [(t[rows, :num_blocks], t[token_rows, positions // bs].astype(np.int64) * bs + positions % bs)
-                        for t in ib.block_tables_cpu[1:]]
+        # Each KV cache group's block tables and slots (one group: one pair).
+        tables = ib.step_tables(rows, token_rows, positions, -(-int(seq_lens.max()) // bs), bs)
         num_drafts = [len(drafts.get(s.req_id, ())) for s in states] if drafts else [0] * num_reqs
         completes = [end == len(s.token_ids) + s.num_inflight + k
                      for end, s, k in zip(seq_lens.tolist(), states, num_drafts)]
@@ -367,28 +341,22 @@ class ModelRunner:
             n = graph_size
             ids_d = buf.upload("input_ids", input_ids, n, pad=0)
             pos_d = buf.upload("positions", positions, n, pad=0)
-            buf.upload("slot_mapping", slots, n, pad=-1)
             buf.upload("seq_lens", seq_lens, n, pad=1)
-            buf.upload_block_tables(block_tables)
-            for g, (table, group_slots) in enumerate(group_tables, 1):
-                buf.upload(f"slot_mapping_{g}", group_slots, n, pad=-1)
-                buf.upload_block_tables(table, g)
+            buf.upload_step_tables(tables, n)
         else:
             ids_d = buf.upload("input_ids", input_ids)
             pos_d = buf.upload("positions", positions)
-            slots_d = buf.upload("slot_mapping", slots)
             seq_d = buf.upload("seq_lens", seq_lens)
             qsl_d = buf.upload("query_start_loc", qsl)
-            bt_d = buf.upload_block_tables(block_tables)
+            (bt_d, slots_d), *group_tables = buf.upload_step_tables(tables)
             md = AttentionMetadata(
                 num_actual_tokens=total, slot_mapping=slots_d, block_tables=bt_d, query_start_loc=qsl_d,
                 seq_lens=seq_d, query_start_loc_cpu=qsl_list, seq_lens_cpu=seq_lens.tolist(),
                 max_query_len=int(counts.max()), max_seq_len=int(seq_lens.max()),
                 calculate_kv_scales=self._kv_scales_pending,
             )
-            if group_tables:
-                md.with_groups([(buf.upload_block_tables(table, g), buf.upload(f"slot_mapping_{g}", group_slots))
-                                for g, (table, group_slots) in enumerate(group_tables, 1)])
+            if group_tables:  # layers of KV cache groups 1.. read their own (for_group)
+                md.with_groups(group_tables)
             self._kv_scales_pending = False
         if inflight:
             dst, src = (buf.upload(name, np.fromiter(x, dtype=np.int64, count=len(inflight)))
