@@ -98,3 +98,17 @@ def test_a_draft_model_or_eagle_head_on_a_hybrid_target_is_refused(gemmas, metho
         "method": method, "model": gemmas["gemma2"], "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="2 KV cache groups"):
         args.create_engine_config()
+
+
+def test_pipeline_stages_place_their_layers_by_group(gemmas):
+    """PP=2 (gloo, a process per stage): stage 0 holds three local layers, stage 1 two local and
+    the global one; each places its layers by their global index (a cache tensor per slot used)."""
+    model_dir = gemmas["gemma3"]
+    prompts = mixed_prompts(6)
+    llm = make_llm(model_dir, pipeline_parallel_size=2, max_num_batched_tokens=32, block_size=8)
+    try:
+        assert generate_ids(llm, prompts, max_tokens=12) == hf_greedy(model_dir, prompts, max_new_tokens=12)
+        kv = llm.llm_engine.engine_core.kv_cache_manager
+        assert kv.num_free_blocks == kv.num_blocks
+    finally:
+        llm.llm_engine.engine_core.shutdown()
