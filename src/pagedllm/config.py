@@ -59,18 +59,26 @@ class ModelConfig:
         return self.hf_config.vocab_size
 
     @property
-    def uniform_sliding_window(self) -> int | None:
-        """The window every attention layer has (the rule of ``model.llama._sliding_window``:
-        ``layer_types`` where the config lists them, else ``use_sliding_window``), or None when
-        some layer attends to the whole context."""
+    def layer_sliding_windows(self) -> list[int | None]:
+        """Each decoder layer's sliding window (None: full attention), by the rule of
+        ``model.llama._sliding_window``: ``layer_types`` where the config lists them (Gemma 2/3,
+        Qwen2, transformers 5), else ``use_sliding_window``."""
         c = self.hf_config
-        window = getattr(c, "sliding_window", None)
-        if not window:
-            return None
+        num_layers = getattr(c, "num_hidden_layers", None) or 0
+        window = getattr(c, "sliding_window", None) or None
         layer_types = getattr(c, "layer_types", None)
+        if window is None:
+            return [None] * num_layers
         if layer_types is not None:
-            return window if all(t == "sliding_attention" for t in layer_types) else None
-        return window if getattr(c, "use_sliding_window", True) else None
+            return [window if t == "sliding_attention" else None for t in layer_types[:num_layers]]
+        return [window if getattr(c, "use_sliding_window", True) else None] * num_layers
+
+    @property
+    def uniform_sliding_window(self) -> int | None:
+        """The window every attention layer has, or None when some layer attends to the whole
+        context (or the layers' windows differ)."""
+        windows = set(self.layer_sliding_windows)
+        return windows.pop() if len(windows) == 1 else None
 
     @property
     def architecture(self) -> str:

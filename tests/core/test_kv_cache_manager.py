@@ -21,7 +21,7 @@ def test_allocates_ceil_blocks_and_frees_everything():
     kv = KVCacheManager(num_blocks=10, block_size=4)
     req = make_request("a", list(range(10)))
     admit(kv, req)
-    assert len(kv.get_block_ids("a")) == 3
+    assert [len(ids) for ids in kv.get_block_ids("a")] == [3]  # one group
     assert kv.num_free_blocks == 7
     kv.free(req)
     assert kv.num_free_blocks == 10
@@ -34,10 +34,11 @@ def test_full_prefix_blocks_are_shared_and_last_token_is_recomputed():
     b = make_request("b", list(range(12)))
     hits, num_hit = kv.get_computed_blocks(b)
     # 12 tokens = 3 full blocks, but at least one token must be computed for its logits.
-    assert num_hit == 8 and [h.block_id for h in hits] == kv.get_block_ids("a")[:2]
+    (a_ids,) = kv.get_block_ids("a")
+    assert num_hit == 8 and [h.block_id for h in hits[0]] == a_ids[:2]
     kv.allocate_slots(b, b.num_tokens - num_hit, hits)
-    assert kv.get_block_ids("b")[:2] == kv.get_block_ids("a")[:2]
-    assert kv.pool.blocks[kv.get_block_ids("a")[0]].ref_cnt == 2
+    assert kv.get_block_ids("b")[0][:2] == a_ids[:2]
+    assert kv.pool.blocks[a_ids[0]].ref_cnt == 2
     kv.free(a)
     kv.free(b)
     assert kv.num_free_blocks == 10
@@ -68,7 +69,7 @@ def test_allocation_fails_without_side_effects_when_out_of_blocks():
     admit(kv, a)
     b = make_request("b", list(range(100, 104)))
     assert kv.allocate_slots(b, 4) is None
-    assert kv.get_block_ids("b") == [] and kv.num_free_blocks == 0
+    assert kv.get_block_ids("b") == ([],) and "b" not in kv.req_to_blocks and kv.num_free_blocks == 0
     kv.free(a)
     assert kv.num_free_blocks == 2
 
@@ -77,7 +78,7 @@ def test_prompt_logprobs_requests_skip_the_prefix_cache():
     kv = KVCacheManager(num_blocks=8, block_size=2)
     admit(kv, make_request("a", [1, 2, 3, 4, 5]))
     b = make_request("b", [1, 2, 3, 4, 5], prompt_logprobs=1)
-    assert kv.get_computed_blocks(b) == ([], 0)
+    assert kv.get_computed_blocks(b) == (([],), 0)
 
 
 def test_reset_prefix_cache_forgets_hashes():

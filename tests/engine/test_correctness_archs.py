@@ -39,8 +39,11 @@ def test_greedy_matches_transformers_default_chunked_and_preempted(arch_models, 
     expected = hf_greedy(model_dir, prompts)
     assert generate_ids(make_llm(model_dir), prompts) == expected
     assert generate_ids(make_llm(model_dir, max_num_batched_tokens=16, max_num_seqs=4), prompts) == expected
-    # 9 blocks of 16 tokens: one request of max_model_len fits, the batch does not.
-    llm = make_llm(model_dir, num_gpu_blocks_override=9, max_model_len=144, enable_prefix_caching=False)
+    # 9 blocks of 16 tokens: one request of max_model_len fits, the batch does not. Gemma's sliding
+    # group holds a step's tokens and its window besides (32 + 11 tokens: 4 blocks).
+    hybrid = dict(num_gpu_blocks_override=13, max_num_batched_tokens=32) if arch in ("gemma2", "gemma3") else {}
+    llm = make_llm(model_dir, **{"num_gpu_blocks_override": 9, **hybrid}, max_model_len=144,
+                   enable_prefix_caching=False)
     assert generate_ids(llm, prompts) == expected
     assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0
 

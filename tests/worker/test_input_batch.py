@@ -19,7 +19,8 @@ def make_batch(**kwargs) -> InputBatch:
 
 
 def new_req(req_id: str, prompt=(1, 2, 3), output=(), blocks=(7,), computed=0, **params) -> NewRequestData:
-    return NewRequestData(req_id, list(prompt), list(output), SamplingParams(**params), list(blocks), computed)
+    return NewRequestData(req_id, list(prompt), list(output), SamplingParams(**params), (list(blocks),),
+                          computed)
 
 
 def step(new=(), cached=(), finished=(), preempted=()) -> SchedulerOutput:
@@ -47,14 +48,14 @@ def test_add_writes_tokens_blocks_and_sampling_values_into_one_row():
 def test_cached_requests_extend_block_tables_and_take_the_last_stages_tokens():
     batch = make_batch()
     batch.update(step(new=[new_req("a", blocks=(7,))]))
-    batch.update(step(cached=[CachedRequestData("a", [8, 2], 3)]))
+    batch.update(step(cached=[CachedRequestData("a", ([8, 2],), 3)]))
     a = batch.requests["a"]
-    assert a.block_ids == [7, 8, 2] and batch.block_table_cpu[a.row, :3].tolist() == [7, 8, 2]
+    assert a.block_ids == ([7, 8, 2],) and batch.block_table_cpu[a.row, :3].tolist() == [7, 8, 2]
     assert a.num_computed_tokens == 3
     # Pipeline parallelism: output tokens arrive from the last stage (from position
     # max(num_computed_tokens, prompt length) on); the ones already held are skipped.
-    batch.update(step(cached=[CachedRequestData("a", [], 3, new_token_ids=[11])]))
-    batch.update(step(cached=[CachedRequestData("a", [], 3, new_token_ids=[11, 12])]))
+    batch.update(step(cached=[CachedRequestData("a", ([],), 3, new_token_ids=[11])]))
+    batch.update(step(cached=[CachedRequestData("a", ([],), 3, new_token_ids=[11, 12])]))
     assert a.token_ids == [1, 2, 3, 11, 12] and batch.token_ids_cpu[a.row, :5].tolist() == [1, 2, 3, 11, 12]
 
 

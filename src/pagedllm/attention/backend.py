@@ -1,6 +1,7 @@
 """The attention backend interface: flat-batch metadata and the backend contract."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -31,10 +32,27 @@ class AttentionMetadata:
     # FP8 KV cache with calculate_kv_scales: this step's K/V set each layer's scales before they
     # are written (the runner asks once, on the first real step).
     calculate_kv_scales: bool = False
+    # Models whose layers form several KV cache groups (core/kv_cache_groups.py): the metadata of
+    # groups 1.. (their own block tables and slot mappings, the rest shared); this object is
+    # group 0's. Empty: every layer reads this one (one group, or a start-up forward whose
+    # scratch cache any table addresses).
+    group_metadata: tuple["AttentionMetadata", ...] = ()
 
     @property
     def num_reqs(self) -> int:
         return len(self.seq_lens_cpu)
+
+    def for_group(self, group: int) -> "AttentionMetadata":
+        """The metadata the layers of KV cache group ``group`` attend with."""
+        if group == 0 or not self.group_metadata:
+            return self
+        return self.group_metadata[group - 1]
+
+    def with_groups(self, tables: list[tuple[torch.Tensor, torch.Tensor]]) -> "AttentionMetadata":
+        """This metadata (group 0's) with groups 1..'s (block_tables, slot_mapping) attached."""
+        self.group_metadata = tuple(dataclasses.replace(self, block_tables=bt, slot_mapping=sm)
+                                    for bt, sm in tables)
+        return self
 
 
 class AttentionBackend:

@@ -16,7 +16,7 @@ class NewRequestData:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     sampling_params: SamplingParams
-    block_ids: list[int]
+    block_ids: tuple[list[int], ...]  # one list per KV cache group (core/kv_cache_groups.py)
     num_computed_tokens: int
     lora_request: Any = None  # the request's LoRA adapter (pagedllm.lora.LoRARequest), if any
     pooling_params: Any = None  # a pooling request's PoolingParams
@@ -27,7 +27,7 @@ class CachedRequestData:
     """A request the worker already holds: only what changed."""
 
     req_id: str
-    new_block_ids: list[int]
+    new_block_ids: tuple[list[int], ...]  # one list per KV cache group (equal lengths)
     num_computed_tokens: int
     # Pipeline parallelism: the output tokens among this step's inputs (positions
     # max(num_computed_tokens, num_prompt_tokens) onward). Only the last stage samples, so the

@@ -192,7 +192,7 @@ class Scheduler:
                     break
             if new_blocks is None:  # preempted itself: nothing left to run beyond this point
                 break
-            cached = CachedRequestData(request.request_id, [b.block_id for b in new_blocks],
+            cached = CachedRequestData(request.request_id, self.kv.block_ids_of(new_blocks),
                                        request.num_computed_tokens)
             if cfg.max_concurrent_batches > 1:
                 lo = max(request.num_computed_tokens, request.num_prompt_tokens)

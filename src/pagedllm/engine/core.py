@@ -7,6 +7,7 @@ from typing import Any
 
 from pagedllm import envs
 from pagedllm.config import SPEC_METHODS_WITH_MODEL, EngineConfig
+from pagedllm.core.kv_cache_groups import blocks_per_request, layers_per_group, make_kv_cache_groups
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from pagedllm.core.request import Request
@@ -44,23 +45,32 @@ class EngineCore:
         self.executor = create_executor(config)
         num_blocks = self.executor.determine_num_blocks()
         cc, sc = config.cache_config, config.scheduler_config
-        if num_blocks * cc.block_size < sc.max_model_len:
-            # One request alone must always fit, or it could never finish.
+        groups = make_kv_cache_groups(config.model_config.layer_sliding_windows or [None])
+        # One request alone must always fit, or it could never finish.
+        needed = blocks_per_request(groups, cc.block_size, sc.max_model_len, sc.max_num_batched_tokens)
+        if num_blocks < needed:
+            what = f"max_model_len={sc.max_model_len}" if len(groups) == 1 else (
+                f"the {needed} blocks one request of max_model_len={sc.max_model_len} holds over its "
+                f"{len(groups)} KV cache groups")
             raise ValueError(
-                f"the KV cache holds {num_blocks * cc.block_size} tokens ({num_blocks} blocks), fewer than "
-                f"max_model_len={sc.max_model_len}; lower max_model_len or give the cache more memory "
+                f"the KV cache holds {num_blocks * cc.block_size} tokens ({num_blocks} blocks), fewer than {what}; "
+                "lower max_model_len or give the cache more memory "
                 "(gpu_memory_utilization / kv_cache_memory_bytes / num_gpu_blocks_override)"
             )
         self.executor.initialize_kv_cache(num_blocks)
         per_block = self.executor.kv_cache_bytes_per_block()
         tokens = num_blocks * cc.block_size
+        hybrid = "" if len(groups) == 1 else (
+            f", shared by {len(groups)} layer groups of {layers_per_group(groups)} layers "
+            f"({sum(g.sliding_window is None for g in groups)} full attention, the others sliding window)")
         logger.info(
-            "KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB%s); maximum concurrency for %d tokens "
+            "KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB%s%s); maximum concurrency for %d tokens "
             "per request: %.2fx", num_blocks, cc.block_size, tokens, num_blocks * per_block / 2**30,
-            _kv_dtype_note(cc.cache_dtype, config.model_config.dtype), sc.max_model_len, tokens / sc.max_model_len,
+            _kv_dtype_note(cc.cache_dtype, config.model_config.dtype), hybrid, sc.max_model_len,
+            tokens / sc.max_model_len if len(groups) == 1 else num_blocks / needed,
         )
         self.kv_cache_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching,
-                                               config.model_config.uniform_sliding_window)
+                                               group_windows=[g.sliding_window for g in groups])
         self.scheduler = Scheduler(sc, self.kv_cache_manager)
         # Steps in flight, oldest first: one per pipeline stage, or with async scheduling the one
         # the device runs while the next is scheduled and launched.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from pagedllm.config import ModelConfig, ParallelConfig, SpeculativeConfig
+from pagedllm.core.kv_cache_groups import make_kv_cache_groups
 
 # EAGLE-1 heads are Llama decoder layers reading the target's embedding, final-normed hidden
 # states and LM head: targets of that shape (no embedding scale, one such table and head).
@@ -17,6 +18,11 @@ def draft_model_config(spec: SpeculativeConfig | None, target: ModelConfig, para
     the target's hidden size) as a ModelConfig beside the target's; None for other methods."""
     if spec is None or spec.method not in ("draft_model", "eagle"):
         return None
+    groups = make_kv_cache_groups(target.layer_sliding_windows or [None])
+    if len(groups) > 1:
+        raise ValueError(f"speculative_config method {spec.method!r} is not supported for {target.architecture}: its "
+                         f"layers form {len(groups)} KV cache groups (sliding-window and full attention), and the "
+                         "draft's cache follows a single block table; use method 'ngram'")
     from pagedllm.model.loader import resolve_model
 
     if spec.draft_tensor_parallel_size not in (None, parallel.tensor_parallel_size):

@@ -30,6 +30,10 @@ class Attention(nn.Module):
         self.scale = self.head_dim**-0.5 if scale is None else scale
         self.logits_soft_cap = logits_soft_cap
         self.sliding_window = _sliding_window(config, layer_idx)
+        self.layer_idx = layer_idx
+        # Its KV cache group (core/kv_cache_groups.py), set by the model runner: where several
+        # groups exist, the step's metadata holds a block table and slot mapping for each.
+        self.kv_cache_group = 0
         self.qkv_proj = QKVLinear(config.hidden_size, self.head_dim, total_heads, total_kv_heads, qkv_bias)
         # This rank's heads (all of them with one rank); its KV cache holds only its KV heads.
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
@@ -67,6 +71,8 @@ class Attention(nn.Module):
             q, k = self.rotary_emb(positions, q, k)
         if self.attn_backend is None:
             raise RuntimeError("Attention.attn_backend is not set; the model runner must set it before forward")
+        if self.kv_cache_group:
+            attn_metadata = attn_metadata.for_group(self.kv_cache_group)
         o = self.attn_backend.forward(q, k, v, self.kv_cache, attn_metadata, self.scale, self.sliding_window,
                                       logits_soft_cap=self.logits_soft_cap, kv_scale=self.kv_scale)
         return self.o_proj(o.flatten(1, 2))

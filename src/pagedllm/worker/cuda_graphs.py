@@ -90,12 +90,16 @@ class CudaGraphs:
         buf = self.buffers
         n = bs * q
         qsl = buf.graph_query_start_loc if q == 1 else self._spec_qsl[q]
-        return AttentionMetadata(
+        md = AttentionMetadata(
             num_actual_tokens=n, slot_mapping=buf.slot_mapping[:n], block_tables=buf.block_tables[:bs],
             query_start_loc=qsl[:bs + 1], seq_lens=buf.seq_lens[:bs],
             query_start_loc_cpu=list(range(0, n + 1, q)), seq_lens_cpu=[q] * bs,
             max_query_len=q, max_seq_len=self.max_model_len,
         )
+        if buf.num_kv_groups > 1:  # each further group's table and slots, from its own buffers
+            md.with_groups([(buf.block_tables_of(g)[:bs], buf.dev[f"slot_mapping_{g}"][:n])
+                            for g in range(1, buf.num_kv_groups)])
+        return md
 
     def reset_inputs(self, q: int = 1) -> DeviceBuffers:
         """The input buffers as graph capture (and its dry run) reads them: ``q`` context
@@ -105,7 +109,10 @@ class CudaGraphs:
         buf.positions.zero_()
         buf.slot_mapping.fill_(-1)
         buf.seq_lens.fill_(q)
-        buf.block_tables.zero_()
+        for g in range(buf.num_kv_groups):
+            buf.block_tables_of(g).zero_()
+            if g:
+                buf.dev[f"slot_mapping_{g}"].fill_(-1)
         return buf
 
     @torch.inference_mode()

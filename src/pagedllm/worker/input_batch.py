@@ -36,7 +36,7 @@ class CachedRequestState:
     token_ids: list[int]  # prompt + output
     num_prompt_tokens: int
     sampling_params: SamplingParams
-    block_ids: list[int]
+    block_ids: tuple[list[int], ...]  # one list per KV cache group
     num_computed_tokens: int
     row: int  # this request's row in the batch's persistent arrays
     generator: torch.Generator | None = None
@@ -58,7 +58,7 @@ class Column(NamedTuple):
 
 class InputBatch:
     def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int, vocab_size: int,
-                 device: torch.device, columns: Iterable[Column] = ()) -> None:
+                 device: torch.device, columns: Iterable[Column] = (), num_kv_groups: int = 1) -> None:
         self.max_num_reqs = max_num_reqs
         self.vocab_size = vocab_size
         self.device = device  # where seeded requests' generators draw
@@ -66,7 +66,10 @@ class InputBatch:
         self.free_rows = list(range(max_num_reqs - 1, -1, -1))  # popped from the end: row 0 first
         # np.zeros is calloc: untouched rows cost nothing.
         self.token_ids_cpu = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
-        self.block_table_cpu = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
+        # One block table per KV cache group (core/kv_cache_groups.py); group 0's is block_table_cpu.
+        self.block_tables_cpu = [np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
+                                 for _ in range(num_kv_groups)]
+        self.block_table_cpu = self.block_tables_cpu[0]
         self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.sampling = {c.name: np.full(max_num_reqs, c.default, dtype=c.dtype) for c in SAMPLING_COLUMNS}
         self.sampling_counts = SamplingCounts()
@@ -102,10 +105,11 @@ class InputBatch:
             self.add_request(new)
         for cached in sched.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
-            if cached.new_block_ids:
-                n = len(state.block_ids)
-                self.block_table_cpu[state.row, n:n + len(cached.new_block_ids)] = cached.new_block_ids
-                state.block_ids.extend(cached.new_block_ids)
+            if cached.new_block_ids[0]:  # every group gets as many new blocks
+                for table, ids, new_ids in zip(self.block_tables_cpu, state.block_ids, cached.new_block_ids):
+                    n = len(ids)
+                    table[state.row, n:n + len(new_ids)] = new_ids
+                    ids.extend(new_ids)
             state.num_computed_tokens = cached.num_computed_tokens
             if cached.new_token_ids:  # pipeline parallelism: tokens sampled by the last stage
                 pos = max(cached.num_computed_tokens, state.num_prompt_tokens)
@@ -120,6 +124,14 @@ class InputBatch:
             n = len(state.token_ids)
             self.token_ids_cpu[state.row, n:n + len(drafts)] = drafts
 
+    def step_tables(self, rows: np.ndarray, token_rows: np.ndarray, positions: np.ndarray, num_blocks: int,
+                    block_size: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per KV cache group: the block tables of ``rows`` (``num_blocks`` wide) and the slot of
+        each token (``token_rows`` at ``positions``) in that group's blocks."""
+        index, offset = positions // block_size, positions % block_size
+        return [(t[rows, :num_blocks], t[token_rows, index].astype(np.int64) * block_size + offset)
+                for t in self.block_tables_cpu]
+
     def add_request(self, new: NewRequestData) -> CachedRequestState:
         """Give the request a row and write everything about it that a step reads."""
         generator = self._preempted_generators.pop(new.req_id, None)  # resumed: same RNG stream
@@ -130,7 +142,8 @@ class InputBatch:
             generator.manual_seed(params.seed)
         token_ids = list(new.prompt_token_ids) + list(new.output_token_ids)
         self.token_ids_cpu[row, :len(token_ids)] = token_ids
-        self.block_table_cpu[row, :len(new.block_ids)] = new.block_ids
+        for table, ids in zip(self.block_tables_cpu, new.block_ids):
+            table[row, :len(ids)] = ids
         self.num_prompt_tokens[row] = len(new.prompt_token_ids)
         for c in SAMPLING_COLUMNS:
             self.sampling[c.name][row] = c.value(params, self.vocab_size)
@@ -139,7 +152,8 @@ class InputBatch:
             self.columns[c.name][row] = c.value(new)
         state = CachedRequestState(
             req_id=new.req_id, token_ids=token_ids, num_prompt_tokens=len(new.prompt_token_ids),
-            sampling_params=params, block_ids=list(new.block_ids), num_computed_tokens=new.num_computed_tokens,
+            sampling_params=params, block_ids=tuple(list(ids) for ids in new.block_ids),
+            num_computed_tokens=new.num_computed_tokens,
             row=row, generator=generator,
         )
         self.requests[new.req_id] = state

@@ -9,6 +9,7 @@ from torch import nn
 
 from pagedllm.attention.kv_quant import is_fp8
 from pagedllm.config import CacheConfig
+from pagedllm.core.kv_cache_groups import KVCacheGroupSpec, layer_placement
 
 logger = logging.getLogger("pagedllm")
 
@@ -21,6 +22,34 @@ def zeroed_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
     # no start-up time and only the memory actually written.
     nbytes = int(np.prod(shape)) * dtype.itemsize
     return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+
+
+def place_layers(attn_layers: list[nn.Module], groups: list[KVCacheGroupSpec], model_name: str) -> list[int]:
+    """Each attention layer's cache tensor, as a slot number, setting the layer's KV cache group
+    (core/kv_cache_groups.py). One group: a tensor per layer, as listed. Several: slot i of every
+    group shares one tensor, so a physical block holds one layer of each slot; a block id belongs
+    to one group at a time (one pool), so the groups never write over each other."""
+    if len(groups) == 1:
+        return list(range(len(attn_layers)))
+    placement = layer_placement(groups)
+    slots = []
+    for layer in attn_layers:
+        idx = getattr(layer, "layer_idx", None)
+        if idx not in placement:
+            raise ValueError(f"attention layer {idx!r} of {model_name} is not among the {len(placement)} layers "
+                             "its config's layer types describe")
+        layer.kv_cache_group, slot = placement[idx]
+        slots.append(slot)
+    return slots
+
+
+def allocate_kv_caches(attn_layers: list[nn.Module], slots: list[int], shape: tuple[int, ...], dtype: torch.dtype,
+                       device: torch.device) -> list[torch.Tensor]:
+    """One zeroed cache tensor per slot (``place_layers``), set on the layers; returned in slot order."""
+    by_slot = {slot: zeroed_cache(shape, dtype, device) for slot in sorted(set(slots))}
+    for layer, slot in zip(attn_layers, slots):
+        layer.kv_cache = by_slot[slot]
+    return list(by_slot.values())
 
 
 def check_fp8_kv_cache(cc: CacheConfig, kv_dtype: torch.dtype, layers: list[nn.Module], device: torch.device) -> bool:

@@ -19,6 +19,7 @@ from pagedllm.attention.backend import AttentionMetadata, kv_cache_shape
 from pagedllm.attention.kv_quant import kv_cache_torch_dtype
 from pagedllm.attention.selector import get_attention_backend
 from pagedllm.config import EngineConfig
+from pagedllm.core.kv_cache_groups import make_kv_cache_groups
 from pagedllm.core.messages import PositionLogprobs
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.distributed import get_pp_size, is_first_pp_rank, is_last_pp_rank, pp_recv, pp_send
@@ -31,7 +32,7 @@ from pagedllm.worker.cuda_graphs import CudaGraphs
 from pagedllm.worker.device_buffers import DeviceBuffers
 from pagedllm.lora.manager import lora_manager_for
 from pagedllm.worker.input_batch import CachedRequestState, InputBatch
-from pagedllm.worker.kv_cache import check_fp8_kv_cache, zeroed_cache
+from pagedllm.worker.kv_cache import allocate_kv_caches, check_fp8_kv_cache, place_layers
 from pagedllm.worker.pooling import PoolingSteps
 from pagedllm.worker.prompt_logprobs import prompt_logprobs
 from pagedllm.worker.spec_draft import DraftModel
@@ -75,6 +76,9 @@ class ModelRunner:
         self.attn_layers = [m for m in model.modules() if hasattr(m, "kv_cache") and hasattr(m, "attn_backend")]
         for layer in self.attn_layers:
             layer.attn_backend = self.attn_backend
+        # KV cache groups (core/kv_cache_groups.py): each layer's group and its cache tensor (slot).
+        self.kv_groups = make_kv_cache_groups(config.model_config.layer_sliding_windows or [None])
+        self._kv_slots = place_layers(self.attn_layers, self.kv_groups, type(model).__name__)
         self.sampler = Sampler()
         # Pipeline parallelism: this stage's place; only the last stage computes logits and samples.
         self.pp_size, self.is_first_stage, self.is_last_stage = get_pp_size(), is_first_pp_rank(), is_last_pp_rank()
@@ -87,13 +91,14 @@ class ModelRunner:
         self.max_num_tokens = sc.max_num_batched_tokens
         max_blocks_per_req = -(-sc.max_model_len // self.block_size)
         self.input_batch = InputBatch(self.max_num_reqs, sc.max_model_len, max_blocks_per_req, self.vocab_size,
-                                      device)
+                                      device, num_kv_groups=len(self.kv_groups))
         self.requests = self.input_batch.requests  # the same dict: req_id -> CachedRequestState
         self._free_rows = self.input_batch.free_rows  # the same list (read by tests)
         ib = self.input_batch
         self.sampling_metadata = SamplingMetadataBuilder(ib.sampling, ib.sampling_counts, ib.token_ids_cpu,
                                                          ib.num_prompt_tokens, self.vocab_size, device)
-        self._buffers = DeviceBuffers(self.max_num_tokens, self.max_num_reqs, max_blocks_per_req, device)
+        self._buffers = DeviceBuffers(self.max_num_tokens, self.max_num_reqs, max_blocks_per_req, device,
+                                      len(self.kv_groups))
         spec = config.speculative_config
         self.graphs = CudaGraphs(self._buffers, device, getattr(self.attn_backend, "cuda_graph_safe", False),
                                  self.pp_size, self.max_num_reqs, self.max_num_tokens, sc.max_model_len,
@@ -123,17 +128,15 @@ class ModelRunner:
     # ---- KV cache ---------------------------------------------------------------------------
     def kv_cache_bytes_per_block(self) -> int:
         extras = sum(x.bytes_per_block() for x in self._kv_extras)
-        return len(self.attn_layers) * int(np.prod(self._kv_shape(1))) * self.kv_dtype.itemsize + extras
+        return len(set(self._kv_slots)) * int(np.prod(self._kv_shape(1))) * self.kv_dtype.itemsize + extras
 
     def _kv_shape(self, num_blocks: int) -> tuple[int, ...]:
         layer = self.attn_layers[0]
         return kv_cache_shape(num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        shape = self._kv_shape(num_blocks)
-        self.kv_caches = [zeroed_cache(shape, self.kv_dtype, self.device) for _ in self.attn_layers]
-        for layer, cache in zip(self.attn_layers, self.kv_caches):
-            layer.kv_cache = cache
+        self.kv_caches = allocate_kv_caches(self.attn_layers, self._kv_slots, self._kv_shape(num_blocks),
+                                            self.kv_dtype, self.device)
         for extra in self._kv_extras:
             extra.allocate(num_blocks)
 
@@ -357,9 +360,8 @@ class ModelRunner:
             token_rows = np.repeat(rows, counts)
             positions = np.repeat(starts_np - qsl[:-1], counts) + np.arange(total)
         input_ids = ib.token_ids_cpu[token_rows, positions]
-        slots = ib.block_table_cpu[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
-        num_blocks = -(-int(seq_lens.max()) // bs)
-        block_tables = ib.block_table_cpu[rows, :num_blocks]
+        # Each KV cache group's block tables and slots (one group: one pair).
+        tables = ib.step_tables(rows, token_rows, positions, -(-int(seq_lens.max()) // bs), bs)
         num_drafts = [len(drafts.get(s.req_id, ())) for s in states] if drafts else [0] * num_reqs
         completes = [end == len(s.token_ids) + s.num_inflight + k
                      for end, s, k in zip(seq_lens.tolist(), states, num_drafts)]
@@ -380,22 +382,22 @@ class ModelRunner:
             n = graph_size * q
             ids_d = buf.upload("input_ids", input_ids, n, pad=0)
             pos_d = buf.upload("positions", positions, n, pad=0)
-            buf.upload("slot_mapping", slots, n, pad=-1)
             buf.upload("seq_lens", seq_lens, graph_size, pad=q)
-            buf.upload_block_tables(block_tables)
+            buf.upload_step_tables(tables, n)
         else:
             ids_d = buf.upload("input_ids", input_ids)
             pos_d = buf.upload("positions", positions)
-            slots_d = buf.upload("slot_mapping", slots)
             seq_d = buf.upload("seq_lens", seq_lens)
             qsl_d = buf.upload("query_start_loc", qsl)
-            bt_d = buf.upload_block_tables(block_tables)
+            (bt_d, slots_d), *group_tables = buf.upload_step_tables(tables)
             md = AttentionMetadata(
                 num_actual_tokens=total, slot_mapping=slots_d, block_tables=bt_d, query_start_loc=qsl_d,
                 seq_lens=seq_d, query_start_loc_cpu=qsl_list, seq_lens_cpu=seq_lens.tolist(),
                 max_query_len=int(counts.max()), max_seq_len=int(seq_lens.max()),
                 calculate_kv_scales=self._kv_scales_pending,
             )
+            if group_tables:  # layers of KV cache groups 1.. read their own (for_group)
+                md.with_groups(group_tables)
             self._kv_scales_pending = False
         if inflight:
             dst, src = (buf.upload(name, np.fromiter(x, dtype=np.int64, count=len(inflight)))
