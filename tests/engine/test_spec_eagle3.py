@@ -23,15 +23,15 @@ from tests.conftest import TEST_KV_BYTES, _tiny_config
 from tests.engine.test_correctness import mixed_prompts
 
 HIDDEN, HEADS, KV_HEADS, INTER, EPS, THETA = 64, 4, 2, 128, 1e-6, 10000.0
-LAYERS, VOCAB = 7, 512  # 7 target layers: the default aux layers (2, 3, 4) are distinct
-# The draft vocabulary: 8 target ids, irregular (d2t offsets differ); the target is built to prefer
+LAYERS, VOCAB = 3, 512  # 3 target layers: the default aux layers (2, L // 2, L - 3) are 2, 1, 0
+# The draft vocabulary: 4 target ids, irregular (d2t offsets differ); the target is built to prefer
 # them, so guesses are often in its top 3 and both accepted and rejected under sampling.
-DRAFT_IDS = [5, 17, 64, 130, 200, 301, 422, 511]
+DRAFT_IDS = [17, 130, 301, 511]
 PROMPTS = [[3 + t % (VOCAB - 3) for t in p] for p in mixed_prompts(6)]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, detokenize=False)
 HEADS_UNDER_TEST = {  # name -> (own embed_tokens, eagle_aux_hidden_state_layer_ids, norm_before_residual)
     "published": (False, None, False),
-    "own-embed-layers-1-3-6-norm-first": (True, [1, 3, 6], True),
+    "own-embed-layers-1-0-2-norm-first": (True, [1, 0, 2], True),
 }
 
 
@@ -159,7 +159,7 @@ def reference_proposals(head_dir: str, streams: TargetStreams, tokens: list[int]
 # ---- fixtures and helpers ---------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def target(tmp_path_factory) -> str:
-    """One 7-layer target of a 512-token vocabulary whose LM head favours DRAFT_IDS (the other
+    """One 3-layer target of a 512-token vocabulary whose LM head favours DRAFT_IDS (the other
     rows scaled down), shared by every test."""
     from transformers import AutoModelForCausalLM
 
@@ -235,15 +235,13 @@ def _eagle3(head: str, k: int) -> dict:
 
 
 # ---- tests ------------------------------------------------------------------------------------
-@pytest.mark.parametrize("name", list(HEADS_UNDER_TEST))
 def test_greedy_is_the_plain_engines_and_every_guess_the_layouts_chunked_preempted_with_prefix_hits(
-        target, heads, hf_streams, reference, name):
-    head = heads[name]
+        target, heads, hf_streams, reference):
+    head = heads["published"]
     llm = _llm(target, max_model_len=160, max_num_batched_tokens=16, num_gpu_blocks_override=12,
-              speculative_config=_eagle3(head, 3))
-    runner = _runner(llm)
-    model = runner.draft.model
-    assert (model.embed_tokens is not None) == HEADS_UNDER_TEST[name][0]  # absent: the target's, shared
+               speculative_config=_eagle3(head, 3))
+    model = _runner(llm).draft.model
+    assert model.embed_tokens is None  # absent from the checkpoint: the target's, shared
     assert model.lm_head.weight.shape == (len(DRAFT_IDS), HIDDEN)
     assert model.to_target(torch.arange(len(DRAFT_IDS))).tolist() == DRAFT_IDS
     seen = _record_proposals(llm)
@@ -253,6 +251,19 @@ def test_greedy_is_the_plain_engines_and_every_guess_the_layouts_chunked_preempt
     assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens and stats.spec_num_drafts > 20
     # The head's cache and the target's aux buffer stayed right through chunks, preemptions and hits.
     assert len(seen) > 20 and {len(g) for _, g in seen} == {3}
+    for tokens, guesses in seen:
+        assert guesses == reference_proposals(head, hf_streams, tokens, len(guesses)), tokens
+
+
+def test_a_head_with_its_own_embedding_layer_ids_and_norm_before_residual_guesses_as_the_layout(
+        target, heads, hf_streams, reference):
+    head = heads["own-embed-layers-1-0-2-norm-first"]
+    llm = _llm(target, max_model_len=160, speculative_config=_eagle3(head, 3))
+    model = _runner(llm).draft.model
+    assert model.embed_tokens is not None and model.norm_before_residual
+    seen = _record_proposals(llm)
+    assert _tokens(llm, PROMPTS[:3]) == reference[:3]
+    assert len(seen) > 6
     for tokens, guesses in seen:
         assert guesses == reference_proposals(head, hf_streams, tokens, len(guesses)), tokens
 
@@ -272,27 +283,27 @@ def test_draft_probabilities_are_over_the_target_vocabulary(target, heads):
 
 
 def test_sampled_tokens_keep_the_target_distribution(target, heads):
-    """The random head's guesses (target ids of the draft vocabulary) are sometimes in the
-    target's top 3 and sometimes not: the first two sampled tokens' joint distribution must match
-    the plain engine's (total variation; always accepting would be off by about 0.3 here)."""
+    """The random head's guess for the second token (a target id of the draft vocabulary, which
+    the target favours) is accepted about half the time at temperature 1, top-k 3: the first two
+    sampled tokens' joint distribution must match the plain engine's."""
     params = SamplingParams(temperature=1.0, top_k=3, max_tokens=3, ignore_eos=True, detokenize=False)
-    runs, prompt = 2000, PROMPTS[2]
+    runs, prompt = 800, PROMPTS[2]
 
     def pairs(llm):
         outs = llm.generate([TokensPrompt(prompt_token_ids=prompt)] * runs, params, use_tqdm=False)
         return collections.Counter(tuple(o.outputs[0].token_ids[:2]) for o in outs)
 
     plain = pairs(_llm(target, max_model_len=64))
-    llm = _llm(target, max_model_len=64,
-              speculative_config=_eagle3(heads["published"], 2))
+    llm = _llm(target, max_model_len=64, speculative_config=_eagle3(heads["published"], 2))
     spec = pairs(llm)
     stats = _stats(llm)
-    assert stats.spec_num_drafts >= runs
-    assert runs // 10 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens * 0.9
+    assert stats.spec_num_drafts == stats.spec_num_draft_tokens == runs  # max_tokens=3 leaves room for one
+    assert runs // 4 < stats.spec_num_accepted_tokens < runs * 3 // 4
     keys = set(plain) | set(spec)
     assert len(keys) <= 9
-    # Two samples of 2000 from one distribution on 9 pairs differ by ~0.03 in total variation.
-    assert sum(abs(plain[k] - spec[k]) for k in keys) / (2 * runs) < 0.07
+    # Two samples of 800 from one distribution on 9 pairs differ by ~0.05 in total variation (sd
+    # ~0.015); accepting every guess moves 0.53 of the mass here (PAGEDLLM_SPEC_FORCE_ACCEPT=1).
+    assert sum(abs(plain[k] - spec[k]) for k in keys) / (2 * runs) < 0.12
 
 
 def test_a_dummy_loaded_head_runs(target, heads):
@@ -326,10 +337,11 @@ def test_bad_eagle3_configs_are_refused_naming_the_key(target, tmp_path):
             (target, {**_eagle3(good, 2), "num_speculative_tokens": 0}, "num_speculative_tokens"),
             (target, _eagle3(head("vocab", config={"vocab_size": 1024}), 2), "vocab_size is 1024"),
             (target, _eagle3(head("draft", config={"draft_vocab_size": 1024}), 2), "draft_vocab_size"),
-            (target, _eagle3(head("aux", aux_ids=[0, 3, 7]), 2), "eagle_aux_hidden_state_layer_ids"),
-            (target, _eagle3(head("d2t", weights={"d2t": torch.zeros(7, dtype=torch.int64)}), 2),
-             "'d2t' has shape \\(7,\\).*draft_vocab_size"),
-            (target, _eagle3(head("d2t-range", weights={"d2t": torch.full((8,), 600)}), 2),
+            (target, _eagle3(head("aux", aux_ids=[0, 1, 3]), 2), "eagle_aux_hidden_state_layer_ids"),
+            (target, _eagle3(head("aux-twice", aux_ids=[0, 1, 1]), 2), "eagle_aux_hidden_state_layer_ids"),
+            (target, _eagle3(head("d2t", weights={"d2t": torch.zeros(3, dtype=torch.int64)}), 2),
+             "'d2t' has shape \\(3,\\).*draft_vocab_size"),
+            (target, _eagle3(head("d2t-range", weights={"d2t": torch.full((4,), 600)}), 2),
              "'d2t' maps draft ids .* outside the target vocabulary"),
             (target, _eagle3(head("no-fc", config={"eagle_config": {"use_aux_hidden_state": False}}), 2),
              "use_aux_hidden_state")):
