@@ -293,9 +293,15 @@ def test_sampled_tokens_keep_the_target_distribution(target, heads):
         outs = llm.generate([TokensPrompt(prompt_token_ids=prompt)] * runs, params, use_tqdm=False)
         return collections.Counter(tuple(o.outputs[0].token_ids[:2]) for o in outs)
 
-    plain = pairs(_llm(target, max_model_len=64))
+    plain_llm = _llm(target, max_model_len=64)
+    assert _runner(plain_llm).model.model.aux_hidden_states is None  # no EAGLE-3 head: nothing captured
+    plain = pairs(plain_llm)
     llm = _llm(target, max_model_len=64, speculative_config=_eagle3(heads["published"], 2))
+    aux = _runner(llm).model.model.aux_hidden_states
+    assert aux.shape[1] == 3 * HIDDEN and aux.shape[0] >= _runner(llm).max_num_tokens
+    buffer_at = aux.data_ptr()
     spec = pairs(llm)
+    assert _runner(llm).model.model.aux_hidden_states.data_ptr() == buffer_at  # static: CUDA graphs refill it
     stats = _stats(llm)
     assert stats.spec_num_drafts == stats.spec_num_draft_tokens == runs  # max_tokens=3 leaves room for one
     assert runs // 4 < stats.spec_num_accepted_tokens < runs * 3 // 4
