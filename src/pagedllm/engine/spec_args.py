@@ -90,7 +90,4 @@ def _check_eagle3(spec: SpeculativeConfig, target: ModelConfig, head_config) -> 
         raise ValueError(f"speculative_config model {name!r}: eagle_aux_hidden_state_layer_ids must be 3 "
                          f"distinct target layers in [0, {layers}), got {ids} (the default, when the head "
                          f"config has none, is [2, num_hidden_layers // 2, num_hidden_layers - 3])")
-    head_len = getattr(head_config, "max_position_embeddings", None)
-    if head_len is not None and head_len < target.max_model_len:
-        raise ValueError(f"speculative_config model {name!r}: the EAGLE-3 head's max_position_embeddings "
-                         f"({head_len}) is below max_model_len={target.max_model_len}; lower max_model_len")
+    # No max_position_embeddings check: the head's rotary table reaches max_model_len (model/eagle3.py).

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from pagedllm.attention.backend import AttentionMetadata
-from pagedllm.model.layers import LMHead, Linear, QKVLinear, RMSNorm, VocabEmbedding, load_tensor
+from pagedllm.model.layers import LMHead, Linear, QKVLinear, RMSNorm, RotaryEmbedding, VocabEmbedding, load_tensor
 from pagedllm.model.llama import DecoderLayer, LlamaForCausalLM
 
 
@@ -62,7 +62,11 @@ class Eagle3LlamaHead(nn.Module):
         self.fc = Linear(3 * target_hidden_size(config), hidden, bias=False, quantizable=False)
         self.embed_tokens = VocabEmbedding(config.vocab_size, hidden)
         self.embed_tokens.weight.optional = True  # absent: the target's (share_target)
-        rotary = LlamaForCausalLM.make_rotary(config, max_model_len)
+        # The published heads' max_position_embeddings is their training length (2048 for Llama 3.1's):
+        # the table reaches the engine's context, where guesses may be worse, never wrong (verification).
+        head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
+        rotary = RotaryEmbedding(head_dim, max(config.max_position_embeddings, max_model_len or 0), config,
+                                 max_model_len=max_model_len)
         qkv_bias, o_bias = LlamaForCausalLM.attention_biases(config)
         layer = DecoderLayer(config, 0, rotary, qkv_bias, o_bias, qk_norm=False)
         attn = layer.self_attn  # its q/k/v read the normed embedding and normed hidden state, side by side
