@@ -3,7 +3,7 @@
 # short table. Usage (on the device machine, repo root): scripts/gpu_pass.sh [STAGES]
 # STAGES is a comma list of: tests, throughput, throughput8b, latency, long, startup, structured, lora,
 # moetune, moe, quant, quanttune, pooling, embed, embedprof, moedebug, fp8kv, fp8kvbench, structuredab,
-# prefill, structuredub (default: startup,tests,throughput,throughput8b,latency).
+# prefill, structuredub, structuredoverlap, w4tune, spec (default: startup,tests,throughput,throughput8b,latency).
 # Needs the SmolLM2 tokenizer saved under .gpu/tokenizer (carried with the call), and wheels carried in .whl
 # for what the device lacks: xgrammar with apache-tvm-ffi, llguidance, pydantic (+ pydantic-core,
 # annotated-types, typing-inspection), jsonschema (+ jsonschema-specifications, referencing, rpds-py),
@@ -63,8 +63,20 @@ stage structuredab && bench structured_llg python -m pagedllm.benchmarks.structu
 # Issue 19: long-prompt prefill attention, the Triton kernel (and its tilings) against torch's SDPA backends.
 stage prefill && bench prefill python -m pagedllm.attention.prefill_bench --sweep
 stage structuredub && bench structured_unbounded python -m pagedllm.benchmarks.structured --shape qwen3-0.6b --tokenizer .gpu/tokenizer --backend xgrammar --schema unbounded
+# Issue 15: async scheduling's overlap kept under constraints (deferred sampling) against the old pause, same run.
+for schema in bounded unbounded; do
+  stage structuredoverlap && bench structured_defer_$schema python -m pagedllm.benchmarks.structured --shape qwen3-0.6b --tokenizer .gpu/tokenizer --backend xgrammar --schema $schema
+  stage structuredoverlap && bench structured_pause_$schema env PAGEDLLM_DEFER_GRAMMAR=0 python -m pagedllm.benchmarks.structured --shape qwen3-0.6b --tokenizer .gpu/tokenizer --backend xgrammar --schema $schema
+done
 stage lora && bench lora python -m pagedllm.benchmarks.lora --shape llama3-8b
 stage specdraft && bench spec_draft env PAGEDLLM_SPEC_FORCE_ACCEPT=1 python -m pagedllm.benchmarks.spec_draft
+if stage spec; then  # issue 21: speculative steps on CUDA graphs (tests, then the draft model's ceiling)
+  echo "== spec tests"
+  timeout 240 python -m pytest -q -rfE -p no:cacheprovider tests/engine/test_spec_draft.py tests/engine/test_spec_eagle.py \
+    tests/engine/test_spec_decode.py > "$OUT/spec_tests.log" 2>&1
+  echo "   spec tests rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/spec_tests.log" | tail -8 | cut -c1-250
+  bench spec_draft env PAGEDLLM_SPEC_FORCE_ACCEPT=1 timeout 300 python -m pagedllm.benchmarks.spec_draft
+fi
 # MoE (issue 16): --tune writes the tile table to $OUT (copy it to src/pagedllm/ops/fused_moe_configs.json),
 # and the later moe stages run with it when it is copied in first.
 stage moetune && bench moe_tune python -m pagedllm.benchmarks.moe_kernel --shape qwen3-30b-a3b --tune \
@@ -123,7 +135,43 @@ stage quant && bench quant_latency_fp8 python -m pagedllm.benchmarks.latency --s
 stage quant && bench quant_latency_w4a16 python -m pagedllm.benchmarks.latency --shape llama3-8b --batch-sizes 1,32 --quantization gptq
 stage quant && bench quant_throughput_fp8 python -m pagedllm.benchmarks.throughput --shape llama3-8b --quantization fp8
 stage quant && bench quant_throughput_w4a16 python -m pagedllm.benchmarks.throughput --shape llama3-8b --quantization gptq
-stage quanttune && bench quant_tune python -m pagedllm.benchmarks.quant_kernel --shape llama3-8b --tune --rows 1,16,32,256 --iters 20
+stage quanttune && bench quant_tune python -m pagedllm.benchmarks.quant_kernel --shape llama3-8b --tune-tiled --rows 1,16,32,256 --iters 20
+# W4A16 decode (issue 17): the int4 kernel tests, the split-K kernel's sweep (writes the table the
+# dispatcher reads into src/pagedllm/ops/w4a16_configs.json, a copy to $OUT: commit it), llama3-8b's
+# projections x 32 layers in one CUDA graph at 1/8/32 rows (bf16, tiled int4, split-K default and
+# tuned), then end-to-end decode with GPTQ. Each step goes on whatever the one before did.
+if stage w4tune; then
+  echo "== w4tune tests"
+  timeout 300 python -m pytest -q -rfE -p no:cacheprovider tests/ops/test_triton_int4.py tests/ops/test_quant_kernels_compile.py \
+    tests/gpu/test_gpu_quantization.py -k "triton_int4 or compile or w4a16 or gptq or awq or ct-int4" > "$OUT/w4tune_tests.log" 2>&1
+  echo "   w4tune tests rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/w4tune_tests.log" | tail -10 | cut -c1-250
+  bench w4a16_tune timeout 300 python -m pagedllm.benchmarks.quant_kernel --shape llama3-8b --tune --rows 1,8,16,32 --replays 10
+  cp src/pagedllm/ops/w4a16_configs.json "$OUT/w4a16_configs.json" 2>/dev/null
+  bench w4a16_graph_chain timeout 180 python -m pagedllm.benchmarks.quant_kernel --shape llama3-8b --graph-chain --rows 1,8,32 --replays 20
+  bench w4a16_latency timeout 240 python -m pagedllm.benchmarks.latency --shape llama3-8b --batch-sizes 1,32 --quantization gptq
+  echo "== w4tune summary"
+  python - "$RES" <<'PY'
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1]) if line.startswith("{")]
+print("tune: projection rows best_us default_us tiled_us best_roofline best")
+for r in rows:
+    if r.get("benchmark") == "w4a16_tune":
+        best = r.get("best") or {}
+        short = {k: best[k] for k in ("USE_DOT", "BLOCK_M", "BLOCK_N", "SPLIT_K", "num_warps", "num_stages") if k in best}
+        print(f"  {r['projection']:8} {r['rows']:3} {r['best_us']:9} {r['default_us']!s:>9} {r['tiled_us']!s:>9} "
+              f"{r['best_roofline']:6} {r['best_kernel']} {short}")
+print("graph chain (32 layers x qkv/o/gate_up/down): path rows ms/step roofline(3.35TB/s) copy_roofline")
+for r in rows:
+    if r.get("benchmark") == "w4a16_graph_chain":
+        print(f"  {r['path']:22} {r['rows']:3} {r['ms_per_step']:9} {r['roofline']:6} {r['copy_roofline']:6}")
+print("end to end (latency, gptq):")
+for r in rows:
+    if r.get("benchmark") == "latency" or "batch_size" in r:
+        keep = ("quantization", "batch_size", "ms_per_step", "decode_tok_s", "step_roofline_fraction", "roofline_ms",
+                "roofline_fraction")
+        print("  " + json.dumps({k: r[k] for k in keep if k in r}))
+PY
+fi
 # This session's GPU paths in one pytest run: quantized linears and kernels, FP8 KV cache, pooling.
 if stage newtests; then
   echo "== newtests"

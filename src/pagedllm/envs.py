@@ -65,6 +65,10 @@ _VARS = [
            "Force an attention backend (default: triton on CUDA, torch elsewhere).", _stripped_lower),
     EnvVar("PAGEDLLM_CPU_ONEDNN_LINEAR", "bool (0 = off)", True,
            "0 runs CPU linears through `F.linear` (MKL) instead of oneDNN (docs/cpu_performance.md).", _not_zero),
+    EnvVar("PAGEDLLM_DEFER_GRAMMAR", "bool (0 = off)", True,
+           "0: with async scheduling, a step with constrained rows lands before the next is launched, "
+           "instead of the next step deferring its sampling until the masks are known (A/B measurements).",
+           _not_zero),
     EnvVar("PAGEDLLM_SPEC_FORCE_ACCEPT", "bool (1 = on)", False,
            "Benchmarks only: speculative decoding accepts every draft (the machinery's ceiling; outputs are the "
            "draft's).", _is_one),

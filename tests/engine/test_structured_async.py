@@ -1,7 +1,7 @@
 """Structured outputs with async scheduling on, on a model whose vocabulary is padded past its
 tokenizer's: constrained outputs follow their grammar, unconstrained neighbours are
-token-identical to a run without them, and a step with constrained rows lands before the next
-is scheduled (its masks need the sampled token)."""
+token-identical to a run without them, and a step launched while one with constrained rows is
+in flight defers its sampling until that step's tokens have landed (its masks need them)."""
 from __future__ import annotations
 
 import json
@@ -35,16 +35,24 @@ def test_async_constrained_and_unconstrained(llm, monkeypatch):
     plain = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     alone = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, plain, use_tqdm=False)]
 
-    # Count the steps launched while one with constrained rows is still in flight: there must be none.
-    launched_over_masked = []
-    original = core.executor.execute_model
+    # The steps launched while one with constrained rows is in flight: each defers its masks,
+    # and sample_tokens comes only after that step has landed (it has left the queue).
+    over_masked, deferred, sampled = [], [], []
+    original, original_sample = core.executor.execute_model, core.executor.sample_tokens
 
     def execute_model(sched, non_block=False):
-        in_flight = [s for s, _ in core._batch_queue]
-        launched_over_masked.append(any(s.grammar is not None for s in in_flight))
+        masked = [s for s, _ in core._batch_queue if core._holds_grammar(s)]
+        over_masked.append(bool(masked))
+        deferred.append(sched.defer_grammar)
         return original(sched, non_block)
 
+    def sample_tokens(grammar):
+        assert len(core._batch_queue) == 1 and core._batch_queue[0][0].defer_grammar
+        sampled.append(grammar is not None)
+        return original_sample(grammar)
+
     monkeypatch.setattr(core.executor, "execute_model", execute_model)
+    monkeypatch.setattr(core.executor, "sample_tokens", sample_tokens)
     prompts, params = [], []
     for i, p in enumerate(PROMPTS):
         so = StructuredOutputsParams(json=SCHEMAS[i], disable_any_whitespace=True)
@@ -57,5 +65,6 @@ def test_async_constrained_and_unconstrained(llm, monkeypatch):
             assert sample.finish_reason == "stop"
             assert max(sample.token_ids) < 49152  # never a padded id
             jsonschema.validate(json.loads(sample.text), SCHEMAS[i])
-    assert launched_over_masked and not any(launched_over_masked)
+    assert any(over_masked) and all(d <= m for d, m in zip(deferred, over_masked))
+    assert sum(deferred) == len(sampled) and sum(sampled) > 10  # masked rows sampled in deferred steps
     assert core.structured_output.live == {}

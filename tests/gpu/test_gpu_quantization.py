@@ -97,6 +97,41 @@ def test_w4a16_kernel_at_llama_shapes(m, n, k, group, zp):
     assert _rel(y, ref) < 1e-2
 
 
+@pytest.mark.parametrize("m", [1, 3, 8, 32])
+def test_w4a16_splitk_in_a_cuda_graph_is_deterministic(m):
+    """The split-K decode kernel captured in a graph: every config the tuning sweep may pick (dot and
+    FMA, several splits), replayed with new inputs, equals its eager result bit for bit (the
+    fixed-order reduction) and the reference; the counters are back to zero after each replay."""
+    from pagedllm.ops import triton_int4
+
+    n, k, group = 6144, 4096, 128
+    g = torch.Generator(device="cuda").manual_seed(m)
+    qweight = pack_rows(torch.randint(0, 16, (k, n), device="cuda", generator=g))
+    scales = (torch.rand(k // group, n, device="cuda", generator=g) * 0.01).to(torch.float16)
+    w = dequantize(qweight, scales, None, group, k, torch.bfloat16).double()
+    configs = [triton_int4.decode_config(m, n, k, group),
+               dict(BLOCK_M=16 if m <= 16 else 32, BLOCK_N=64, BLOCK_K=128, USE_DOT=True, SPLIT_K=8, num_warps=4,
+                    num_stages=3)]
+    if m <= 4:
+        configs.append(dict(BLOCK_M=1 << (m - 1).bit_length(), BLOCK_N=128, BLOCK_K=128, USE_DOT=False, SPLIT_K=5,
+                            num_warps=4, num_stages=2))
+    for config in configs:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
+        triton_int4.w4a16_linear(x, qweight, scales, None, group, decode=config)  # compile outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = triton_int4.w4a16_linear(x, qweight, scales, None, group, decode=config)
+        for _ in range(3):
+            x.copy_(torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g))
+            graph.replay()
+            eager = triton_int4.w4a16_linear(x, qweight, scales, None, group, decode=config)
+            torch.cuda.synchronize()
+            assert torch.equal(y, eager), config
+            assert _rel(y, x.double() @ w) < 1e-2, config
+            assert int(triton_int4._COUNTERS[y.device].abs().sum()) == 0
+
+
 @pytest.mark.parametrize("case", sorted(INT4_CASES) + sorted(FP8_CASES))
 def test_quantized_checkpoints_on_gpu_match_the_cpu_engine(tmp_path, case):
     (INT4_CASES.get(case) or FP8_CASES[case])(str(tmp_path))

@@ -100,3 +100,81 @@ def test_gguf_q4_1_mins_variant(triton_int4, monkeypatch, m):
     y = triton_int4.w4a16_linear(x, qweight, scales, None, 32, mins=mins)
     assert _rel(y, x.double() @ w.double()) < TOL[torch.bfloat16]
     assert torch.equal(triton_int4.w4a16_dequantize(qweight, scales, None, 32, torch.bfloat16, mins), w)
+
+
+# ---- the split-K decode kernel (up to 32 rows) ------------------------------------------------
+
+@pytest.mark.parametrize("m, n, k, group, zp, dot, split, dtype", [
+    (1, 40, 384, 128, True, True, 3, torch.bfloat16),    # 3 groups, one per split; N under one tile
+    (1, 136, 512, 128, False, False, 4, torch.float16),  # FMA, N not a multiple of the tile
+    (3, 72, 256, 64, True, False, 3, torch.bfloat16),    # FMA rows padded to 4; 4 tiles over 3 splits
+    (3, 200, 384, 128, False, True, 2, torch.float16),
+    (16, 72, 512, 128, True, True, 3, torch.bfloat16),
+    (32, 136, 256, 128, True, True, 1, torch.bfloat16),  # one split: the direct store
+    (32, 40, 384, 128, False, True, 3, torch.float16),
+    (2, 48, 96, 32, True, False, 2, torch.bfloat16),     # groups of 32
+])
+def test_splitk_decode_kernel_matches_dequantized_matmul(triton_int4, m, n, k, group, zp, dot, split, dtype):
+    qweight, scales, qzeros = _weights(n, k, group, zp, dtype, seed=m * 5 + k)
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(m, k, generator=g).to(DEVICE, dtype)
+    b = torch.randn(n, generator=g).to(DEVICE, dtype)
+    config = dict(BLOCK_M=(16 if m <= 16 else 32) if dot else 1 << (m - 1).bit_length(), BLOCK_N=64,
+                  BLOCK_K=min(group, 128), USE_DOT=dot, SPLIT_K=split, num_warps=4, num_stages=2)
+    y = triton_int4.w4a16_splitk(x, qweight, scales, qzeros, group, b, config=config)
+    w = dequantize(qweight, scales, qzeros, group, k, dtype)
+    assert y.shape == (m, n) and y.dtype == dtype
+    assert _rel(y, x.double() @ w.double() + b.double()) < TOL[dtype]
+    # The last program of each column tile reduced in split order and reset its counter.
+    again = triton_int4.w4a16_splitk(x, qweight, scales, qzeros, group, b, config=config)
+    assert torch.equal(again, y)
+    if split > 1:
+        assert int(triton_int4._COUNTERS[y.device].abs().sum()) == 0
+
+
+def test_splitk_gguf_q4_1_mins(triton_int4):
+    qweight, scales, _ = _weights(48, 96, 32, False, torch.float16, seed=3)
+    mins = (torch.randn(3, 48) * 0.01).to(DEVICE, torch.float16)
+    x = torch.randn(2, 96).to(DEVICE, torch.bfloat16)
+    w = dequantize(qweight, scales, None, 32, 96, torch.bfloat16, mins)
+    y = triton_int4.w4a16_linear(x, qweight, scales, None, 32, mins=mins)  # the default: FMA, groups of 32
+    assert _rel(y, x.double() @ w.double()) < TOL[torch.bfloat16]
+
+
+def test_decode_dispatch_reads_the_tuning_table(triton_int4, monkeypatch, tmp_path):
+    # Defaults: the dot at group 128 (any row count up to 32), FMA for small groups at a few rows,
+    # the tiled kernel otherwise; about two programs per SM.
+    c = triton_int4.decode_config(1, 4096, 4096, 128, "cpu")
+    assert c["USE_DOT"] and c["BLOCK_M"] == 16 and triton_int4.triton.cdiv(4096, c["BLOCK_N"]) * c["SPLIT_K"] >= 240
+    assert triton_int4.decode_config(20, 4096, 4096, 128, "cpu")["BLOCK_M"] == 32
+    assert not triton_int4.decode_config(3, 4096, 4096, 64, "cpu")["USE_DOT"]
+    assert triton_int4.decode_config(8, 4096, 4096, 64, "cpu") is None
+    assert triton_int4.decode_config(33, 4096, 4096, 128, "cpu") is None
+    for m, n, k in [(1, 6144, 4096), (1, 4096, 14336), (32, 28672, 4096), (16, 4096, 4096)]:
+        c = triton_int4.default_splitk_config(m, n, k, 128)
+        assert 2 * 4 * c["SPLIT_K"] * m * n <= n * k // 2 // 4 or c["SPLIT_K"] == 1
+        assert triton_int4.triton.cdiv(n, c["BLOCK_N"]) * c["SPLIT_K"] >= 132  # every SM has a program
+    table = {"N=96,K=256,G=128": {"1": dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, USE_DOT=True, SPLIT_K=2,
+                                            num_warps=4, num_stages=2, ms=0.01),
+                                  "8": {"kernel": "tiled"}}}
+    path = tmp_path / "w4a16_configs.json"
+    path.write_text(__import__("json").dumps(table))
+    monkeypatch.setattr(triton_int4, "CONFIG_FILE", str(path))
+    triton_int4.reload_config_table()
+    try:
+        assert triton_int4.decode_config(1, 96, 256, 128)["BLOCK_N"] == 32
+        assert triton_int4.decode_config(5, 96, 256, 128) is None  # bucket 8: the tiled kernel won
+        assert triton_int4.decode_config(9, 96, 256, 128, "cpu")["BLOCK_M"] == 16  # no bucket from 9 up: default
+        assert triton_int4.decode_config(9, 96, 256, 128, "cpu")["BLOCK_N"] == 64  # (the table says 32)
+        qweight, scales, qzeros = _weights(96, 256, 128, True, torch.bfloat16, seed=9)
+        calls = []
+        original = triton_int4.w4a16_splitk
+        monkeypatch.setattr(triton_int4, "w4a16_splitk", lambda *a, **kw: calls.append(kw) or original(*a, **kw))
+        for m in (1, 5):
+            x = torch.randn(m, 256).to(DEVICE, torch.bfloat16)
+            y = triton_int4.w4a16_linear(x, qweight, scales, qzeros, 128)
+            exact = x.double() @ dequantize(qweight, scales, qzeros, 128, 256, torch.bfloat16).double()
+            assert _rel(y, exact) < TOL[torch.bfloat16]
+        assert len(calls) == 1
+    finally:
+        triton_int4.reload_config_table()

@@ -188,6 +188,18 @@ def _mlp_params(config: dict, layer: int, active_only: bool) -> int:
     return used * 3 * hidden * config["moe_intermediate_size"] + experts * hidden  # experts + router
 
 
+def release_engines() -> None:
+    """After ``del llm``: collect what still refers to it in cycles and hand its device memory
+    back, so that the next engine in this process sizes its KV cache from a free device."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def parse_engine_args(text: str) -> dict:
     """``k=v,k=v`` → EngineArgs keyword arguments (integers, floats and true/false parsed)."""
     extra: dict = {}

@@ -19,7 +19,7 @@ import argparse
 import random
 import time
 
-from pagedllm.benchmarks.common import SHAPES, emit, int_list, write_shape
+from pagedllm.benchmarks.common import SHAPES, emit, int_list, release_engines, write_shape
 
 
 def _rate(llm, batch: int, output_len: int) -> float:
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> None:
     if not envs.PAGEDLLM_SPEC_FORCE_ACCEPT:
         p.error("run with PAGEDLLM_SPEC_FORCE_ACCEPT=1: dummy drafts are accepted only when forced")
 
-    common = dict(load_format="dummy", skip_tokenizer_init=True, max_model_len=2048, gpu_memory_utilization=0.45)
+    common = dict(load_format="dummy", skip_tokenizer_init=True, max_model_len=2048, kv_cache_memory_bytes=4 << 30)
     target_dir, draft_dir = write_shape(args.shape), write_shape(args.draft_shape)
     if args.eagle3:
         draft_dir = _eagle3_head(args.shape)
@@ -60,6 +60,7 @@ def main(argv: list[str] | None = None) -> None:
         llm = LLM(path, **common)
         plain[shape] = {b: _rate(llm, b, args.output_len) for b in args.batch_sizes}
         del llm
+        release_engines()
     for k in args.ks:
         method = "eagle3" if args.eagle3 else "draft_model"
         llm = LLM(target_dir, speculative_config={"method": method, "model": draft_dir, "num_speculative_tokens": k},
@@ -78,6 +79,7 @@ def main(argv: list[str] | None = None) -> None:
                   "speedup": round(rate / plain[args.shape][b], 3), "ideal_speedup": round(ideal, 3),
                   "of_ideal": round(rate / plain[args.shape][b] / ideal, 3)})
         del llm
+        release_engines()
 
 
 def _eagle3_head(shape: str) -> str:

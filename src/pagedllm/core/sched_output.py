@@ -51,6 +51,10 @@ class SchedulerOutput:
     # structured_output.manager.GrammarBitmask (``req_ids`` and an int32 ``bitmask`` with one
     # row each); None when no sampling request is constrained.
     grammar: Any = None
+    # Async scheduling: a constrained request's token of the step in flight is not known yet, so
+    # this step's masks come later (``Executor.sample_tokens``): the worker launches the forward
+    # and stops before sampling; the engine lands the step in flight, then sends the masks.
+    defer_grammar: bool = False
     # Speculative decoding: the proposed tokens each request's step verifies (it runs its last
     # known token and these, 1 + k positions, and samples at every one of them).
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)

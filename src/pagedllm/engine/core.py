@@ -5,6 +5,7 @@ import logging
 from collections import deque
 from typing import Any
 
+from pagedllm import envs
 from pagedllm.config import SPEC_METHODS_WITH_MODEL, EngineConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
@@ -66,6 +67,7 @@ class EngineCore:
         self._batch_queue: deque = deque()
         self._max_in_flight = sc.max_concurrent_batches if sc.max_concurrent_batches > 1 \
             else 2 if sc.async_scheduling else 1
+        self._deferred_rows: list[str] = []  # a defer_grammar step's candidate constrained rows
         self.sleeping_tags: set[str] = set()  # sleep mode: what is freed now ("weights", "kv_cache")
         mc = config.model_config
         self.structured_output = StructuredOutputManager(
@@ -74,6 +76,10 @@ class EngineCore:
         self.proposer = NgramProposer(spec) if spec is not None and spec.method == "ngram" else None
         # The workers' second network (a draft model, an EAGLE head) proposes.
         self.takes_drafts = spec is not None and spec.method in SPEC_METHODS_WITH_MODEL
+        # Async scheduling (two steps in flight, no pipeline stages, no speculation): a step may be
+        # launched while one with constrained rows is in flight; its masks follow (sample_tokens).
+        self._defers_grammar = self._max_in_flight == 2 and sc.max_concurrent_batches <= 1 and spec is None \
+            and envs.PAGEDLLM_DEFER_GRAMMAR
         freeze_gc_heap()
 
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -119,18 +125,37 @@ class EngineCore:
                 outputs.append(out)
         return outputs
 
-    def _schedule(self) -> SchedulerOutput:
-        """The scheduler's step, with the masks of the constrained requests that sample in it."""
+    def _schedule(self, defer: bool = False) -> SchedulerOutput:
+        """The scheduler's step, with the masks of the constrained requests that sample in it.
+        With ``defer`` (a step with constrained rows is in flight) the masks wait for that step's
+        tokens: the step is marked ``defer_grammar`` and ``_deferred_rows`` keeps its candidates."""
         sched = self.scheduler.schedule()
         if self.structured_output.live:  # else: no constrained request, no extra work
-            handles = []
-            for req_id in sched.num_scheduled_tokens:
-                request = self.scheduler.requests[req_id]
-                grammar = request.structured_output
-                if grammar is not None and grammar.reasoning_ended and request.num_computed_tokens >= request.num_tokens:
-                    handles.append(grammar)
-            sched.grammar = self.structured_output.bitmask(handles)
+            rows = [req_id for req_id in sched.num_scheduled_tokens if self._samples_constrained(req_id, defer)]
+            if defer and rows:
+                sched.defer_grammar, self._deferred_rows = True, rows
+            elif not defer:
+                sched.grammar = self._grammar_of(rows)
         return sched
+
+    def _samples_constrained(self, req_id: str, any_phase: bool) -> bool:
+        """The request samples this step under a grammar (``any_phase``: or may, once the step in
+        flight lands: its reasoning may end there)."""
+        request = self.scheduler.requests[req_id]
+        grammar = request.structured_output
+        return grammar is not None and (any_phase or grammar.reasoning_ended) \
+            and request.num_computed_tokens >= request.num_tokens
+
+    def _grammar_of(self, req_ids: list[str]):
+        """The step's GrammarBitmask (None: no row is masked) for those of ``req_ids`` still
+        running under a grammar (after reasoning)."""
+        handles = []
+        for req_id in req_ids:
+            request = self.scheduler.requests.get(req_id)
+            grammar = None if request is None or request.status.is_finished else request.structured_output
+            if grammar is not None and grammar.matcher is not None and grammar.reasoning_ended:
+                handles.append(grammar)
+        return self.structured_output.bitmask(handles)
 
     # ---- speculative decoding -------------------------------------------------------------------
     def _propose_drafts(self, from_workers: dict[str, list[int]]) -> None:
@@ -169,17 +194,19 @@ class EngineCore:
         otherwise read the oldest step's tokens. With async scheduling (two in flight) the host
         work of one step (scheduling, inputs, outputs) overlaps the device work of the other;
         with pipeline stages every stage has a micro-batch."""
-        launched = False
+        launched = deferred = False
         failed = self._fail_grammars()
-        # A constrained request's next mask needs the token in flight: a step with constrained
-        # rows lands before the next one is scheduled (async scheduling's overlap pauses).
+        # A constrained request's next mask needs its token in flight. With async scheduling the
+        # next step is launched anyway, its sampling deferred: its forward runs on the device
+        # while the step in flight lands here and the masks are filled, then sample_tokens sends
+        # them (vLLM's way). Otherwise (pipeline stages, speculation) that step lands first.
         masked_in_flight = bool(self._batch_queue) and self._holds_grammar(self._batch_queue[-1][0])
         if len(self._batch_queue) < self._max_in_flight and self.scheduler.has_unfinished_requests() \
-                and not masked_in_flight:
-            sched = self._schedule()
+                and (not masked_in_flight or self._defers_grammar):
+            sched = self._schedule(defer=masked_in_flight)
             if sched.total_num_scheduled_tokens:
                 self._batch_queue.append((sched, self.executor.execute_model(sched, non_block=True)))
-                launched = True
+                launched, deferred = True, sched.defer_grammar
             else:  # nothing runnable now: the workers hear of finished/preempted requests next time
                 self.scheduler.defer_notices(sched)
                 self._wait_for_grammars(sched)
@@ -187,6 +214,9 @@ class EngineCore:
         if self._batch_queue and (not launched or len(self._batch_queue) == self._max_in_flight):
             sched, pending = self._batch_queue.popleft()
             outputs = self.scheduler.update_from_output(sched, pending.result())
+        if deferred:  # the tokens the masks follow have landed (max_in_flight is 2: popped above)
+            rows, self._deferred_rows = self._deferred_rows, []
+            self.executor.sample_tokens(self._grammar_of(rows))
         return EngineCoreOutputs(failed + outputs, self.scheduler.make_stats())
 
     def has_unfinished_requests(self) -> bool:

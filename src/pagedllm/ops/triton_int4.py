@@ -14,6 +14,10 @@ prefills dequantize the weight once (a second kernel) and hand the product to cu
 """
 from __future__ import annotations
 
+import functools
+import json
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -75,6 +79,124 @@ def _w4a16_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, strid
              mask=m_ok[:, None] & n_ok[None, :])
 
 
+
+@triton.jit
+def _nibble_f32(words, i: tl.constexpr):
+    """Nibble ``i`` of each word as float32 without an int -> float conversion: the value's bits OR'd
+    into the mantissa of 2**23 (0x4B000000), then 2**23 subtracted (exact)."""
+    return (((words >> (4 * i)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0  # words: uint32
+
+
+@triton.jit(do_not_specialize=["M", "K_TILES_PER_SPLIT", "SPLIT_K"])
+def _w4a16_splitk_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_ym,
+                         K_TILES_PER_SPLIT, SPLIT_K, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         HAS_MIN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, USE_SPLIT: tl.constexpr, USE_DOT: tl.constexpr):
+    """Decode rows (M <= BLOCK_M <= 32): program (pid_n, pid_k) owns ``BLOCK_N`` output features and
+    the ``pid_k``-th slice of K (``K_TILES_PER_SPLIT`` tiles of ``BLOCK_K``, each inside one group),
+    and reads each packed word of that slice once: one [BLOCK_K / 8, BLOCK_N] int32 load per tile,
+    its eight nibbles unpacked by shifts in registers. Per tile the raw sum ``sum_k x q`` (q 0..15
+    exact in any float type) is accumulated in fp32, by a tensor-core dot per nibble (USE_DOT: the
+    rows padded to 16/32) or by FMAs (a few rows), and the group's scale and zero point are applied
+    once per tile and feature: ``acc += s * (sum_k x q - z * sum_k x)`` (Q4_1: ``s * sum x q + m * sum x``).
+
+    USE_SPLIT (SPLIT_K > 1; the count itself is a run-time argument, so one compiled variant serves
+    every split): each program writes its fp32 partial to ``ws`` [SPLIT_K, M, N]; the last of a
+    column tile's programs to finish (a counter per column tile, ``cnt``, which it resets to 0 for
+    the next launch) sums the SPLIT_K partials in split order, adds the bias and writes y. One
+    launch, and the result does not depend on which program finished last (deterministic)."""
+    BKW: tl.constexpr = BLOCK_K // 8
+    MAGIC: tl.constexpr = 0x43004300 if x_ptr.dtype.element_ty == tl.bfloat16 else 0x64006400  # 128 | 1024
+    BASE: tl.constexpr = 128.0 if x_ptr.dtype.element_ty == tl.bfloat16 else 1024.0
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    m = tl.arange(0, BLOCK_M)
+    m_ok = m < M
+    j = tl.arange(0, BKW)
+    kt_lo = pid_k * K_TILES_PER_SPLIT
+    kt_hi = tl.minimum(kt_lo + K_TILES_PER_SPLIT, K // BLOCK_K)
+    q_ptrs = qw_ptr + (kt_lo * BKW + j).to(tl.int64)[:, None] * N + n[None, :]
+    x_ptrs = x_ptr + m.to(tl.int64)[:, None] * stride_xm + (kt_lo * BLOCK_K + 8 * j)[None, :]  # nibble 0's k
+    if HAS_ZP:
+        z_shift = (n % 8) * 4
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if not USE_DOT:  # no dot for Triton's pipeliner to stage loads for: the next tile's words load by hand
+        words_next = tl.load(q_ptrs, mask=n_ok[None, :] & (kt_lo * BKW + j < kt_hi * BKW)[:, None], other=0)
+    for kt in range(kt_lo, kt_hi):
+        if USE_DOT:
+            words = tl.load(q_ptrs, mask=n_ok[None, :], other=0)
+        else:
+            words = words_next.to(tl.uint32, bitcast=True)  # logical shifts: no sign extension per nibble
+            words_next = tl.load(q_ptrs + BKW * N, mask=n_ok[None, :] & ((kt + 1) * BKW + j < kt_hi * BKW)[:, None],
+                                 other=0)
+        g = (kt * BLOCK_K) // GROUP
+        s = tl.load(s_ptr + g * N + n, mask=n_ok, other=0.0).to(tl.float32)
+        xsum = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        if USE_DOT:
+            # Nibbles i and i + 4 of a word, each in a 16-bit half OR'd into the bits of BASE (128 in
+            # bf16, 1024 in fp16: one unit per mantissa step) by one shift and one and-or: the
+            # operands are BASE + q, exact; BASE * sum_k x is taken off with the zero point below.
+            part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for i in tl.static_range(4):
+                pair = ((words >> (4 * i)) & 0x000F000F) | MAGIC
+                lo = pair.to(tl.int16).to(x_ptr.dtype.element_ty, bitcast=True)
+                hi = (pair >> 16).to(tl.int16).to(x_ptr.dtype.element_ty, bitcast=True)
+                part = tl.dot(tl.load(x_ptrs + i, mask=m_ok[:, None], other=0.0), lo, part)  # k = k0 + 8 j + i
+                part = tl.dot(tl.load(x_ptrs + i + 4, mask=m_ok[:, None], other=0.0), hi, part)
+            xt = tl.load(x_ptr + m.to(tl.int64)[:, None] * stride_xm + kt * BLOCK_K + tl.arange(0, BLOCK_K)[None, :],
+                         mask=m_ok[:, None], other=0.0)
+            xsum = tl.sum(xt.to(tl.float32), axis=1)
+        elif BLOCK_M == 1:  # a GEMV: [BKW, BLOCK_N] products, summed over the words once per tile
+            part2 = tl.zeros((BKW, BLOCK_N), dtype=tl.float32)
+            for i in tl.static_range(8):
+                xi = tl.load(x_ptr + kt * BLOCK_K + 8 * j + i).to(tl.float32)
+                part2 += xi[:, None] * _nibble_f32(words, i)
+                xsum += tl.sum(xi, axis=0)
+            part = tl.sum(part2, axis=0)[None, :]
+        else:
+            part3 = tl.zeros((BLOCK_M, BKW, BLOCK_N), dtype=tl.float32)
+            for i in tl.static_range(8):
+                xi = tl.load(x_ptrs + i, mask=m_ok[:, None], other=0.0).to(tl.float32)
+                part3 += xi[:, :, None] * _nibble_f32(words, i)[None, :, :]
+                xsum += tl.sum(xi, axis=1)
+            part = tl.sum(part3, axis=1)
+        if HAS_MIN:
+            mn = tl.load(z_ptr + g * N + n, mask=n_ok, other=0.0).to(tl.float32)
+            if USE_DOT:  # the dot's operands were BASE + q
+                mn -= BASE * s
+            acc += s[None, :] * part + xsum[:, None] * mn[None, :]
+        else:
+            if HAS_ZP:
+                z = ((tl.load(z_ptr + g * (N // 8) + n // 8, mask=n_ok, other=0) >> z_shift) & 0xF).to(tl.float32)
+            else:
+                z = tl.full((BLOCK_N,), 8.0, tl.float32)
+            if USE_DOT:  # the dot's operands were BASE + q
+                z += BASE
+            acc += s[None, :] * (part - xsum[:, None] * z[None, :])
+        q_ptrs += BKW * N
+        x_ptrs += BLOCK_K
+    y_ptrs = y_ptr + m.to(tl.int64)[:, None] * stride_ym + n[None, :]
+    y_mask = m_ok[:, None] & n_ok[None, :]
+    if not USE_SPLIT:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
+    else:
+        ws_ptrs = ws_ptr + m.to(tl.int64)[:, None] * N + n[None, :]
+        tl.store(ws_ptrs + pid_k.to(tl.int64) * M * N, acc, mask=y_mask)
+        tl.debug_barrier()  # every thread's partial is stored before the (release) count below
+        done = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if done == SPLIT_K - 1:  # the last program of this column tile: sum the partials in split order
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for sk in range(SPLIT_K):
+                total += tl.load(ws_ptrs + sk * M * N, mask=y_mask, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                total += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=y_mask)
+            tl.atomic_xchg(cnt_ptr + pid_n, 0)  # ready for the next launch (and the next graph replay)
+
 @triton.jit
 def _w4a16_dequant_kernel(qw_ptr, s_ptr, z_ptr, w_ptr, N, K, GROUP: tl.constexpr, HAS_ZP: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_MIN: tl.constexpr = False):
@@ -111,23 +233,158 @@ def w4a16_dequantize(qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.
 
 
 def tiles_for(m: int, n: int, group: int) -> dict:
-    """The tiling of an [m, K] x [K, n] product: small-row (decode) or prefill."""
+    """The tiling of the tiled kernel for an [m, K] x [K, n] product: small-row or prefill."""
     if m <= SMALL_ROWS:
-        # The widest tile that still gives about two programs per SM of an H100 (132): a decode
-        # projection is a stream of its packed weight, and one program per SM keeps too few loads
-        # in flight. Untuned: `pagedllm bench quant --tune` times the alternatives.
         block_n = next((b for b in (64, 32) if n >= b * 264), 16)
         return dict(BLOCK_M=16 if m <= 16 else 32, BLOCK_N=block_n, BLOCK_K=min(group, 128), num_warps=4,
                     num_stages=4)
     return dict(BLOCK_M=64, BLOCK_N=128 if n >= 128 else 64, BLOCK_K=min(group, 64), num_warps=8, num_stages=3)
 
 
+# ---- the split-K decode kernel's configs ---------------------------------------------------
+
+CONFIG_FILE = os.path.join(os.path.dirname(__file__), "w4a16_configs.json")
+M_BUCKETS = (1, 2, 4, 8, 16, 32)  # the table's row buckets (a row count takes the next bucket up)
+FMA_ROWS = 4  # up to this many rows the FMA variant serves groups under 128 (the dot needs 128-wide tiles)
+TARGET_PROGRAMS_PER_SM = 2
+
+
+def m_bucket(m: int) -> int:
+    return next(b for b in M_BUCKETS if b >= m)
+
+
+def config_key(n: int, k: int, group: int) -> str:
+    return f"N={n},K={k},G={group}"
+
+
+@functools.lru_cache(maxsize=1)
+def _config_table() -> dict:
+    if not os.path.isfile(CONFIG_FILE):
+        return {}
+    with open(CONFIG_FILE) as f:
+        return {key: value for key, value in json.load(f).items() if not key.startswith("_")}
+
+
+def reload_config_table() -> None:
+    _config_table.cache_clear()
+
+
+@functools.lru_cache(maxsize=8)
+def _sm_count(device: str) -> int:
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return torch.cuda.get_device_properties(torch.device(device)).multi_processor_count
+    return 132  # an H100 SXM: the CPU tests run what the GPU would
+
+
+def splitk_eligible(m: int, group: int, config: dict) -> bool:
+    block_k = config["BLOCK_K"]
+    if m > config["BLOCK_M"] or group % block_k or block_k % 8:
+        return False
+    return not config["USE_DOT"] or (block_k >= 128 and config["BLOCK_M"] >= 16)
+
+
+def default_splitk_config(m: int, n: int, k: int, group: int, sm_count: int = 132) -> dict:
+    """Untuned: the dot variant (rows padded to 16 or 32; tiles of 128 along K, so group 128) where
+    the group allows, else FMAs (up to FMA_ROWS rows, BLOCK_M the next power of two). K split
+    until the grid has about two programs per SM, while the fp32 partials written and read back
+    (2 * 4 * SPLIT_K * M * N bytes, mostly L2 hits) stay under a quarter of the packed weight; the
+    widest of 256 (8 warps), 128, 64 columns per program whose grid still has a program per SM
+    (wide tiles spread the x operand's staging, fixed per tile, over more columns: 3.7 SASS
+    instructions per weight and thread in the loop at 256 x 8 warps against 4.4 at 128 x 4, and
+    at copy bandwidth the loop is near the SM's issue rate). The tuning sweep times the
+    alternatives (FMA at 1..4 rows included)."""
+    use_dot = group >= 128 or m > FMA_ROWS
+    block_m = (16 if m <= 16 else 32) if use_dot else 1 << (m - 1).bit_length()
+    block_k = 128 if use_dot else min(group, 128)
+    k_tiles = max(1, k // block_k)
+    max_split = max(1, min(k_tiles, k // (64 * m)))  # partials 8 SPLIT_K M N bytes <= packed weight / 4
+    for block_n in (256, 128, 64):  # the widest tile whose grid still gives every SM a program
+        n_tiles = triton.cdiv(n, block_n)
+        split = min(max_split, triton.cdiv(TARGET_PROGRAMS_PER_SM * sm_count, n_tiles))
+        split = triton.cdiv(k_tiles, triton.cdiv(k_tiles, split))
+        if n_tiles * split >= sm_count:
+            break
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=use_dot, SPLIT_K=split,
+                num_warps=8 if block_n == 256 else 4, num_stages=3)
+
+
+def decode_config(m: int, n: int, k: int, group: int, device: str = "cuda") -> dict | None:
+    """The split-K kernel's config for ``m`` rows: the table's entry for the smallest tuned row
+    bucket that holds ``m`` rows (the tuning sweep's best; ``{"kernel": "tiled"}`` where the tiled
+    kernel won), else the default.
+    None: the tiled kernel (too many rows, or no variant fits the group size)."""
+    if m > M_BUCKETS[-1]:
+        return None
+    tuned = _config_table().get(config_key(n, k, group), {})
+    entry = next((tuned[str(b)] for b in M_BUCKETS if b >= m and str(b) in tuned), None)
+    if entry is not None:
+        if entry.get("kernel") == "tiled":
+            return None
+        config = {key: value for key, value in entry.items() if key not in ("kernel", "ms")}
+        if splitk_eligible(m, group, config):
+            return config
+    config = default_splitk_config(m, n, k, group, _sm_count(device))
+    return config if splitk_eligible(m, group, config) else None
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _counters(device: torch.device, size: int) -> torch.Tensor:
+    """The split-K kernel's per-column-tile counters: zeros, and zeros again after every launch (the
+    last program of a tile resets its counter), so one buffer made outside any graph serves every
+    launch and replay. Made during a capture (no buffer yet), a fresh one is captured with the graph.
+    One buffer per device: split-K launches on one device must not run concurrently (the engine
+    runs its forward, eager or graph replay, on one stream)."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < size:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return torch.zeros(size, dtype=torch.int32, device=device)
+        buf = _COUNTERS[device] = torch.zeros(max(size, 4096), dtype=torch.int32, device=device)
+    return buf
+
+
+def w4a16_splitk(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor | None,
+                 group_size: int, bias: torch.Tensor | None = None, mins: torch.Tensor | None = None,
+                 config: dict | None = None) -> torch.Tensor:
+    """The split-K decode kernel (checked shapes, contiguous ``x`` rows; ``w4a16_linear`` calls it)."""
+    m, k = x.shape
+    n = qweight.shape[1]
+    cfg = dict(config) if config is not None else decode_config(m, n, k, group_size, str(x.device))
+    if cfg is None or not splitk_eligible(m, group_size, cfg):
+        raise ValueError(f"w4a16_splitk: no split-K config for {m} rows, group {group_size}: {cfg}")
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y
+    split, block_n, block_k = cfg.pop("SPLIT_K"), cfg["BLOCK_N"], cfg["BLOCK_K"]
+    k_tiles = k // block_k
+    per_split = triton.cdiv(k_tiles, max(1, min(split, k_tiles)))
+    split = triton.cdiv(k_tiles, per_split)
+    n_tiles = triton.cdiv(n, block_n)
+    if split > 1:
+        ws = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+        cnt = _counters(x.device, n_tiles)
+    else:
+        ws = cnt = y
+    second = mins if mins is not None else qzeros if qzeros is not None else qweight
+    _w4a16_splitk_kernel[(n_tiles, split)](
+        x, qweight, scales, second, bias if bias is not None else y, y, ws, cnt, m, n, k, x.stride(0), y.stride(0),
+        per_split, split, GROUP=group_size, HAS_ZP=qzeros is not None, HAS_BIAS=bias is not None,
+        HAS_MIN=mins is not None, USE_SPLIT=split > 1, **cfg)
+    return y
+
+
 def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor | None,
                  group_size: int, bias: torch.Tensor | None = None, mins: torch.Tensor | None = None,
-                 **tiles) -> torch.Tensor:
-    """``x`` [M, K] (half precision) times the canonical int4 weight: [M, N] in x's dtype. From
-    ``DEQUANT_ROWS`` rows on, the weight is dequantized once and multiplied by cuBLAS: a large
-    prefill is bound by the math, and reading the packed weight once more costs a few percent."""
+                 decode: dict | bool | None = None, **tiles) -> torch.Tensor:
+    """``x`` [M, K] (half precision) times the canonical int4 weight: [M, N] in x's dtype.
+
+    Up to 32 rows (decode), the split-K kernel with the tuning table's config for the row bucket
+    (``decode``: a config of its own; False: the tiled kernel), unless the table says the tiled
+    kernel won there or no split-K variant fits the group size; ``tiles`` (the tiled kernel's
+    config) select the tiled kernel. From ``DEQUANT_ROWS`` rows on, the weight is dequantized
+    once and multiplied by cuBLAS: a large prefill is bound by the math, and reading the packed
+    weight once more costs a few percent."""
     m, k = x.shape
     n = qweight.shape[1]
     if qweight.shape[0] * 8 != k or k % group_size or n % 8 or scales.shape != (k // group_size, n) \
@@ -137,6 +394,10 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, q
                          f"{tuple(scales.shape)}, group {group_size}")
     if x.stride(-1) != 1:
         x = x.contiguous()
+    if not tiles and decode is not False and 0 < m <= M_BUCKETS[-1]:
+        config = decode if isinstance(decode, dict) else decode_config(m, n, k, group_size, str(x.device))
+        if config is not None:
+            return w4a16_splitk(x, qweight, scales, qzeros, group_size, bias, mins, config)
     if m >= DEQUANT_ROWS and not tiles:
         w = w4a16_dequantize(qweight, scales, qzeros, group_size, x.dtype, mins)
         y = x @ w

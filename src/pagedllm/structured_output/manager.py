@@ -37,18 +37,27 @@ class GrammarBitmask:
     Sent to another process, it is filled before it goes (``__getstate__``)."""
 
     def __init__(self, req_ids: list[str], bitmask: np.ndarray | None = None,
-                 fill: Callable[[], np.ndarray] | None = None) -> None:
+                 fill: Callable[[np.ndarray | None], np.ndarray] | None = None, words: int | None = None) -> None:
         self.req_ids = req_ids
         self._bitmask, self._fill = bitmask, fill
+        self.words = bitmask.shape[1] if bitmask is not None else words  # int32 words per row
 
     @property
     def bitmask(self) -> np.ndarray:  # [len(req_ids), ceil(vocab / 32)] int32
         if self._bitmask is None:
-            self._bitmask, self._fill = self._fill(), None
+            self._bitmask, self._fill = self._fill(None), None
         return self._bitmask
 
+    def fill_into(self, out: np.ndarray) -> np.ndarray:
+        """The masks written into ``out`` (a pinned staging buffer: no copy when not yet filled)."""
+        if self._bitmask is None:
+            self._bitmask, self._fill = self._fill(out), None
+        elif self._bitmask is not out:
+            out[:] = self._bitmask
+        return out
+
     def __getstate__(self) -> dict:
-        return {"req_ids": self.req_ids, "_bitmask": self.bitmask, "_fill": None}
+        return {"req_ids": self.req_ids, "_bitmask": self.bitmask, "_fill": None, "words": self.words}
 
 
 class GrammarRequest:
@@ -219,13 +228,14 @@ class StructuredOutputManager:
         filled when the worker reads them."""
         if not handles:
             return None
-        return GrammarBitmask([h.request_id for h in handles], fill=lambda: self._fill(handles))
+        return GrammarBitmask([h.request_id for h in handles], fill=lambda out: self._fill(handles, out),
+                              words=self.words)
 
-    def _fill(self, handles: list[GrammarRequest]) -> np.ndarray:
+    def _fill(self, handles: list[GrammarRequest], out: np.ndarray | None = None) -> np.ndarray:
         """Each backend's matchers fill their rows together on several threads (xgrammar's batch
         fill, llguidance's executor); a lone row, or a backend without one, fills directly."""
         start = time.perf_counter()
-        bitmask = np.empty((len(handles), self.words), dtype=np.int32)
+        bitmask = np.empty((len(handles), self.words), dtype=np.int32) if out is None else out
         by_class: dict[type, list[int]] = {}
         for row, handle in enumerate(handles):
             by_class.setdefault(type(handle.matcher), []).append(row)

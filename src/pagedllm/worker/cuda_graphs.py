@@ -32,11 +32,18 @@ def cuda_graph_sizes(max_num_reqs: int, max_num_tokens: int) -> list[int]:
     return sorted(set(sizes))
 
 
+# Speculative steps (every request verifying k drafts: 1 + k tokens each) are captured up to
+# this many requests: speculation pays at small batches (disable_by_batch_size).
+MAX_SPEC_GRAPH_REQS = 64
+
+
 class CudaGraphs:
-    """The decode graphs of one runner, by padded batch size, over its device buffers."""
+    """The decode graphs of one runner (or of its draft model), by padded batch size, over the
+    runner's device buffers. With speculative decoding a second set holds steps of ``spec_q``
+    (1 + k) tokens per request, the shape of a step where every request verifies k drafts."""
 
     def __init__(self, buffers: DeviceBuffers, device: torch.device, graph_safe: bool, pp_size: int,
-                 max_num_reqs: int, max_num_tokens: int, max_model_len: int) -> None:
+                 max_num_reqs: int, max_num_tokens: int, max_model_len: int, spec_q: int | None = None) -> None:
         self.buffers = buffers
         self.device = device
         self.graph_safe = graph_safe  # the attention backend can be captured
@@ -47,39 +54,55 @@ class CudaGraphs:
         self.sizes: list[int] = []  # captured sizes, ascending (empty: every step runs eagerly)
         # With LoRA: a second set whose adapters map through the LoRA manager's fixed buffers.
         self.lora_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.spec_q = spec_q
+        self.spec_candidate_sizes = [] if spec_q is None else \
+            cuda_graph_sizes(min(max_num_reqs, MAX_SPEC_GRAPH_REQS), max_num_tokens // spec_q)
+        self.spec_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.spec_sizes: list[int] = []
+        self._spec_qsl: torch.Tensor | None = None  # 0, q, 2q, ...: the captured query starts
 
-    def size_for(self, num_reqs: int, lora: bool = False) -> int | None:
-        """The captured batch size a decode step of ``num_reqs`` replays (None: run eagerly)."""
-        if lora and not self.lora_graphs:
+    def size_for(self, num_reqs: int, lora: bool = False, q: int = 1) -> int | None:
+        """The captured batch size a step of ``num_reqs`` requests of ``q`` tokens each replays
+        (None: run eagerly)."""
+        if q != 1:
+            if q != self.spec_q or lora:
+                return None
+            sizes = self.spec_sizes
+        elif lora and not self.lora_graphs:
             return None
-        i = bisect.bisect_left(self.sizes, num_reqs)
-        return self.sizes[i] if i < len(self.sizes) else None
+        else:
+            sizes = self.sizes
+        i = bisect.bisect_left(sizes, num_reqs)
+        return sizes[i] if i < len(sizes) else None
 
-    def replay(self, size: int, num_reqs: int, lora: bool = False) -> torch.Tensor:
-        """Replay the graph of ``size`` over the buffers as uploaded; the first ``num_reqs``
-        rows of its output are the step's hidden states."""
-        graph, out = (self.lora_graphs if lora else self.graphs)[size]
+    def replay(self, size: int, num_tokens: int, lora: bool = False, q: int = 1) -> torch.Tensor:
+        """Replay the graph of ``size`` requests (of ``q`` tokens each) over the buffers as
+        uploaded; the first ``num_tokens`` rows of its output are the step's hidden states."""
+        graph, out = (self.spec_graphs if q != 1 else self.lora_graphs if lora else self.graphs)[size]
         graph.replay()
-        return out[:num_reqs]
+        return out[:num_tokens]
 
-    def metadata(self, bs: int) -> AttentionMetadata:
-        """The attention metadata a graph of ``bs`` decodes captures: views of the buffers."""
+    def metadata(self, bs: int, q: int = 1) -> AttentionMetadata:
+        """The attention metadata a graph of ``bs`` requests of ``q`` tokens each captures:
+        views of the buffers."""
         buf = self.buffers
+        n = bs * q
+        qsl = buf.graph_query_start_loc if q == 1 else self._spec_qsl
         return AttentionMetadata(
-            num_actual_tokens=bs, slot_mapping=buf.slot_mapping[:bs], block_tables=buf.block_tables[:bs],
-            query_start_loc=buf.graph_query_start_loc[:bs + 1], seq_lens=buf.seq_lens[:bs],
-            query_start_loc_cpu=list(range(bs + 1)), seq_lens_cpu=[1] * bs,
-            max_query_len=1, max_seq_len=self.max_model_len,
+            num_actual_tokens=n, slot_mapping=buf.slot_mapping[:n], block_tables=buf.block_tables[:bs],
+            query_start_loc=qsl[:bs + 1], seq_lens=buf.seq_lens[:bs],
+            query_start_loc_cpu=list(range(0, n + 1, q)), seq_lens_cpu=[q] * bs,
+            max_query_len=q, max_seq_len=self.max_model_len,
         )
 
-    def reset_inputs(self) -> DeviceBuffers:
-        """The input buffers as graph capture (and its dry run) reads them: one context token
-        per request, nothing written to the cache."""
+    def reset_inputs(self, q: int = 1) -> DeviceBuffers:
+        """The input buffers as graph capture (and its dry run) reads them: ``q`` context
+        tokens per request, nothing written to the cache."""
         buf = self.buffers
         buf.input_ids.zero_()
         buf.positions.zero_()
         buf.slot_mapping.fill_(-1)
-        buf.seq_lens.fill_(1)
+        buf.seq_lens.fill_(q)
         buf.block_tables.zero_()
         return buf
 
@@ -116,10 +139,27 @@ class CudaGraphs:
                 graphs[bs] = (graph, out)
             if with_lora is not None:
                 with_lora.clear_mapping()
+        q = self.spec_q
+        if q is not None:  # speculative steps: 1 + k tokens per request
+            self._spec_qsl = torch.arange(0, (self.spec_candidate_sizes[-1] + 1) * q, q, dtype=torch.int32,
+                                          device=self.device)
+            buf = self.reset_inputs(q)
+            for bs in reversed(self.spec_candidate_sizes):
+                args = (buf.input_ids[:bs * q], buf.positions[:bs * q], self.metadata(bs, q))
+                model(*args)
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    out = model(*args)
+                self.spec_graphs[bs] = (graph, out)
+            self.reset_inputs()
         torch.cuda.synchronize(self.device)
         self.sizes = list(sizes)
-        logger.info("Captured %d CUDA graphs for decode batches of 1..%d%s in %.1f s", len(sizes) * len(sets),
-                    sizes[-1], " (with and without LoRA)" if len(sets) > 1 else "", time.perf_counter() - t0)
+        self.spec_sizes = list(self.spec_candidate_sizes)
+        spec = f", and of {q} tokens per request for 1..{self.spec_sizes[-1]}" if q is not None else ""
+        logger.info("Captured %d CUDA graphs for decode batches of 1..%d%s%s in %.1f s",
+                    len(sizes) * len(sets) + len(self.spec_sizes), sizes[-1],
+                    " (with and without LoRA)" if len(sets) > 1 else "", spec, time.perf_counter() - t0)
 
     def release(self) -> None:
         """Forget the captured graphs (and their memory pool); steps run eagerly until
@@ -127,6 +167,8 @@ class CudaGraphs:
         self.graphs = {}
         self.lora_graphs = {}
         self.sizes = []
+        self.spec_graphs = {}
+        self.spec_sizes = []
 
 
 @torch.inference_mode()

@@ -45,6 +45,9 @@ class UniProcExecutor(Executor):
     def execute_model(self, sched: SchedulerOutput, non_block: bool = False):
         return self.worker.execute_model(sched, non_block)
 
+    def sample_tokens(self, grammar) -> None:
+        self.worker.sample_tokens(grammar, non_block=True)  # the step's handle is the runner's own
+
     def shutdown(self) -> None:
         pass
 

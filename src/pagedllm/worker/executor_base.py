@@ -35,8 +35,8 @@ def call_worker(worker: Worker, method: WorkerMethod, args: tuple, kwargs: dict 
 def serve_call(worker: Worker, method: WorkerMethod, args: tuple, kwargs: dict | None, is_output_rank: bool) -> Any:
     """One executor call inside a worker process or actor. A step's output goes back from the
     output rank only: only the last stage samples, and its tensor ranks all sample the same tokens."""
-    if method == "execute_model":
-        result = worker.execute_model(args[0])
+    if method in ("execute_model", "sample_tokens"):  # a defer_grammar step's output comes with sample_tokens
+        result = getattr(worker, method)(args[0])
         return result if is_output_rank else None
     return call_worker(worker, method, args, kwargs)
 
@@ -57,6 +57,12 @@ class Executor(abc.ABC):
     @abc.abstractmethod
     def execute_model(self, sched: SchedulerOutput, non_block: bool = False):
         """The step's ModelRunnerOutput, or with ``non_block`` a handle whose result() waits."""
+
+    @abc.abstractmethod
+    def sample_tokens(self, grammar) -> None:
+        """Finish the step launched (non_block) with ``defer_grammar``: its constrained rows are
+        masked by ``grammar`` (a GrammarBitmask, or None) and sampled; the handle that
+        ``execute_model`` returned for it now waits for that."""
 
     @abc.abstractmethod
     def shutdown(self) -> None:
@@ -83,6 +89,8 @@ class WorkerGroupExecutor(Executor):
     ``_send`` (which returns a ticket) and comes back through ``_gather(ticket, what)``, one
     reply per rank in rank order, raising WorkerFailedError when a rank fails or dies."""
 
+    _deferred: "PendingStep | None" = None  # a defer_grammar step's handle until sample_tokens()
+
     @abc.abstractmethod
     def _send(self, method: WorkerMethod, args: tuple = (), kwargs: dict | None = None) -> Any:
         """Send the call to every rank; returns the ticket ``_gather`` waits on."""
@@ -102,8 +110,26 @@ class WorkerGroupExecutor(Executor):
         tokens from the same all-gathered logits), or with ``non_block`` a handle whose
         result() waits for it: the workers run the step while the engine core goes on."""
         ticket = self._send("execute_model", (sched,))
+        if sched.defer_grammar:  # the output comes with sample_tokens(), sent once the masks are known
+            if not non_block:
+                raise ValueError("a defer_grammar step must be launched with non_block=True")
+            self._deferred = PendingStep(lambda: self._gather(ticket, "execute_model()"))
+            return self._deferred
         pending = PendingStep(lambda: self._gather(ticket, "execute_model()")[self.output_rank])
         return pending if non_block else pending.result()
+
+    def sample_tokens(self, grammar) -> None:
+        pending, self._deferred = self._deferred, None
+        if pending is None:
+            raise RuntimeError("sample_tokens() without a step launched with defer_grammar")
+        ticket = self._send("sample_tokens", (grammar,))
+        launched = pending._wait  # every rank's reply to execute_model (None) is read first: failures show
+
+        def wait() -> ModelRunnerOutput:
+            launched()
+            return self._gather(ticket, "sample_tokens()")[self.output_rank]
+
+        pending._wait = wait
 
 
 class PendingStep:

@@ -58,6 +58,7 @@ class _Batch:
     sample_index: torch.Tensor | None  # their last tokens' rows of the flat batch (None: all, a decode)
     temperature: torch.Tensor | None  # their temperatures, on the device (one per logits row)
     num_drafts: list[int] | None = None  # per sampling request: its proposed tokens (None: no drafts)
+    graph_q: int = 1  # tokens per request of the replayed graph (1 + k: a speculative step)
 
 
 class ModelRunner:
@@ -93,15 +94,17 @@ class ModelRunner:
         self.sampling_metadata = SamplingMetadataBuilder(ib.sampling, ib.sampling_counts, ib.token_ids_cpu,
                                                          ib.num_prompt_tokens, self.vocab_size, device)
         self._buffers = DeviceBuffers(self.max_num_tokens, self.max_num_reqs, max_blocks_per_req, device)
+        spec = config.speculative_config
         self.graphs = CudaGraphs(self._buffers, device, getattr(self.attn_backend, "cuda_graph_safe", False),
-                                 self.pp_size, self.max_num_reqs, self.max_num_tokens, sc.max_model_len)
+                                 self.pp_size, self.max_num_reqs, self.max_num_tokens, sc.max_model_len,
+                                 spec_q=None if spec is None else 1 + spec.num_speculative_tokens)
         self.lora = lora_manager_for(self.input_batch, config, model, device, self.dtype)
         # Speculative decoding with a draft model or an EAGLE head (worker/spec_draft.py, spec_eagle.py).
-        spec = config.speculative_config
         proposer = {"eagle": EagleProposer, "eagle3": Eagle3Proposer}.get(spec.method, DraftModel) if spec else None
         self.draft = None if draft_model is None else proposer(self, draft_model, spec.num_speculative_tokens)
         # Async scheduling: the last step's sampled tokens, still on the device.
         self._pending: _PendingOutput | None = None
+        self._deferred: tuple | None = None  # a defer_grammar step waiting for sample_tokens
         self._prev_sampled: torch.Tensor | None = None
         self._prev_index: dict[str, int] = {}
         self.routed_experts = None  # enable_return_routed_experts: rows by KV slot, beside the cache
@@ -169,9 +172,13 @@ class ModelRunner:
 
     def capture_cuda_graphs(self) -> None:
         self.graphs.capture(self.model, self.lora)
+        if self.draft is not None:
+            self.draft.capture_cuda_graphs()
 
     def release_cuda_graphs(self) -> None:
         self.graphs.release()
+        if self.draft is not None:
+            self.draft.release_cuda_graphs()
         # The last step's sampled tokens may live in a graph's pool.
         self._prev_sampled = None
         self._prev_index = {}
@@ -230,7 +237,7 @@ class ModelRunner:
                                  count=len(states))
             self.lora.prepare_step(lora_ids, counts, batch.graph_size)
         if batch.graph_size is not None:
-            hidden = self.graphs.replay(batch.graph_size, len(req_ids), lora=lora_ids is not None)
+            hidden = self.graphs.replay(batch.graph_size, batch.num_tokens, lora=lora_ids is not None, q=batch.graph_q)
         elif self.pooling is not None and self.pooling.is_encoder:
             hidden = self.model(batch.input_ids, batch.positions, batch.attn_metadata,
                                 token_type_ids=self.pooling.token_types(states, batch.query_start_loc, batch.num_tokens))
@@ -250,25 +257,22 @@ class ModelRunner:
 
         sample_rows = batch.sample_rows
         pending = _PendingOutput(self, req_ids, sample_rows)
+        deferred = None
         if sample_rows:
             sampling = [states[i] for i in sample_rows]
             last_hidden = hidden[:batch.num_tokens] if batch.sample_index is None else hidden[batch.sample_index]
             logits = self.model.compute_logits(last_hidden)
             if batch.num_drafts is not None:  # speculative decoding: drafted requests verify theirs
+                if sched.defer_grammar:
+                    raise RuntimeError("a step with speculative tokens cannot defer its grammar masks")
                 for state in sampling:
                     state.num_inflight += 1
                 sampling, logits, md = verify_drafts(self, sched, states, batch, logits, pending)
+                self._sample(pending, sampling, logits, md)
+            elif sched.defer_grammar:  # the masks come with sample_tokens, once the step in flight landed
+                deferred = (pending, sampling, logits, batch)
             else:
-                if sched.grammar is not None:  # structured outputs: constrained rows keep allowed tokens only
-                    apply_grammar(logits, sched.grammar, [s.req_id for s in sampling])
-                md = self.sampling_metadata.build(sampling, batch.sample_batch_rows, batch.temperature)
-                for state in sampling:
-                    state.num_inflight += 1
-            if sampling:
-                out = self.sampler(logits, md)
-                pending.launch_copy(sampling, out, self._buffers.sampled_tokens_host(len(sampling)))
-                self._prev_sampled = out.sampled_token_ids
-                self._prev_index = {state.req_id: j for j, state in enumerate(sampling)}
+                self._sample_masked(pending, sampling, logits, batch, sched.grammar)
         pending.prompt_logprobs = prompt_logprobs(self.model, states, batch.starts, batch.query_start_loc, hidden)
         if self.routed_experts is not None:
             pending.routed = self.routed_experts.collect(sched, req_ids, self.input_batch.block_table_cpu, rows,
@@ -276,10 +280,45 @@ class ModelRunner:
         if self.draft is not None:  # the step's tokens land, then the draft guesses the next ones
             output = self.draft.after_step(pending.result())
             return _PendingOutput.done(output) if non_block else output
+        if sched.defer_grammar:
+            self._deferred = (pending, None, None, None) if deferred is None else deferred
+            return pending if non_block else None
         if non_block:
             self._pending = pending
             return pending
         return pending.result()
+
+    @torch.inference_mode()
+    def sample_tokens(self, grammar, non_block: bool = False):
+        """Finish the step launched with ``defer_grammar``: apply ``grammar`` (the masks of its
+        constrained rows, or None) and sample. Returns that step's handle (``non_block``) or its
+        ModelRunnerOutput."""
+        if self._deferred is None:
+            raise RuntimeError("sample_tokens() without a step launched with defer_grammar")
+        (pending, sampling, logits, batch), self._deferred = self._deferred, None
+        if sampling is not None:
+            self._sample_masked(pending, sampling, logits, batch, grammar)
+        if non_block:
+            self._pending = pending
+            return pending
+        return pending.result()
+
+    def _sample_masked(self, pending: "_PendingOutput", sampling: list[CachedRequestState], logits: torch.Tensor,
+                       batch: "_Batch", grammar) -> None:
+        if grammar is not None:  # structured outputs: constrained rows keep allowed tokens only
+            apply_grammar(logits, grammar, [s.req_id for s in sampling])
+        md = self.sampling_metadata.build(sampling, batch.sample_batch_rows, batch.temperature)
+        for state in sampling:
+            state.num_inflight += 1
+        self._sample(pending, sampling, logits, md)
+
+    def _sample(self, pending: "_PendingOutput", sampling: list[CachedRequestState], logits: torch.Tensor,
+                md) -> None:
+        if sampling:
+            out = self.sampler(logits, md)
+            pending.launch_copy(sampling, out, self._buffers.sampled_tokens_host(len(sampling)))
+            self._prev_sampled = out.sampled_token_ids
+            self._prev_index = {state.req_id: j for j, state in enumerate(sampling)}
 
     def land_sampled(self, pending: "_PendingOutput", states: list[CachedRequestState], tokens: list[int]) -> None:
         """A step's sampled tokens reached the host: they join their requests' rows, and
@@ -330,17 +369,20 @@ class ModelRunner:
         for s, end in zip(states, seq_lens.tolist()):
             s.num_computed_tokens = end
 
-        graph_size = self.graphs.size_for(num_reqs, lora) if total == num_reqs else None
+        # A CUDA graph: a pure decode, or a step of 1 + k tokens per request (speculation).
+        q = 1 if total == num_reqs else self.graphs.spec_q if total == num_reqs * (self.graphs.spec_q or 0) \
+            and (counts == total // num_reqs).all() else None
+        graph_size = None if q is None else self.graphs.size_for(num_reqs, lora, q=q)
         buf = self._buffers
         qsl_list = qsl.tolist()
         buf.begin_step()
         md = None  # a replayed graph reads the same buffers through its captured metadata
         if graph_size is not None:
-            n = graph_size
+            n = graph_size * q
             ids_d = buf.upload("input_ids", input_ids, n, pad=0)
             pos_d = buf.upload("positions", positions, n, pad=0)
             buf.upload("slot_mapping", slots, n, pad=-1)
-            buf.upload("seq_lens", seq_lens, n, pad=1)
+            buf.upload("seq_lens", seq_lens, graph_size, pad=q)
             buf.upload_block_tables(block_tables)
         else:
             ids_d = buf.upload("input_ids", input_ids)
@@ -379,7 +421,7 @@ class ModelRunner:
                 sample_index = buf.upload("sample_index", qsl[np.asarray(sample_rows) + 1] - 1)
         buf.end_step()
         return _Batch(ids_d, pos_d, md, total, qsl_list, starts, graph_size, sample_rows, sample_batch_rows,
-                      sample_index, temperature, spec_counts)
+                      sample_index, temperature, spec_counts, graph_q=q or 1)
 
 
 class _PendingOutput:

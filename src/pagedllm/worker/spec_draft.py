@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from pagedllm.attention.backend import AttentionMetadata, kv_cache_shape
+from pagedllm.worker.cuda_graphs import CudaGraphs
 from pagedllm.worker.kv_cache import zeroed_cache
 
 if TYPE_CHECKING:
@@ -25,11 +26,27 @@ if TYPE_CHECKING:
 
 
 class DraftModel:
+    # The draft's own CUDA graphs (over the runner's device buffers): its k guessing decodes and
+    # its run over a speculative step's 1 + k tokens per request replay them like the target's.
+    uses_graphs = True
+
     def __init__(self, runner: "ModelRunner", model: nn.Module, num_speculative_tokens: int) -> None:
         self.runner, self.model, self.k = runner, model, num_speculative_tokens
         self.attn_layers = [m for m in model.modules() if hasattr(m, "kv_cache") and hasattr(m, "attn_backend")]
         for layer in self.attn_layers:
             layer.attn_backend = runner.attn_backend
+        g = runner.graphs
+        self.graphs = CudaGraphs(runner._buffers, g.device, g.graph_safe, g.pp_size, runner.max_num_reqs,
+                                 runner.max_num_tokens, g.max_model_len, spec_q=g.spec_q) \
+            if self.uses_graphs else None
+
+    def capture_cuda_graphs(self) -> None:
+        if self.graphs is not None:
+            self.graphs.capture(self.model)
+
+    def release_cuda_graphs(self) -> None:
+        if self.graphs is not None:
+            self.graphs.release()
 
     def _shape(self, layer: nn.Module, num_blocks: int) -> tuple[int, ...]:
         return kv_cache_shape(num_blocks, self.runner.block_size, layer.num_kv_heads, layer.head_dim)
@@ -50,8 +67,11 @@ class DraftModel:
         """Run the draft on the step's inputs: its cache gets the same positions as the target's
         (``hidden``, the target's output, is for proposers that read it: worker/spec_eagle.py)."""
         md = batch.attn_metadata
-        if md is None:  # the target replayed a decode graph: the same inputs sit in its buffers
-            md = self.runner.graphs.metadata(batch.graph_size)
+        if md is None:  # the target replayed a graph: the same inputs sit in the buffers
+            if self.graphs is not None and self.graphs.size_for(batch.graph_size, q=batch.graph_q) == batch.graph_size:
+                self.graphs.replay(batch.graph_size, batch.num_tokens, q=batch.graph_q)
+                return
+            md = self.runner.graphs.metadata(batch.graph_size, batch.graph_q)
         self.model(batch.input_ids, batch.positions, md)
 
     def after_step(self, output):
@@ -78,14 +98,34 @@ class DraftModel:
             if not len(active):
                 break
             positions = first[active] + j
-            md = self._decode_metadata(rows[active], positions)
-            ids = torch.from_numpy(tokens[active]).to(device)
-            hidden = self.model(ids, torch.from_numpy(positions).to(device), md)
+            size = None if self.graphs is None else self.graphs.size_for(len(active))
+            if size is not None:
+                hidden = self._replay_decode(size, rows[active], tokens[active], positions)
+            else:
+                md = self._decode_metadata(rows[active], positions)
+                ids = torch.from_numpy(tokens[active]).to(device)
+                hidden = self.model(ids, torch.from_numpy(positions).to(device), md)
             guesses = self.model.compute_logits(hidden).argmax(dim=-1).cpu().numpy()
             for i, t in zip(active.tolist(), guesses.tolist()):
                 drafts[i].append(t)
             tokens[active] = guesses
         return {s.req_id: d for s, d in zip(states, drafts) if d}
+
+    def _replay_decode(self, size: int, rows: np.ndarray, tokens: np.ndarray, positions: np.ndarray) -> torch.Tensor:
+        """One guessing decode through the draft's graph of ``size``: the inputs go into the
+        runner's buffers (the target's step has landed: they are free)."""
+        runner, bs = self.runner, self.runner.block_size
+        table = runner.input_batch.block_table_cpu
+        seq_lens = positions + 1
+        buf = runner._buffers
+        buf.begin_step()
+        buf.upload("input_ids", tokens, size, pad=0)
+        buf.upload("positions", positions, size, pad=0)
+        buf.upload("slot_mapping", table[rows, positions // bs].astype(np.int64) * bs + positions % bs, size, pad=-1)
+        buf.upload("seq_lens", seq_lens, size, pad=1)
+        buf.upload_block_tables(table[rows, :-(-int(seq_lens.max()) // bs)])
+        buf.end_step()
+        return self.graphs.replay(size, len(rows))
 
     def _decode_metadata(self, rows: np.ndarray, positions: np.ndarray) -> AttentionMetadata:
         runner, bs, device = self.runner, self.runner.block_size, self.runner.device

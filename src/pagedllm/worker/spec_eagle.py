@@ -42,6 +42,7 @@ class EagleProposer(DraftModel):
     """``follow`` keeps the step's target hidden states; ``after_step`` catches the head up on
     the step's positions and proposes."""
 
+    uses_graphs = False  # the head runs eagerly (its inputs are the target's hidden states)
     _step: "tuple[_Batch, torch.Tensor] | None" = None
 
     def follow(self, batch: "_Batch", hidden: torch.Tensor) -> None:

@@ -124,6 +124,10 @@ class Worker:
     def execute_model(self, sched: SchedulerOutput, non_block: bool = False):
         return self.model_runner.execute_model(sched, non_block)
 
+    def sample_tokens(self, grammar, non_block: bool = False):
+        """Sample the step launched with ``defer_grammar``, under ``grammar``'s masks."""
+        return self.model_runner.sample_tokens(grammar, non_block)
+
     # ---- LoRA adapters (LLM.add_lora / remove_lora / pin_lora / list_loras) -----------------
     def _lora(self):
         if self.model_runner.lora is None:
