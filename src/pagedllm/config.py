@@ -236,9 +236,9 @@ class ParallelConfig:
         return (self.pipeline_parallel_size - 1) * self.tensor_parallel_size
 
 
-_SPEC_METHODS = ("ngram", "draft_model", "eagle")
-_SPEC_METHODS_PLANNED = ("eagle3", "medusa", "mtp")
-SPEC_METHODS_WITH_MODEL = ("draft_model", "eagle")  # the workers hold a second network that proposes
+_SPEC_METHODS = ("ngram", "draft_model", "eagle", "eagle3")
+_SPEC_METHODS_PLANNED = ("medusa", "mtp")
+SPEC_METHODS_WITH_MODEL = ("draft_model", "eagle", "eagle3")  # the workers hold a second network that proposes
 
 
 @dataclass
@@ -251,7 +251,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1  # n-gram: the shortest suffix looked up in the request's tokens
     prompt_lookup_max: int = 3  # n-gram: the longest (tried first)
     disable_by_batch_size: int | None = None  # steps with more running requests do not speculate
-    model: str | None = None  # draft_model: a smaller model with the target's vocabulary; eagle: the head
+    model: str | None = None  # draft_model: a smaller model with the target's vocabulary; eagle, eagle3: the head
     draft_tensor_parallel_size: int | None = None  # draft_model: None or the target's (the draft shards alike)
     max_model_len: int | None = None  # accepted for vLLM's configs; the target's applies
 
@@ -280,7 +280,8 @@ class SpeculativeConfig:
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"speculative_config {name} must be a positive integer, got {v!r}")
         if self.method in SPEC_METHODS_WITH_MODEL and not self.model:
-            what = "the draft's" if self.method == "draft_model" else "the EAGLE head's"
+            what = "the draft's" if self.method == "draft_model" else "the EAGLE-3 head's" if self.method == "eagle3" \
+                else "the EAGLE head's"
             raise ValueError(f"speculative_config method {self.method!r} needs model ({what} path or id)")
         if self.method == "ngram" and self.model:
             raise ValueError(f"speculative_config method 'ngram' takes no model, got {self.model!r}")

@@ -297,8 +297,7 @@ def test_a_head_named_eagle_needs_no_method_as_in_vllm():
 
     assert SpeculativeConfig.from_dict({"model": "yuhuili/EAGLE-LLaMA3-Instruct-8B"}).method == "eagle"
     assert SpeculativeConfig.from_dict({"model": "/eagle/llama-3.2-1b"}).method == "draft_model"
-    with pytest.raises(ValueError, match="'eagle3' is not supported yet"):
-        SpeculativeConfig.from_dict({"model": "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"})
+    assert SpeculativeConfig.from_dict({"model": "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"}).method == "eagle3"
 
 
 def test_bad_eagle_configs_are_refused_naming_the_key(tiny_models, tmp_path):

@@ -8,6 +8,10 @@ the same engine shape without it, and the ideal (k+1) / (1 + k * draft_cost / ta
 from the two models' measured decode step times.
 
     PAGEDLLM_SPEC_FORCE_ACCEPT=1 python -m pagedllm.benchmarks.spec_draft [--shape llama3-8b] [--draft-shape llama3.2-1b] [--ks 3,5]
+
+``--eagle3``: the proposer is a dummy EAGLE-3 head of the target's shape instead (one decoder layer,
+a 32000-token draft vocabulary, the target's three residual streams captured); the speed-up is
+reported without an ideal (the head has no plain engine to time).
 """
 from __future__ import annotations
 
@@ -40,6 +44,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ks", type=int_list, default=[3, 5])
     p.add_argument("--batch-sizes", type=int_list, default=[1, 8])
     p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--eagle3", action="store_true", help="propose with a dummy EAGLE-3 head of the target's shape")
     args = p.parse_args(argv)
     from pagedllm import LLM, envs
 
@@ -48,16 +53,25 @@ def main(argv: list[str] | None = None) -> None:
 
     common = dict(load_format="dummy", skip_tokenizer_init=True, max_model_len=2048, kv_cache_memory_bytes=4 << 30)
     target_dir, draft_dir = write_shape(args.shape), write_shape(args.draft_shape)
+    if args.eagle3:
+        draft_dir = _eagle3_head(args.shape)
     plain = {}
-    for shape, path in ((args.shape, target_dir), (args.draft_shape, draft_dir)):
+    for shape, path in ((args.shape, target_dir),) + (() if args.eagle3 else ((args.draft_shape, draft_dir),)):
         llm = LLM(path, **common)
         plain[shape] = {b: _rate(llm, b, args.output_len) for b in args.batch_sizes}
         del llm
         release_engines()
     for k in args.ks:
-        llm = LLM(target_dir, speculative_config={"model": draft_dir, "num_speculative_tokens": k}, **common)
+        method = "eagle3" if args.eagle3 else "draft_model"
+        llm = LLM(target_dir, speculative_config={"method": method, "model": draft_dir, "num_speculative_tokens": k},
+                  **common)
         for b in args.batch_sizes:
             rate = _rate(llm, b, args.output_len)
+            if args.eagle3:
+                emit({"benchmark": "spec_eagle3", "shape": args.shape, "k": k, "batch": b,
+                      "plain_output_tok_s": round(plain[args.shape][b], 1), "spec_output_tok_s": round(rate, 1),
+                      "speedup": round(rate / plain[args.shape][b], 3)})
+                continue
             cost = plain[args.shape][b] / plain[args.draft_shape][b]  # draft step time / target step time
             ideal = (k + 1) / (1 + k * cost)
             emit({"benchmark": "spec_draft", "shape": args.shape, "draft": args.draft_shape, "k": k, "batch": b,
@@ -66,6 +80,16 @@ def main(argv: list[str] | None = None) -> None:
                   "of_ideal": round(rate / plain[args.shape][b] / ideal, 3)})
         del llm
         release_engines()
+
+
+def _eagle3_head(shape: str) -> str:
+    """A dummy EAGLE-3 head's folder for ``shape``: its config.json, as the published heads write it."""
+    layers, vocab = SHAPES[shape]["num_hidden_layers"], SHAPES[shape]["vocab_size"]
+    aux = [2, layers // 2, layers - 3]
+    if len(set(aux)) < 3 or min(aux) < 0:  # a shape too shallow for vLLM's default
+        aux = [0, layers // 2, layers - 1]
+    return write_shape(shape, architectures=["LlamaForCausalLMEagle3"], num_hidden_layers=1,
+                       draft_vocab_size=min(32000, vocab), eagle_aux_hidden_state_layer_ids=aux)
 
 
 if __name__ == "__main__":

@@ -149,6 +149,20 @@ class LlamaModel(nn.Module):
             make_layer(i) if self.start_layer <= i < self.end_layer else MissingLayer()
             for i in range(config.num_hidden_layers))
         self.norm = norm_cls(config.hidden_size, getattr(config, "rms_norm_eps", 1e-6)) if self.is_last_stage else None
+        # EAGLE-3 (worker/spec_eagle.py): {layer index: its columns} in aux_hidden_states; None: nothing kept.
+        self._aux_columns: dict[int, slice] | None = None
+        self.aux_hidden_states: torch.Tensor | None = None
+
+    def capture_aux_hidden_states(self, layer_ids: list[int], max_tokens: int) -> torch.Tensor:
+        """From now on every forward also writes the residual stream entering each layer of
+        ``layer_ids`` (the sum of the hidden state and residual a layer receives) into one
+        [max_tokens, len(layer_ids) * hidden] buffer, row i for the step's token i, and returns it.
+        The buffer is allocated once, so CUDA graphs captured afterwards refill it on replay."""
+        hidden = self.layers[layer_ids[0]].input_layernorm.weight
+        self._aux_columns = {i: slice(j * hidden.shape[0], (j + 1) * hidden.shape[0]) for j, i in enumerate(layer_ids)}
+        self.aux_hidden_states = torch.zeros(max_tokens, len(layer_ids) * hidden.shape[0], dtype=hidden.dtype,
+                                             device=hidden.device)
+        return self.aux_hidden_states
 
     def forward(self, input_ids, positions, attn_metadata, intermediate_tensors=None):
         if self.is_first_stage:
@@ -157,8 +171,12 @@ class LlamaModel(nn.Module):
                 hidden_states = hidden_states * self.embed_scale
         else:
             hidden_states, residual = intermediate_tensors
-        for layer in self.layers[self.start_layer:self.end_layer]:
-            hidden_states, residual = layer(positions, hidden_states, residual, attn_metadata)
+        aux = self._aux_columns
+        for i in range(self.start_layer, self.end_layer):
+            if aux is not None and i in aux:
+                stream = hidden_states if residual is None else hidden_states + residual
+                self.aux_hidden_states[:stream.shape[0], aux[i]].copy_(stream)
+            hidden_states, residual = self.layers[i](positions, hidden_states, residual, attn_metadata)
         if not self.is_last_stage:
             return hidden_states, residual
         hidden_states, _ = self.norm(hidden_states, residual)

@@ -36,7 +36,7 @@ from pagedllm.worker.kv_cache import allocate_kv_caches, check_fp8_kv_cache, pla
 from pagedllm.worker.pooling import PoolingSteps
 from pagedllm.worker.prompt_logprobs import prompt_logprobs
 from pagedllm.worker.spec_draft import DraftModel
-from pagedllm.worker.spec_eagle import EagleProposer
+from pagedllm.worker.spec_eagle import Eagle3Proposer, EagleProposer
 from pagedllm.worker.routed_experts import RoutedExpertsCapture, split_routed
 from pagedllm.worker.spec_verify import verify_drafts
 
@@ -105,8 +105,8 @@ class ModelRunner:
                                  max_spec_q=None if spec is None else 1 + spec.num_speculative_tokens)
         self.lora = lora_manager_for(self.input_batch, config, model, device, self.dtype)
         # Speculative decoding with a draft model or an EAGLE head (worker/spec_draft.py, spec_eagle.py).
-        self.draft = None if draft_model is None else (EagleProposer if spec.method == "eagle" else DraftModel)(
-            self, draft_model, spec.num_speculative_tokens)
+        proposer = {"eagle": EagleProposer, "eagle3": Eagle3Proposer}.get(spec.method, DraftModel) if spec else None
+        self.draft = None if draft_model is None else proposer(self, draft_model, spec.num_speculative_tokens)
         # Async scheduling: the last step's sampled tokens, still on the device.
         self._pending: _PendingOutput | None = None
         self._deferred: tuple | None = None  # a defer_grammar step waiting for sample_tokens

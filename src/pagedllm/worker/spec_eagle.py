@@ -1,5 +1,6 @@
-"""Speculative decoding with an EAGLE-1 head (model/eagle.py): one decoder layer fed the target's
-hidden states guesses each request's next k tokens; the target verifies them (sample/rejection.py).
+"""Speculative decoding with an EAGLE-1 head (model/eagle.py) or an EAGLE-3 head (model/eagle3.py):
+one decoder layer fed the target's hidden states guesses each request's next k tokens; the target
+verifies them (sample/rejection.py).
 
 The head's KV lives beside the target's, block for block (DraftModel's machinery: its one layer,
 the same block tables). Its row at position p reads token p + 1 and the target's feature at p, so
@@ -13,6 +14,13 @@ recomputes the target's positions, and with them the head's. A prefix-cache hit 
 head's rows of the cached blocks as the target's; the last row of each such block read the token
 after the block in the request that filled it, which may differ: a worse guess, never a wrong
 output (verification is exact).
+
+EAGLE-3 differs in what the head reads and says: its rows over the target's positions read the fc
+fusion of three of the target's residual streams (captured by the target's LlamaModel into one
+static buffer while this proposer exists), its single-token steps read its own previous output
+(before its final norm), and its guesses, the argmax of its draft vocabulary, map to target ids
+through ``d2t``. Proposals are point masses on those target ids (sample/rejection.py), so a target
+token outside the draft vocabulary is never proposed: its draft probability is 0.
 """
 from __future__ import annotations
 
@@ -22,6 +30,7 @@ import numpy as np
 import torch
 
 from pagedllm.attention.backend import AttentionMetadata
+from pagedllm.model.eagle3 import aux_layer_ids
 from pagedllm.worker.spec_draft import DraftModel
 
 if TYPE_CHECKING:
@@ -65,7 +74,7 @@ class EagleProposer(DraftModel):
         md = self._metadata(rows[keep], positions, counts)
         # FP8 KV with calculate_kv_scales: the head's layer sets its scales on the target's first step.
         md.calculate_kv_scales = batch.attn_metadata is not None and batch.attn_metadata.calculate_kv_scales
-        features = self._run(ids, hidden[torch.from_numpy(src).to(hidden.device)], positions, md)
+        features = self._run(ids, self._target_features(hidden, torch.from_numpy(src).to(hidden.device)), positions, md)
         # Requests that sampled: their first guess reads the pass's last row.
         last_row = np.cumsum(counts) - 1
         proposing = [j for j, i in enumerate(keep.tolist()) if output.sampled_token_ids[i]]
@@ -91,13 +100,20 @@ class EagleProposer(DraftModel):
                 md = self._metadata(rows[active], positions, np.ones(len(active), dtype=np.int64))
                 index = torch.from_numpy(active).to(feats.device)
                 feats[index] = self._run(tokens[active], feats[index], positions, md)
-            guesses = self.model.compute_logits(feats[torch.from_numpy(active).to(feats.device)]).argmax(dim=-1)
-            guesses = guesses.cpu().numpy()
+            guesses = self._guess(feats[torch.from_numpy(active).to(feats.device)]).cpu().numpy()
             tokens[active] = guesses
             for i, t in zip(active.tolist(), guesses.tolist()):
                 drafts[i].append(t)
             active = active[room[active] > j + 1]
         return {s.req_id: d for s, d in zip(states, drafts) if d}
+
+    def _target_features(self, hidden: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """The head's input features at the step's flat token rows ``index``."""
+        return hidden[index]
+
+    def _guess(self, feats: torch.Tensor) -> torch.Tensor:
+        """[T] target token ids guessed from the head's [T, hidden] outputs."""
+        return self.model.compute_logits(feats).argmax(dim=-1)
 
     def _run(self, ids: np.ndarray, feats: torch.Tensor, positions: np.ndarray, md: AttentionMetadata) -> torch.Tensor:
         device = self.runner.device
@@ -123,6 +139,27 @@ class EagleProposer(DraftModel):
             block_tables=dev(table[rows, :num_blocks], torch.int32), query_start_loc=dev(qsl, torch.int32),
             seq_lens=dev(seq_lens, torch.int32), query_start_loc_cpu=qsl.tolist(), seq_lens_cpu=seq_lens.tolist(),
             max_query_len=int(counts.max()), max_seq_len=int(seq_lens.max()))
+
+
+class Eagle3Proposer(EagleProposer):
+    """The target keeps the residual streams entering the head's aux layers in one static buffer
+    (model/llama.py); the head fuses them where EAGLE-1 reads the target's final hidden state."""
+
+    def __init__(self, runner, model, num_speculative_tokens: int) -> None:
+        super().__init__(runner, model, num_speculative_tokens)
+        layer_ids = aux_layer_ids(model.config, runner.model.config.num_hidden_layers)
+        self.aux_hidden_states = runner.model.model.capture_aux_hidden_states(
+            layer_ids, max(runner.max_num_tokens, runner.max_num_reqs))
+
+    def follow(self, batch: "_Batch", hidden: torch.Tensor) -> None:
+        # The buffer's rows are the step's tokens until the next forward, after this step's proposals.
+        self._step = (batch, self.aux_hidden_states)
+
+    def _target_features(self, aux: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        return self.model.fuse(aux[index])
+
+    def _guess(self, feats: torch.Tensor) -> torch.Tensor:
+        return self.model.greedy_tokens(feats)
 
 
 def _ranges(counts: np.ndarray) -> np.ndarray:

@@ -13,6 +13,7 @@ from pagedllm.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from pagedllm.core.sched_output import SchedulerOutput
 from pagedllm.ops.precompile import precompile, precompile_available
 from pagedllm.model.eagle import EagleLlamaHead
+from pagedllm.model.eagle3 import Eagle3LlamaHead
 from pagedllm.model.loader import TORCH_DTYPES, ResolvedModel, load_model
 from pagedllm.worker.model_runner import ModelRunner
 
@@ -56,12 +57,11 @@ class Worker:
         draft = None
         if config.draft_model_config is not None:  # speculative decoding's draft, sharded as the target
             dmc = config.draft_model_config
-            eagle = config.speculative_config.method == "eagle"
+            head_cls = {"eagle": EagleLlamaHead, "eagle3": Eagle3LlamaHead}.get(config.speculative_config.method)
             draft = load_model(ResolvedModel(path=dmc.path, gguf_file=dmc.gguf_file, hf_config=dmc.hf_config),
                                dmc.load_format, TORCH_DTYPES[dmc.dtype], self.device, seed=mc.seed,
-                               max_model_len=mc.max_model_len, quantization=dmc.quantization,
-                               model_cls=EagleLlamaHead if eagle else None)
-            if eagle:  # the head reads the target's embedding and LM head
+                               max_model_len=mc.max_model_len, quantization=dmc.quantization, model_cls=head_cls)
+            if head_cls is not None:  # the head reads the target's embedding (EAGLE-1: and LM head)
                 draft.share_target(model)
         self.model_runner = ModelRunner(config, model, self.device, draft)
         if self.device.type == "cuda" and precompile_available():
