@@ -246,7 +246,8 @@ def test_greedy_is_the_plain_engines_and_every_guess_the_layouts_chunked_preempt
     model = _runner(llm).draft.model
     assert model.embed_tokens is None  # absent from the checkpoint: the target's, shared
     assert model.lm_head.weight.shape == (len(DRAFT_IDS), HIDDEN)
-    assert model.to_target(torch.arange(len(DRAFT_IDS))).tolist() == DRAFT_IDS
+    dev = model.d2t.device
+    assert model.to_target(torch.arange(len(DRAFT_IDS), device=dev)).tolist() == DRAFT_IDS
     seen = _record_proposals(llm)
     assert _tokens(llm, PROMPTS + PROMPTS[:2]) == reference + reference[:2]  # the repeats hit the prefix cache
     stats = _stats(llm)
@@ -275,13 +276,14 @@ def test_draft_probabilities_are_over_the_target_vocabulary(target, heads):
     llm = _llm(target, max_model_len=64,
               speculative_config=_eagle3(heads["published"], 2))
     model = _runner(llm).draft.model
-    hidden = torch.randn(5, HIDDEN)
-    probs = torch.softmax(model.compute_logits(hidden), dim=-1)
+    dev = model.d2t.device
+    hidden = torch.randn(5, HIDDEN, device=dev, dtype=model.norm.weight.dtype)
+    probs = torch.softmax(model.compute_logits(hidden).float(), dim=-1)
     assert probs.shape == (5, VOCAB)
-    outside = torch.ones(VOCAB, dtype=torch.bool)
+    outside = torch.ones(VOCAB, dtype=torch.bool, device=dev)
     outside[DRAFT_IDS] = False
     assert probs[:, outside].max() == 0  # target ids outside the draft vocabulary: draft probability 0
-    torch.testing.assert_close(probs[:, DRAFT_IDS], torch.softmax(model.compute_draft_logits(hidden), dim=-1))
+    torch.testing.assert_close(probs[:, DRAFT_IDS], torch.softmax(model.compute_draft_logits(hidden).float(), dim=-1))
     assert model.greedy_tokens(hidden).tolist() == probs.argmax(dim=-1).tolist()
 
 
@@ -357,5 +359,6 @@ def test_bad_eagle3_configs_are_refused_naming_the_key(target, tmp_path):
         with pytest.raises(ValueError, match=match):
             _llm(model, max_model_len=64,
                 speculative_config=spec)
-    with pytest.raises(ValueError, match="tensor_parallel_size=1 only"):
-        _llm(target, max_model_len=64, tensor_parallel_size=2, speculative_config=_eagle3(good, 2))
+    if not torch.cuda.is_available() or torch.cuda.device_count() >= 2:  # else the GPU count is refused first
+        with pytest.raises(ValueError, match="tensor_parallel_size=1 only"):
+            _llm(target, max_model_len=64, tensor_parallel_size=2, speculative_config=_eagle3(good, 2))
