@@ -284,10 +284,8 @@ def graph_chain(args) -> list[dict]:
                    "roofline": round(nbytes / (args.peak_gb_s * 1e9) / (ms * 1e-3), 3),
                    "copy_roofline": round(nbytes / bandwidth / (ms * 1e-3), 3),
                    "copy_bandwidth_gb_s": round(bandwidth / 1e9, 1), "zero_points": args.zero_points}
-            if path == "w4a16_splitk":
-                row["rel_err_o_proj"] = round(rel["splitk"], 5)
-            if path == "w4a16_tiled":
-                row["rel_err_o_proj"] = round(rel["tiled"], 5)
+            if path in ("w4a16_splitk", "w4a16_tiled"):
+                row["rel_err_o_proj"] = round(rel[path[6:]], 5)
             emit(row)
             rows_out.append(row)
     del int4

@@ -20,7 +20,6 @@ from pagedllm.attention.kv_quant import kv_cache_torch_dtype
 from pagedllm.attention.selector import get_attention_backend
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_groups import make_kv_cache_groups
-from pagedllm.core.messages import PositionLogprobs
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.distributed import get_pp_size, is_first_pp_rank, is_last_pp_rank, pp_recv, pp_send
 from pagedllm.model.loader import TORCH_DTYPES
@@ -33,11 +32,12 @@ from pagedllm.worker.device_buffers import DeviceBuffers
 from pagedllm.lora.manager import lora_manager_for
 from pagedllm.worker.input_batch import CachedRequestState, InputBatch
 from pagedllm.worker.kv_cache import allocate_kv_caches, check_fp8_kv_cache, place_layers
+from pagedllm.worker.pending_output import PendingOutput
 from pagedllm.worker.pooling import PoolingSteps
 from pagedllm.worker.prompt_logprobs import prompt_logprobs
 from pagedllm.worker.spec_draft import DraftModel
 from pagedllm.worker.spec_eagle import Eagle3Proposer, EagleProposer
-from pagedllm.worker.routed_experts import RoutedExpertsCapture, split_routed
+from pagedllm.worker.routed_experts import RoutedExpertsCapture
 from pagedllm.worker.spec_verify import verify_drafts
 
 logger = logging.getLogger("pagedllm")
@@ -108,7 +108,7 @@ class ModelRunner:
         proposer = {"eagle": EagleProposer, "eagle3": Eagle3Proposer}.get(spec.method, DraftModel) if spec else None
         self.draft = None if draft_model is None else proposer(self, draft_model, spec.num_speculative_tokens)
         # Async scheduling: the last step's sampled tokens, still on the device.
-        self._pending: _PendingOutput | None = None
+        self._pending: PendingOutput | None = None
         self._deferred: tuple | None = None  # a defer_grammar step waiting for sample_tokens
         self._prev_sampled: torch.Tensor | None = None
         self._prev_index: dict[str, int] = {}
@@ -227,7 +227,7 @@ class ModelRunner:
             self.pooling.track(sched)
         req_ids = [c.req_id for c in sched.scheduled_cached_reqs] + [n.req_id for n in sched.scheduled_new_reqs]
         if not req_ids:
-            return _PendingOutput.done(ModelRunnerOutput([], [])) if non_block else ModelRunnerOutput([], [])
+            return PendingOutput.done(ModelRunnerOutput([], [])) if non_block else ModelRunnerOutput([], [])
         states = [self.requests[r] for r in req_ids]
         rows = self.input_batch.rows_of(states)
         if self._pending is not None and self._needs_known_outputs(states, rows):
@@ -252,14 +252,14 @@ class ModelRunner:
             self.draft.follow(batch, hidden)
         if not self.is_last_stage:  # the last stage samples; the engine reads its output
             output = ModelRunnerOutput(req_ids, [[] for _ in req_ids])
-            return _PendingOutput.done(output) if non_block else output
+            return PendingOutput.done(output) if non_block else output
         if self.pooling is not None:  # the prompts that ended this step are pooled
             pooled = self.pooling.pool(states, batch.query_start_loc, batch.starts, set(batch.sample_rows), hidden)
             output = ModelRunnerOutput(req_ids, [[] for _ in req_ids], pooler_output=pooled)
-            return _PendingOutput.done(output) if non_block else output
+            return PendingOutput.done(output) if non_block else output
 
         sample_rows = batch.sample_rows
-        pending = _PendingOutput(self, req_ids, sample_rows)
+        pending = PendingOutput(self, req_ids, sample_rows)
         deferred = None
         if sample_rows:
             sampling = [states[i] for i in sample_rows]
@@ -282,7 +282,7 @@ class ModelRunner:
                                                          batch.starts, batch.query_start_loc)
         if self.draft is not None:  # the step's tokens land, then the draft guesses the next ones
             output = self.draft.after_step(pending.result())
-            return _PendingOutput.done(output) if non_block else output
+            return PendingOutput.done(output) if non_block else output
         if sched.defer_grammar:
             self._deferred = (pending, None, None, None) if deferred is None else deferred
             return pending if non_block else None
@@ -306,7 +306,7 @@ class ModelRunner:
             return pending
         return pending.result()
 
-    def _sample_masked(self, pending: "_PendingOutput", sampling: list[CachedRequestState], logits: torch.Tensor,
+    def _sample_masked(self, pending: "PendingOutput", sampling: list[CachedRequestState], logits: torch.Tensor,
                        batch: "_Batch", grammar) -> None:
         if grammar is not None:  # structured outputs: constrained rows keep allowed tokens only
             apply_grammar(logits, grammar, [s.req_id for s in sampling])
@@ -315,7 +315,7 @@ class ModelRunner:
             state.num_inflight += 1
         self._sample(pending, sampling, logits, md)
 
-    def _sample(self, pending: "_PendingOutput", sampling: list[CachedRequestState], logits: torch.Tensor,
+    def _sample(self, pending: "PendingOutput", sampling: list[CachedRequestState], logits: torch.Tensor,
                 md) -> None:
         if sampling:
             out = self.sampler(logits, md)
@@ -323,7 +323,7 @@ class ModelRunner:
             self._prev_sampled = out.sampled_token_ids
             self._prev_index = {state.req_id: j for j, state in enumerate(sampling)}
 
-    def land_sampled(self, pending: "_PendingOutput", states: list[CachedRequestState], tokens: list[int]) -> None:
+    def land_sampled(self, pending: "PendingOutput", states: list[CachedRequestState], tokens: list[int]) -> None:
         """A step's sampled tokens reached the host: they join their requests' rows, and
         ``pending`` (that step's handle) is no longer the one in flight."""
         self.input_batch.append_sampled(states, tokens)
@@ -341,6 +341,14 @@ class ModelRunner:
     def _needs_known_outputs(self, states: list[CachedRequestState], rows: np.ndarray) -> bool:
         history = self.sampling_metadata.needs_history(rows)
         return history is not None and any(s.num_inflight for s, h in zip(states, history.tolist()) if h)
+
+    def _graph_for(self, counts: np.ndarray, total: int, lora: bool) -> tuple[int | None, int | None]:
+        """(tokens per request, captured size) of the CUDA graph a step replays: a pure decode,
+        or q tokens for every request (speculation's 1 + k); (None, None) when none fits."""
+        q = total // len(counts)
+        if total % len(counts) or not (counts == q).all():
+            return None, None
+        return q, self.graphs.size_for(len(counts), lora, q=q)
 
     def _prepare_inputs(self, states: list[CachedRequestState], rows: np.ndarray, num_scheduled: dict[str, int],
                         drafts: dict[str, list[int]], lora: bool = False) -> _Batch:
@@ -371,9 +379,7 @@ class ModelRunner:
         for s, end in zip(states, seq_lens.tolist()):
             s.num_computed_tokens = end
 
-        # A CUDA graph: a pure decode, or a step of 1 + k tokens per request (speculation).
-        q = total // num_reqs if total % num_reqs == 0 and (counts == total // num_reqs).all() else None
-        graph_size = None if q is None else self.graphs.size_for(num_reqs, lora, q=q)
+        q, graph_size = self._graph_for(counts, total, lora)
         buf = self._buffers
         qsl_list = qsl.tolist()
         buf.begin_step()
@@ -423,67 +429,3 @@ class ModelRunner:
         buf.end_step()
         return _Batch(ids_d, pos_d, md, total, qsl_list, starts, graph_size, sample_rows, sample_batch_rows,
                       sample_index, temperature, spec_counts, graph_q=q or 1)
-
-
-class _PendingOutput:
-    """One step's ModelRunnerOutput, its sampled tokens possibly still being copied to the host."""
-
-    def __init__(self, runner: ModelRunner | None, req_ids: list[str], sample_rows: list[int]) -> None:
-        self.runner, self.req_ids, self.sample_rows = runner, req_ids, sample_rows
-        self.states: list[CachedRequestState] = []
-        self.sampler_output = None
-        self.host_tokens: torch.Tensor | None = None
-        self.event = None
-        self.prompt_logprobs: dict[str, list[PositionLogprobs]] = {}
-        # Speculative decoding: (row in req_ids, state, emitted tokens) of the drafted requests.
-        self.spec: list[tuple[int, CachedRequestState, list[int]]] = []
-        self.routed = None  # (spans, device rows) of enable_return_routed_experts
-        self._result: ModelRunnerOutput | None = None
-
-    @classmethod
-    def done(cls, output: ModelRunnerOutput) -> "_PendingOutput":
-        pending = cls(None, output.req_ids, [])
-        pending._result = output
-        return pending
-
-    def launch_copy(self, states: list[CachedRequestState], out, host: torch.Tensor | None) -> None:
-        """Start copying ``out``'s sampled tokens into the pinned ``host`` buffer (None: read
-        them where they are, on CPU)."""
-        self.states, self.sampler_output = states, out
-        if host is None:
-            self.host_tokens = out.sampled_token_ids
-            return
-        self.host_tokens = host
-        host.copy_(out.sampled_token_ids, non_blocking=True)
-        self.event = torch.cuda.Event()
-        self.event.record()
-
-    def result(self) -> ModelRunnerOutput:
-        """Wait for the tokens, hand them to the runner's request rows (once)."""
-        if self._result is not None:
-            return self._result
-        sampled_lists: list[list[int]] = [[] for _ in self.req_ids]
-        logprobs: dict[str, PositionLogprobs] = {}
-        tokens: list[int] = []
-        if self.states:
-            if self.event is not None:
-                self.event.synchronize()
-            tokens = self.host_tokens.tolist()
-            out = self.sampler_output
-            if out.logprobs is not None:
-                lp_ids, lps, ranks = out.logprob_token_ids.tolist(), out.logprobs.tolist(), out.ranks.tolist()
-            for j, (row, state) in enumerate(zip(self.sample_rows, self.states)):
-                sampled_lists[row] = [tokens[j]]
-                k = state.sampling_params.logprobs
-                if k is not None:
-                    n = len(lp_ids[j]) if k < 0 else 1 + k
-                    logprobs[state.req_id] = (lp_ids[j][:n], lps[j][:n], ranks[j][:n])
-        for row, _, emitted in self.spec:
-            sampled_lists[row] = emitted
-        if self.runner is not None:
-            self.runner.land_sampled(self, self.states + [s for _, s, _ in self.spec],
-                                     tokens + [t for _, _, t in self.spec])
-        self._result = ModelRunnerOutput(self.req_ids, sampled_lists, logprobs, self.prompt_logprobs,
-                                         routed_experts=split_routed(*self.routed) if self.routed is not None else {})
-        self.runner = self.states = self.sampler_output = None
-        return self._result

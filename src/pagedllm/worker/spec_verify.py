@@ -19,11 +19,12 @@ from pagedllm.structured_output.bitmask import apply_grammar
 
 if TYPE_CHECKING:
     from pagedllm.worker.input_batch import CachedRequestState
-    from pagedllm.worker.model_runner import ModelRunner, _Batch, _PendingOutput
+    from pagedllm.worker.model_runner import ModelRunner, _Batch
+    from pagedllm.worker.pending_output import PendingOutput
 
 
 def verify_drafts(runner: "ModelRunner", sched: SchedulerOutput, states: list["CachedRequestState"],
-                  batch: "_Batch", logits: torch.Tensor, pending: "_PendingOutput"
+                  batch: "_Batch", logits: torch.Tensor, pending: "PendingOutput"
                   ) -> tuple[list["CachedRequestState"], torch.Tensor, SamplingMetadata | None]:
     """Verify the drafted requests (their tokens go to ``pending.spec``); returns the requests
     that sample one token as usual, their logits rows and their sampling metadata."""
