@@ -142,8 +142,13 @@ def test_splitk_gguf_q4_1_mins(triton_int4):
 
 
 def test_decode_dispatch_reads_the_tuning_table(triton_int4, monkeypatch, tmp_path):
-    # Defaults: the dot at group 128 (any row count up to 32), FMA for small groups at a few rows,
-    # the tiled kernel otherwise; about two programs per SM.
+    # Defaults (an empty table: the committed one holds the H100's llama3-8b shapes): the dot at
+    # group 128 (any row count up to 32), FMA for small groups at a few rows, the tiled kernel
+    # otherwise; about two programs per SM.
+    empty = tmp_path / "empty.json"
+    empty.write_text("{}")
+    monkeypatch.setattr(triton_int4, "CONFIG_FILE", str(empty))
+    triton_int4.reload_config_table()
     c = triton_int4.decode_config(1, 4096, 4096, 128, "cpu")
     assert c["USE_DOT"] and c["BLOCK_M"] == 16 and triton_int4.triton.cdiv(4096, c["BLOCK_N"]) * c["SPLIT_K"] >= 240
     assert triton_int4.decode_config(20, 4096, 4096, 128, "cpu")["BLOCK_M"] == 32
@@ -177,4 +182,5 @@ def test_decode_dispatch_reads_the_tuning_table(triton_int4, monkeypatch, tmp_pa
             assert _rel(y, exact) < TOL[torch.bfloat16]
         assert len(calls) == 1
     finally:
+        monkeypatch.undo()  # the committed table's path back, then its contents
         triton_int4.reload_config_table()
