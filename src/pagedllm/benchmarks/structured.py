@@ -91,6 +91,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--schema", choices=["bounded", "unbounded"], default="bounded",
                    help="unbounded: the schema without string length bounds (see without_length_bounds)")
     p.add_argument("--repeats", type=int, default=2, help="timed runs of each side, alternated (best counts)")
+    p.add_argument("--fill-threads", type=int, default=None,
+                   help="structured_outputs_config max_fill_threads (default: the engine's)")
     p.add_argument("--engine-args", default="", help="extra EngineArgs as k=v,k=v (ints parsed)")
     args = p.parse_args(argv)
     LLM, SamplingParams, StructuredOutputsParams, TokensPrompt = _imports(args.engine)
@@ -104,7 +106,9 @@ def main(argv: list[str] | None = None) -> None:
     model = write_shape(args.shape, tokenizer_dir=_tokenizer_dir(args.tokenizer), vocab_size=VOCAB_SIZE,
                         bos_token_id=1, eos_token_id=2)
     llm = LLM(model, load_format="dummy", dtype=args.dtype, max_model_len=args.max_model_len,
-              structured_outputs_config={"backend": args.backend}, **parse_engine_args(args.engine_args))
+              structured_outputs_config={"backend": args.backend, **(
+                  {} if args.fill_threads is None else {"max_fill_threads": args.fill_threads})},
+              **parse_engine_args(args.engine_args))
 
     def params(m: int, schema: dict | None) -> object:
         # Compact JSON (no free whitespace): a random-weight model would otherwise pad without end.
@@ -142,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
     stopped = sum(o.outputs[0].finish_reason == "stop" for o in constrained)
     free_rate, json_rate = free_tokens / free_s, json_tokens / json_s
     emit({"benchmark": "structured", "engine": args.engine, "shape": args.shape, "backend": args.backend,
-          "schema": args.schema, "defer_grammar": envs.PAGEDLLM_DEFER_GRAMMAR if args.engine == "pagedllm" else None,
+          "schema": args.schema, "fill_threads": args.fill_threads, "defer_grammar": envs.PAGEDLLM_DEFER_GRAMMAR if args.engine == "pagedllm" else None,
           "num_prompts": args.num_prompts, "unconstrained_output_tok_s": round(free_rate, 1),
           "json_output_tok_s": round(json_rate, 1), "ratio": round(json_rate / free_rate, 3),
           "json_output_tokens": json_tokens, "json_valid": f"{valid}/{len(constrained)}",
