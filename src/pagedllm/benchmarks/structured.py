@@ -146,7 +146,8 @@ def main(argv: list[str] | None = None) -> None:
     stopped = sum(o.outputs[0].finish_reason == "stop" for o in constrained)
     free_rate, json_rate = free_tokens / free_s, json_tokens / json_s
     emit({"benchmark": "structured", "engine": args.engine, "shape": args.shape, "backend": args.backend,
-          "schema": args.schema, "fill_threads": args.fill_threads, "defer_grammar": envs.PAGEDLLM_DEFER_GRAMMAR if args.engine == "pagedllm" else None,
+          "schema": args.schema, "fill_threads": args.fill_threads,
+          "defer_grammar": envs.PAGEDLLM_DEFER_GRAMMAR if args.engine == "pagedllm" else None,
           "num_prompts": args.num_prompts, "unconstrained_output_tok_s": round(free_rate, 1),
           "json_output_tok_s": round(json_rate, 1), "ratio": round(json_rate / free_rate, 3),
           "json_output_tokens": json_tokens, "json_valid": f"{valid}/{len(constrained)}",
