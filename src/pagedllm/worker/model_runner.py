@@ -346,8 +346,8 @@ class ModelRunner:
         """(tokens per request, captured size) of the CUDA graph a step replays: a pure decode,
         or q tokens for every request (speculation's 1 + k); (None, None) when none fits."""
         q = total // len(counts)
-        if total % len(counts) or not (counts == q).all():
-            return None, None
+        if total % len(counts) or not (counts == q).all() or self._kv_scales_pending:
+            return None, None  # (the step that computes FP8 KV scales runs eagerly)
         return q, self.graphs.size_for(len(counts), lora, q=q)
 
     def _prepare_inputs(self, states: list[CachedRequestState], rows: np.ndarray, num_scheduled: dict[str, int],
