@@ -83,17 +83,23 @@ def reference_head(w: dict, embed: torch.Tensor, lm_head: torch.Tensor, ids: lis
     if "fc.bias" in w:
         x = x + w["fc.bias"]
     h = _rms(x, w["layers.0.input_layernorm.weight"]) if "layers.0.input_layernorm.weight" in w else x
-    T, d = x.shape[0], HIDDEN // HEADS
+    return reference_layer(w, "layers.0.", h, x)
+
+
+def reference_layer(w: dict, prefix: str, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """The head's one Llama decoder layer (tensors ``prefix``*): causal attention over ``h`` at
+    positions 0..T-1 added to ``residual``, then the post-attention norm and the MLP: [T, hidden]."""
+    T, d = h.shape[0], HIDDEN // HEADS
     pos = torch.arange(T)
-    q = _rope((h @ w["layers.0.self_attn.q_proj.weight"].T).view(T, HEADS, d), pos)
-    k = _rope((h @ w["layers.0.self_attn.k_proj.weight"].T).view(T, KV_HEADS, d), pos)
-    v = (h @ w["layers.0.self_attn.v_proj.weight"].T).view(T, KV_HEADS, d)
+    q = _rope((h @ w[prefix + "self_attn.q_proj.weight"].T).view(T, HEADS, d), pos)
+    k = _rope((h @ w[prefix + "self_attn.k_proj.weight"].T).view(T, KV_HEADS, d), pos)
+    v = (h @ w[prefix + "self_attn.v_proj.weight"].T).view(T, KV_HEADS, d)
     k, v = k.repeat_interleave(HEADS // KV_HEADS, 1), v.repeat_interleave(HEADS // KV_HEADS, 1)
     o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True)
-    x = x + o.transpose(0, 1).reshape(T, -1) @ w["layers.0.self_attn.o_proj.weight"].T
-    h = _rms(x, w["layers.0.post_attention_layernorm.weight"])
-    m = F.silu(h @ w["layers.0.mlp.gate_proj.weight"].T) * (h @ w["layers.0.mlp.up_proj.weight"].T)
-    return x + m @ w["layers.0.mlp.down_proj.weight"].T
+    x = residual + o.transpose(0, 1).reshape(T, -1) @ w[prefix + "self_attn.o_proj.weight"].T
+    m = _rms(x, w[prefix + "post_attention_layernorm.weight"])
+    m = F.silu(m @ w[prefix + "mlp.gate_proj.weight"].T) * (m @ w[prefix + "mlp.up_proj.weight"].T)
+    return x + m @ w[prefix + "mlp.down_proj.weight"].T
 
 
 def reference_proposals(head_dir: str, target, tokens: list[int], k: int) -> list[int]:

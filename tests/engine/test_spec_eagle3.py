@@ -15,12 +15,12 @@ import os
 
 import pytest
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from pagedllm import LLM, SamplingParams, TokensPrompt
 from tests.conftest import TEST_KV_BYTES, _tiny_config
 from tests.engine.test_correctness import mixed_prompts
+from tests.engine.test_spec_eagle import _rms, reference_layer
 
 HIDDEN, HEADS, KV_HEADS, INTER, EPS, THETA = 64, 4, 2, 128, 1e-6, 10000.0
 LAYERS, VOCAB = 3, 512  # 3 target layers: the default aux layers (2, L // 2, L - 3) are 2, 1, 0
@@ -81,17 +81,7 @@ def write_head(out_dir: str, target: str, *, own_embed: bool = False, aux_ids: l
 
 
 # ---- the independent reference: the published layout in plain torch ------------------------------
-def _rms(x, w):
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * w
-
-
-def _rope(x, positions):  # x [T, heads, d], HF's rotate-half convention
-    d = x.shape[-1]
-    inv = 1.0 / THETA ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
-    ang = positions[:, None].float() * inv[None]
-    cos, sin = torch.cat([ang.cos()] * 2, -1)[:, None], torch.cat([ang.sin()] * 2, -1)[:, None]
-    x1, x2 = x[..., :d // 2], x[..., d // 2:]
-    return x * cos + torch.cat([-x2, x1], -1) * sin
+# (_rms, _rope and the decoder layer are test_spec_eagle's: the same Llama layer and constants.)
 
 
 def reference_head(w: dict, embed: torch.Tensor, ids: list[int], feats: torch.Tensor, norm_first: bool):
@@ -100,17 +90,7 @@ def reference_head(w: dict, embed: torch.Tensor, ids: list[int], feats: torch.Te
     e = _rms(embed[torch.tensor(ids)], w["midlayer.input_layernorm.weight"])
     hn = _rms(feats, w["midlayer.hidden_norm.weight"])
     h = torch.cat([e, hn], -1)
-    T, d = h.shape[0], HIDDEN // HEADS
-    pos = torch.arange(T)
-    q = _rope((h @ w["midlayer.self_attn.q_proj.weight"].T).view(T, HEADS, d), pos)
-    k = _rope((h @ w["midlayer.self_attn.k_proj.weight"].T).view(T, KV_HEADS, d), pos)
-    v = (h @ w["midlayer.self_attn.v_proj.weight"].T).view(T, KV_HEADS, d)
-    k, v = k.repeat_interleave(HEADS // KV_HEADS, 1), v.repeat_interleave(HEADS // KV_HEADS, 1)
-    o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True)
-    x = (hn if norm_first else feats) + o.transpose(0, 1).reshape(T, -1) @ w["midlayer.self_attn.o_proj.weight"].T
-    m = _rms(x, w["midlayer.post_attention_layernorm.weight"])
-    m = F.silu(m @ w["midlayer.mlp.gate_proj.weight"].T) * (m @ w["midlayer.mlp.up_proj.weight"].T)
-    return x + m @ w["midlayer.mlp.down_proj.weight"].T
+    return reference_layer(w, "midlayer.", h, hn if norm_first else feats)
 
 
 @functools.lru_cache(maxsize=None)
