@@ -25,6 +25,23 @@ from pagedllm.model.llama import DecoderLayer, LlamaForCausalLM
 _SKIPPED = ("embed_tokens.weight", "lm_head.weight")
 
 
+def load_head_tensors(head: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], what: str,
+                      expected: str) -> set[str]:
+    """Load (name, tensor) pairs already named as ``head``'s parameters, through the Llama
+    loader's stacked names (q/k/v, gate/up); returns the names whose every shard was loaded.
+    An EAGLE head's one decoder layer is a Llama layer, whatever the checkpoint around it."""
+    params = dict(head.named_parameters())
+    shards_seen: dict[str, set] = {}
+    for name, tensor in weights:
+        name, shard_id = LlamaForCausalLM.stacked_name(head, name)
+        if name not in params:
+            raise ValueError(f"{what} tensor {name!r} has no matching parameter (expected {expected})")
+        load_tensor(params[name], tensor, shard_id, f"{what} tensor {name!r}")
+        shards_seen.setdefault(name, set()).add(shard_id)
+    return {name for name, seen in shards_seen.items()
+            if None in seen or LlamaForCausalLM.shards_needed(head, name) <= seen}
+
+
 class EagleLlamaHead(nn.Module):
     """Built before its weights load; ``share_target`` then hands it the target's embedding and
     LM head (kept out of its parameters, so loading, dummy init and sizes see the head alone)."""
@@ -59,20 +76,11 @@ class EagleLlamaHead(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load the published layout; returns our parameter names whose every shard was loaded."""
-        params = dict(self.named_parameters())
-        shards_seen: dict[str, set] = {}
-        for name, tensor in weights:
-            name = name.removeprefix("model.")
-            if name in _SKIPPED or "rotary_emb.inv_freq" in name:
-                continue
-            name, shard_id = LlamaForCausalLM.stacked_name(self, name)
-            if name not in params:
-                raise ValueError(f"EAGLE head tensor {name!r} has no matching parameter (expected fc.* and "
-                                 "layers.0.* of one Llama decoder layer)")
-            load_tensor(params[name], tensor, shard_id, f"EAGLE head tensor {name!r}")
-            shards_seen.setdefault(name, set()).add(shard_id)
-        loaded = {name for name, seen in shards_seen.items()
-                  if None in seen or LlamaForCausalLM.shards_needed(self, name) <= seen}
+        renamed = ((name.removeprefix("model."), tensor) for name, tensor in weights)
+        loaded = load_head_tensors(
+            self, ((name, tensor) for name, tensor in renamed if name not in _SKIPPED
+                   and "rotary_emb.inv_freq" not in name),
+            "EAGLE head", "fc.* and layers.0.* of one Llama decoder layer")
         if "fc.bias" not in loaded:
             self.fc.bias = None
         if "layers.0.input_layernorm.weight" not in loaded:

@@ -18,13 +18,14 @@ is the next step's ``h``; ``lm_head(norm(pre))`` scores the draft vocabulary.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
 
 from pagedllm.attention.backend import AttentionMetadata
-from pagedllm.model.layers import LMHead, Linear, QKVLinear, RMSNorm, RotaryEmbedding, VocabEmbedding, load_tensor
+from pagedllm.model.eagle import load_head_tensors
+from pagedllm.model.layers import LMHead, Linear, QKVLinear, RMSNorm, RotaryEmbedding, VocabEmbedding
 from pagedllm.model.llama import DecoderLayer, LlamaForCausalLM
 
 
@@ -132,8 +133,15 @@ class Eagle3LlamaHead(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load the published layout; returns our parameter names whose every shard was loaded."""
-        params = dict(self.named_parameters())
-        shards_seen: dict[str, set] = {}
+        loaded = load_head_tensors(self, self._layer_tensors(weights), "EAGLE-3 head",
+                                   "fc.weight, midlayer.* of one decoder layer, norm.weight, lm_head.weight, d2t, "
+                                   "t2d and optionally embed_tokens.weight")
+        if "embed_tokens.weight" not in loaded:
+            self.embed_tokens = None
+        return loaded
+
+    def _layer_tensors(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The checkpoint's parameter tensors under our names; ``d2t``/``t2d`` load on the way."""
         for name, tensor in weights:
             name = name.removeprefix("model.").replace("midlayer.", "layers.0.")
             if "rotary_emb.inv_freq" in name:
@@ -141,18 +149,7 @@ class Eagle3LlamaHead(nn.Module):
             if name in ("d2t", "t2d"):
                 self._load_vocab_map(name, tensor)
                 continue
-            name, shard_id = LlamaForCausalLM.stacked_name(self, name)
-            if name not in params:
-                raise ValueError(f"EAGLE-3 head tensor {name!r} has no matching parameter (expected fc.weight, "
-                                 "midlayer.* of one decoder layer, norm.weight, lm_head.weight, d2t, t2d and "
-                                 "optionally embed_tokens.weight)")
-            load_tensor(params[name], tensor, shard_id, f"EAGLE-3 head tensor {name!r}")
-            shards_seen.setdefault(name, set()).add(shard_id)
-        loaded = {name for name, seen in shards_seen.items()
-                  if None in seen or LlamaForCausalLM.shards_needed(self, name) <= seen}
-        if "embed_tokens.weight" not in loaded:
-            self.embed_tokens = None
-        return loaded
+            yield name, tensor
 
     def _load_vocab_map(self, name: str, tensor: torch.Tensor) -> None:
         want = self.draft_vocab_size if name == "d2t" else self.vocab_size
