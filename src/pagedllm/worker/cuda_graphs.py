@@ -139,13 +139,7 @@ class CudaGraphs:
             for bs in reversed(sizes):
                 if with_lora is not None:
                     with_lora.capture_mapping(bs)
-                args = (buf.input_ids[:bs], buf.positions[:bs], self.metadata(bs))
-                model(*args)  # warm-up: compiles kernels, settles allocator state
-                torch.cuda.synchronize(self.device)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    out = model(*args)
-                graphs[bs] = (graph, out)
+                graphs[bs] = self._capture_one(model, buf, bs, 1, pool, stream)
             if with_lora is not None:
                 with_lora.clear_mapping()
         for q in reversed(self.spec_qs):  # speculative steps: q tokens per request
@@ -153,13 +147,7 @@ class CudaGraphs:
             self._spec_qsl[q] = torch.arange(0, (candidates[-1] + 1) * q, q, dtype=torch.int32, device=self.device)
             buf = self.reset_inputs(q)
             for bs in reversed(candidates):
-                args = (buf.input_ids[:bs * q], buf.positions[:bs * q], self.metadata(bs, q))
-                model(*args)
-                torch.cuda.synchronize(self.device)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    out = model(*args)
-                self.spec_graphs[q, bs] = (graph, out)
+                self.spec_graphs[q, bs] = self._capture_one(model, buf, bs, q, pool, stream)
             self.reset_inputs()
         torch.cuda.synchronize(self.device)
         self.sizes = list(sizes)
@@ -169,6 +157,17 @@ class CudaGraphs:
         logger.info("Captured %d CUDA graphs for decode batches of 1..%d%s%s in %.1f s",
                     len(sizes) * len(sets) + len(self.spec_graphs), sizes[-1],
                     " (with and without LoRA)" if len(sets) > 1 else "", spec, time.perf_counter() - t0)
+
+    def _capture_one(self, model: nn.Module, buf: DeviceBuffers, bs: int, q: int, pool,
+                     stream: torch.cuda.Stream) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """The graph of one forward over ``bs`` requests of ``q`` tokens each, and its output."""
+        args = (buf.input_ids[:bs * q], buf.positions[:bs * q], self.metadata(bs, q))
+        model(*args)  # warm-up: compiles kernels, settles allocator state
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
+            out = model(*args)
+        return graph, out
 
     def release(self) -> None:
         """Forget the captured graphs (and their memory pool); steps run eagerly until

@@ -350,6 +350,18 @@ class ModelRunner:
             return None, None  # (the step that computes FP8 KV scales runs eagerly)
         return q, self.graphs.size_for(len(counts), lora, q=q)
 
+    def upload_graph_inputs(self, input_ids: np.ndarray, positions: np.ndarray, seq_lens: np.ndarray,
+                            tables: list[tuple[np.ndarray, np.ndarray]], graph_size: int, q: int = 1
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A graph step's inputs into the fixed buffers, padded to ``graph_size`` requests of
+        ``q`` tokens (padding writes no slot); the input ids and positions on the device."""
+        buf, n = self._buffers, graph_size * q
+        ids_d = buf.upload("input_ids", input_ids, n, pad=0)
+        pos_d = buf.upload("positions", positions, n, pad=0)
+        buf.upload("seq_lens", seq_lens, graph_size, pad=q)
+        buf.upload_step_tables(tables, n)
+        return ids_d, pos_d
+
     def _prepare_inputs(self, states: list[CachedRequestState], rows: np.ndarray, num_scheduled: dict[str, int],
                         drafts: dict[str, list[int]], lora: bool = False) -> _Batch:
         """The flat batch, built with vectorized gathers from the input batch's rows."""
@@ -385,11 +397,7 @@ class ModelRunner:
         buf.begin_step()
         md = None  # a replayed graph reads the same buffers through its captured metadata
         if graph_size is not None:
-            n = graph_size * q
-            ids_d = buf.upload("input_ids", input_ids, n, pad=0)
-            pos_d = buf.upload("positions", positions, n, pad=0)
-            buf.upload("seq_lens", seq_lens, graph_size, pad=q)
-            buf.upload_step_tables(tables, n)
+            ids_d, pos_d = self.upload_graph_inputs(input_ids, positions, seq_lens, tables, graph_size, q)
         else:
             ids_d = buf.upload("input_ids", input_ids)
             pos_d = buf.upload("positions", positions)

@@ -115,16 +115,11 @@ class DraftModel:
         """One guessing decode through the draft's graph of ``size``: the inputs go into the
         runner's buffers (the target's step has landed: they are free)."""
         runner, bs = self.runner, self.runner.block_size
-        table = runner.input_batch.block_table_cpu
         seq_lens = positions + 1
-        buf = runner._buffers
-        buf.begin_step()
-        buf.upload("input_ids", tokens, size, pad=0)
-        buf.upload("positions", positions, size, pad=0)
-        buf.upload("slot_mapping", table[rows, positions // bs].astype(np.int64) * bs + positions % bs, size, pad=-1)
-        buf.upload("seq_lens", seq_lens, size, pad=1)
-        buf.upload_block_tables(table[rows, :-(-int(seq_lens.max()) // bs)])
-        buf.end_step()
+        tables = runner.input_batch.step_tables(rows, rows, positions, -(-int(seq_lens.max()) // bs), bs)
+        runner._buffers.begin_step()
+        runner.upload_graph_inputs(tokens, positions, seq_lens, tables, size)
+        runner._buffers.end_step()
         return self.graphs.replay(size, len(rows))
 
     def _decode_metadata(self, rows: np.ndarray, positions: np.ndarray) -> AttentionMetadata:
