@@ -86,10 +86,9 @@ class EngineCore:
         self.proposer = NgramProposer(spec) if spec is not None and spec.method == "ngram" else None
         # The workers' second network (a draft model, an EAGLE head) proposes.
         self.takes_drafts = spec is not None and spec.method in SPEC_METHODS_WITH_MODEL
-        # Async scheduling (two steps in flight, no pipeline stages, no speculation): a step may be
-        # launched while one with constrained rows is in flight; its masks follow (sample_tokens).
-        self._defers_grammar = self._max_in_flight == 2 and sc.max_concurrent_batches <= 1 and spec is None \
-            and envs.PAGEDLLM_DEFER_GRAMMAR
+        # Async scheduling (two steps in flight; never with pipeline stages or speculation): a step
+        # may be launched while one with constrained rows is in flight; its masks follow (sample_tokens).
+        self._defers_grammar = sc.async_scheduling and spec is None and envs.PAGEDLLM_DEFER_GRAMMAR
         freeze_gc_heap()
 
     def add_request(self, request: EngineCoreRequest) -> None:

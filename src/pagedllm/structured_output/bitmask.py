@@ -103,7 +103,7 @@ def apply_grammar(logits: torch.Tensor, grammar, req_ids: list[str]) -> None:
         return
     mask_rows, logit_rows = zip(*picked)
     rows = np.asarray(logit_rows, dtype=np.int64)
-    if len(picked) == len(grammar.req_ids) and triton_ops_for(logits) is not None and hasattr(grammar, "fill_into"):
+    if len(picked) == len(grammar.req_ids) and triton_ops_for(logits) is not None:
         # The masks are filled straight into the pinned buffer that goes to the device.
         from pagedllm.structured_output.triton_bitmask import apply_bitmask_triton
 
