@@ -3,7 +3,7 @@
 # short table. Usage (on the device machine, repo root): scripts/gpu_pass.sh [STAGES]
 # STAGES is a comma list of: tests, throughput, throughput8b, latency, long, startup, structured, lora,
 # moetune, moe, quant, quanttune, pooling, embed, embedprof, moedebug, fp8kv, fp8kvbench, structuredab,
-# prefill, structuredub, structuredoverlap, w4tune, spec, loratests, loraprof (default: startup,tests,throughput,throughput8b,latency).
+# prefill, structuredub, structuredoverlap, w4tune, spec, loratests, lorakernel, loraprof (default: startup,tests,throughput,throughput8b,latency).
 # Needs the SmolLM2 tokenizer saved under .gpu/tokenizer (carried with the call), and wheels carried in .whl
 # for what the device lacks: xgrammar with apache-tvm-ffi, llguidance, pydantic (+ pydantic-core,
 # annotated-types, typing-inspection), jsonschema (+ jsonschema-specifications, referencing, rpds-py),
@@ -73,6 +73,7 @@ if stage loratests; then  # issue 20: the multi-LoRA kernels and engine paths on
   python -m pytest -q -rfE -p no:cacheprovider tests/lora --ignore=tests/lora/test_lora_server.py > "$OUT/loratests.log" 2>&1
   echo "   loratests rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/loratests.log" | tail -12 | cut -c1-250
 fi
+stage lorakernel && bench lora_kernel python -m pagedllm.benchmarks.lora_kernel --tokens ${LORA_TOKENS:-1,8,32,128,256,2048}
 stage lora && bench lora python -m pagedllm.benchmarks.lora --shape llama3-8b
 stage loraprof && bench lora_profile python scripts/lora_profile.py
 stage loraprof && tail -22 "$OUT/lora_profile.log" | cut -c1-160

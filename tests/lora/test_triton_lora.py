@@ -40,23 +40,26 @@ def test_kernels_match_torch_with_mixed_adapters(triton_lora, m, k, n, r, dtype)
     slots[:m // 2] = 1  # one adapter with more than a tile of tokens
     want = _reference(x, y, a, b, torch.from_numpy(slots))
     base = y.clone()
-    if k > 256:
-        assert triton_lora.split_k(4, 1, m, n, r, k)[0] > 1
+    config = None
+    if k > 256:  # K split over programs whose K is not a multiple of the block
+        config = {"split": 4, "block_k": 64, "block_n": 64}
+        assert triton_lora.split_k(k, 4, 64) == (4, 320)
     ids, tiles = triton_lora.sort_by_slot(slots)
-    got = triton_lora.lora_apply(x, y, a, b, torch.from_numpy(ids).to(DEVICE), torch.from_numpy(tiles).to(DEVICE))
+    got = triton_lora.lora_apply(x, y, a, b, torch.from_numpy(ids).to(DEVICE), torch.from_numpy(tiles).to(DEVICE),
+                                 config)
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(got.float(), want, atol=tol * 10, rtol=tol)
     untouched = torch.from_numpy(slots < 0).to(DEVICE)
     assert torch.equal(got[untouched], base[untouched])  # base-model tokens: bit-identical
 
 
-def test_split_k_only_for_few_tiles_and_covers_k(triton_lora):
-    assert triton_lora.split_k(300, 1, 8192, 4096, 16, 4096) == (1, 4096)  # a prefill: enough programs
-    for m, k, r in [(1, 4096, 48), (1, 14336, 16), (32, 4096, 32), (256, 4096, 48)]:
-        split, per = triton_lora.split_k(5, 1, m, 6144, r, k)
-        assert per % 64 == 0 and split * per >= k > (split - 1) * per
-    assert triton_lora.split_k(5, 1, 1, 6144, 48, 4096)[0] >= 8  # batch-1 decode: many programs
-    assert triton_lora.split_k(12, 1, 256, 28672, 32, 4096)[0] == 1  # re-reads would cost more
+def test_k_split_only_for_steps_of_few_tiles(triton_lora):
+    assert triton_lora.default_config(260, 1, 8192, 4096, 4096)["split"] == 1  # a prefill: programs enough
+    assert triton_lora.default_config(5, 1, 1, 6144, 4096)["split"] == triton_lora.MAX_SPLIT  # batch-1 decode
+    assert triton_lora.default_config(5, 1, 1, 6144, 256)["split"] == 1  # too little K to split
+    for k, split, block_k in [(4096, 8, 128), (14336, 8, 128), (1100, 4, 64), (64, 8, 64)]:
+        got, per = triton_lora.split_k(k, split, block_k)
+        assert per % block_k == 0 and got * per >= k > (got - 1) * per and got <= split
 
 
 def test_padding_tiles_of_slot_minus_one_change_nothing(triton_lora):

@@ -7,9 +7,9 @@ outputs, float32); ``expand``: y[m] += t[m] @ B[s]^T, tile by tile on the tensor
 of the base model are in no tile: their rows are not touched.
 
 Few tiles (decode steps) would leave the shrink one program per tile walking all of K (14,336
-for a llama3-8b down projection), latency-bound: the shrink then splits K over ``split``
-programs per tile, each writing float32 partial sums, and the expand adds the partials up as
-it loads them (deterministic, no atomics, no zeroing launch).
+for a llama3-8b down projection), latency-bound: the shrink then splits K over a few programs
+per tile, each writing float32 partial sums, and the expand adds the partials up as it loads
+them (deterministic, no atomics, no zeroing launch).
 """
 from __future__ import annotations
 
@@ -67,8 +67,8 @@ def _shrink_kernel(x_ptr, a_ptr, ids_ptr, tile_slot_ptr, t_ptr, K, R, K_PER_SPLI
 
 
 @triton.jit
-def _expand_kernel(t_ptr, b_ptr, ids_ptr, tile_slot_ptr, y_ptr, N, R, SPLIT, stride_ts, stride_tm, stride_bs,
-                   stride_bn, stride_ym, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+def _expand_kernel(t_ptr, b_ptr, ids_ptr, tile_slot_ptr, y_ptr, N, R, stride_ts, stride_tm, stride_bs,
+                   stride_bn, stride_ym, IEEE: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
     tile = tl.program_id(0)
     slot = tl.load(tile_slot_ptr + tile).to(tl.int64)
     ids = tl.load(ids_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M))
@@ -85,7 +85,7 @@ def _expand_kernel(t_ptr, b_ptr, ids_ptr, tile_slot_ptr, y_ptr, N, R, SPLIT, str
         t_ptrs = t_ptr + rows[:, None] * stride_tm + r[None, :]
         t_mask = m_ok[:, None] & r_ok[None, :]
         t = tl.load(t_ptrs, mask=t_mask, other=0.0)
-        for s in range(1, SPLIT):  # the shrink's partial sums over K
+        for s in tl.static_range(1, SPLIT):  # the shrink's partial sums over K, loads issued together
             t += tl.load(t_ptrs + s * stride_ts, mask=t_mask, other=0.0)
         b = tl.load(b_ptr + slot * stride_bs + n.to(tl.int64)[None, :] * stride_bn + r[:, None],
                     mask=r_ok[:, None] & n_ok[None, :], other=0.0)
@@ -104,25 +104,31 @@ def max_tiles(num_tokens: int, num_slots: int, block_m: int = BLOCK_M) -> int:
     return -(-num_tokens // block_m) + num_slots
 
 
-def split_k(num_tiles: int, r_blocks: int, m: int, n: int, r: int, k: int) -> tuple[int, int]:
-    """(programs per tile over K, K per program, a multiple of 64). Split while the shrink has
-    fewer programs than the GPU has SMs, each program keeping at least 256 of K, and while the
-    expand's re-reads of the partials (each of its N / 64 programs per tile reads them all) stay
-    small against the adapter's weights."""
+MAX_SPLIT = 8
+
+
+def default_config(num_tiles: int, r_blocks: int, m: int, n: int, k: int) -> dict[str, int]:
+    """Tiles and K split for a launch (``benchmarks/lora_kernel.py`` sweeps them on a GPU). Few
+    tiles (a decode step) leave most SMs idle and each program latency-bound on its K loop: split
+    K over up to ``MAX_SPLIT`` programs per tile, each keeping at least 512 of K."""
     programs = num_tiles * r_blocks
-    if programs >= 128 or k <= 256:
-        return 1, k
-    split = min(-(-256 // programs), -(-k // 256))
-    reread_rows = max(1, m) * -(-n // 64)  # partial-sum rows the expand loads per split
-    split = max(1, min(split, (4 << 20) // (reread_rows * r * 4) + 1))
-    per = -(-(-(-k // split)) // 64) * 64
+    split = 1
+    while split < MAX_SPLIT and programs * split * 2 <= 256 and k // (split * 2) >= 512:
+        split *= 2
+    return {"split": split, "block_k": 128, "block_n": 64}
+
+
+def split_k(k: int, split: int, block_k: int) -> tuple[int, int]:
+    """(programs per tile over K, K per program: a multiple of ``block_k``) for ``split`` asked."""
+    per = -(-(-(-k // split)) // block_k) * block_k
     return -(-k // per), per
 
 
 def lora_apply(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, sorted_ids: torch.Tensor,
-               tile_slots: torch.Tensor) -> torch.Tensor:
+               tile_slots: torch.Tensor, config: dict[str, int] | None = None) -> torch.Tensor:
     """``y[m] += (x[m] @ A[s]^T) @ B[s]^T`` for every token m in ``sorted_ids`` (``sort_by_slot``),
-    s its tile's slot; in place. ``x`` [M, K], ``y`` [M, N], ``a`` [slots, R, K], ``b`` [slots, N, R]."""
+    s its tile's slot; in place. ``x`` [M, K], ``y`` [M, N], ``a`` [slots, R, K], ``b`` [slots, N, R].
+    ``config``: ``default_config``'s keys (split, block_k, block_n), for a sweep."""
     m, k = x.shape
     r, n = a.shape[1], y.shape[1]
     if x.stride(1) != 1 or y.stride(1) != 1 or a.stride(2) != 1 or b.stride(2) != 1:
@@ -133,12 +139,13 @@ def lora_apply(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tenso
     ieee = a.dtype == torch.float32
     block_r = max(16, min(64, triton.next_power_of_2(r)))
     r_blocks = triton.cdiv(r, block_r)
-    split, per = split_k(num_tiles, r_blocks, m, n, r, k)
+    cfg = config or default_config(num_tiles, r_blocks, m, n, k)
+    split, per = split_k(k, cfg["split"], cfg["block_k"])
     t = torch.empty(split, m, r, dtype=torch.float32, device=x.device)
     _shrink_kernel[(num_tiles, r_blocks, split)](
         x, a, sorted_ids, tile_slots, t, k, r, per, x.stride(0), a.stride(0), a.stride(1), t.stride(0), t.stride(1),
-        IEEE=ieee, BLOCK_M=BLOCK_M, BLOCK_R=block_r, BLOCK_K=64)
-    _expand_kernel[(num_tiles, triton.cdiv(n, 64))](
-        t, b, sorted_ids, tile_slots, y, n, r, split, t.stride(0), t.stride(1), b.stride(0), b.stride(1), y.stride(0),
-        IEEE=ieee, BLOCK_M=BLOCK_M, BLOCK_N=64, BLOCK_R=block_r)
+        IEEE=ieee, BLOCK_M=BLOCK_M, BLOCK_R=block_r, BLOCK_K=cfg["block_k"])
+    _expand_kernel[(num_tiles, triton.cdiv(n, cfg["block_n"]))](
+        t, b, sorted_ids, tile_slots, y, n, r, t.stride(0), t.stride(1), b.stride(0), b.stride(1), y.stride(0),
+        IEEE=ieee, SPLIT=split, BLOCK_M=BLOCK_M, BLOCK_N=cfg["block_n"], BLOCK_R=block_r)
     return y
