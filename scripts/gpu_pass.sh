@@ -70,7 +70,7 @@ for schema in bounded unbounded; do
 done
 if stage loratests; then  # issue 20: the multi-LoRA kernels and engine paths on the GPU
   echo "== loratests"
-  python -m pytest -q -rfE -p no:cacheprovider tests/lora --ignore=tests/lora/test_lora_server.py > "$OUT/loratests.log" 2>&1
+  python -m pytest -q -rfE -p no:cacheprovider tests/lora tests/ops/test_triton_gemv.py --ignore=tests/lora/test_lora_server.py > "$OUT/loratests.log" 2>&1
   echo "   loratests rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/loratests.log" | tail -12 | cut -c1-250
 fi
 stage lorakernel && bench lora_kernel python -m pagedllm.benchmarks.lora_kernel --tokens ${LORA_TOKENS:-1,8,32,128,256,2048}

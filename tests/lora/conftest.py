@@ -5,9 +5,14 @@ import pytest
 
 from tests.triton_env import import_interpreted, kernel_module
 
-import_interpreted("pagedllm.ops.triton_lora")
+import_interpreted("pagedllm.ops.triton_lora", "pagedllm.ops.triton_gemv")
 
 
 @pytest.fixture
 def triton_lora(monkeypatch):
     return kernel_module("pagedllm.ops.triton_lora", "_shrink_kernel", monkeypatch)
+
+
+@pytest.fixture
+def triton_gemv(monkeypatch):
+    return kernel_module("pagedllm.ops.triton_gemv", "_small_m_gemm_kernel", monkeypatch)

@@ -55,7 +55,8 @@ def test_kernels_match_torch_with_mixed_adapters(triton_lora, m, k, n, r, dtype)
 
 def test_k_split_only_for_steps_of_few_tiles(triton_lora):
     assert triton_lora.default_config(260, 1, 8192, 4096, 4096)["split"] == 1  # a prefill: programs enough
-    assert triton_lora.default_config(5, 1, 1, 6144, 4096)["split"] == triton_lora.MAX_SPLIT  # batch-1 decode
+    assert triton_lora.default_config(5, 1, 1, 6144, 4096)["split"] == 8  # batch-1 decode: K 512 a program
+    assert triton_lora.default_config(5, 1, 1, 4096, 14336)["split"] == triton_lora.MAX_SPLIT
     assert triton_lora.default_config(5, 1, 1, 6144, 256)["split"] == 1  # too little K to split
     for k, split, block_k in [(4096, 8, 128), (14336, 8, 128), (1100, 4, 64), (64, 8, 64)]:
         got, per = triton_lora.split_k(k, split, block_k)
@@ -76,3 +77,31 @@ def test_padding_tiles_of_slot_minus_one_change_nothing(triton_lora):
     want = _reference(x, y, a, b, torch.from_numpy(slots))
     got = triton_lora.lora_apply(x, y, a, b, torch.from_numpy(ids).to(DEVICE), torch.from_numpy(tiles).to(DEVICE))
     torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-4)
+
+
+@pytest.mark.parametrize("m, kernel, split", [(1, "gemv", 1), (1, "gemv", 4), (6, "dot", 2), (20, "dot", 1)])
+def test_small_row_gemm_adds_the_expand_in_its_epilogue(triton_lora, triton_gemv, m, kernel, split):
+    """A decode step's expand fused into the small-row GEMM: the rows of each adapter get their
+    own delta, base-model rows exactly the plain GEMM's; rank 40 spans two rank blocks."""
+    g = torch.Generator().manual_seed(m + split)
+    k, n, r, dtype = 512, 96, 40, torch.bfloat16
+    x = torch.randn(m, k, generator=g).to(DEVICE, dtype)
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(DEVICE, dtype)
+    a = (torch.randn(3, r, k, generator=g) / k ** 0.5).to(DEVICE, dtype)
+    b = (torch.randn(3, n, r, generator=g) * 0.1).to(DEVICE, dtype)
+    slots = np.array([(2 - i) % 4 - 1 if m > 1 else 1 for i in range(m)])  # 1, 0, -1, 2, ...
+    ids, tiles = triton_lora.sort_by_slot(slots)
+    delta = triton_lora.lora_shrink(x, a, b, torch.from_numpy(ids).to(DEVICE), torch.from_numpy(tiles).to(DEVICE),
+                                    torch.from_numpy(slots).to(DEVICE), {"split": split, "block_k": 64, "block_n": 64})
+    assert delta.split == split
+    got = triton_gemv.small_m_linear(x, w, kernel=kernel, block_n=32, lora=delta)
+    plain = triton_gemv.small_m_linear(x, w, kernel=kernel, block_n=32)
+    want = x.float() @ w.float().T
+    for i, s in enumerate(slots.tolist()):
+        if s >= 0:
+            want[i] += b[s].float() @ (a[s].float() @ x[i].float())
+    torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=2e-2)
+    base = torch.from_numpy(slots < 0).to(DEVICE)
+    assert torch.equal(got[base], plain[base])
+    with pytest.raises(ValueError, match="LoRA delta"):
+        triton_gemv.small_m_linear(x, w[:48], kernel=kernel, lora=delta)  # another projection

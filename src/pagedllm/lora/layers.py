@@ -16,31 +16,40 @@ class _Mapping:
     token's slot on the device (-1: the base model), which the Triton kernels read."""
 
     groups: list[tuple[int, torch.Tensor]] = []
-    # On CUDA: the tokens sorted by slot in tiles, and each tile's slot (ops/triton_lora.py).
+    # On CUDA: the tokens sorted by slot in tiles, and each tile's slot (ops/triton_lora.py);
+    # for steps of a few tokens also each token's slot (-1: base), read by the small-row GEMM
+    # kernels that add the adapters' expand in their epilogue (ops/triton_gemv.py).
     sorted_ids: torch.Tensor | None = None
     tile_slots: torch.Tensor | None = None
+    token_slots: torch.Tensor | None = None
+
+
+FUSED_ROWS = 32  # the small-row kernels' most rows (ops/triton_gemv.MAX_ROWS)
 
 
 MAPPING = _Mapping()
 
 
-def set_graph_mapping(sorted_ids: torch.Tensor, tile_slots: torch.Tensor) -> None:
+def set_graph_mapping(sorted_ids: torch.Tensor, tile_slots: torch.Tensor, token_slots: torch.Tensor | None) -> None:
     """Map through fixed device buffers (a CUDA graph's, captured and replayed over them)."""
     MAPPING.groups = [(-1, sorted_ids)]  # not empty: the wrapped layers apply their adapters
-    MAPPING.sorted_ids, MAPPING.tile_slots = sorted_ids, tile_slots
+    MAPPING.sorted_ids, MAPPING.tile_slots, MAPPING.token_slots = sorted_ids, tile_slots, token_slots
 
 
 def set_mapping(token_slots: np.ndarray | None, device: torch.device) -> None:
     """``token_slots``: each token's slot (-1: the base model); None clears the mapping."""
     if token_slots is None or not (token_slots >= 0).any():
-        MAPPING.groups, MAPPING.sorted_ids, MAPPING.tile_slots = [], None, None
+        MAPPING.groups, MAPPING.sorted_ids, MAPPING.tile_slots, MAPPING.token_slots = [], None, None, None
         return
     if device.type == "cuda" and _triton_lora_enabled(device):
         from pagedllm.ops.triton_lora import sort_by_slot
 
         ids, tiles = sort_by_slot(token_slots)
-        MAPPING.sorted_ids = torch.from_numpy(ids).to(device, non_blocking=True)
-        MAPPING.tile_slots = torch.from_numpy(tiles).to(device, non_blocking=True)
+        fused = torch.from_numpy(token_slots).to(device, non_blocking=True) if len(token_slots) <= FUSED_ROWS else None
+        set_graph_mapping(torch.from_numpy(ids).to(device, non_blocking=True),
+                          torch.from_numpy(tiles).to(device, non_blocking=True), fused)
+        return
+    MAPPING.sorted_ids = MAPPING.tile_slots = MAPPING.token_slots = None
     MAPPING.groups = [(int(s), torch.from_numpy(np.flatnonzero(token_slots == s)).to(device))
                       for s in np.unique(token_slots[token_slots >= 0])]
 
@@ -81,11 +90,22 @@ class LoRASlots:
             self.A[slot, lo:lo + r] = a.to(self.A)
             self.B[slot, offset:offset + size, lo:lo + r] = (b.float() * scale).to(self.B)
 
-    def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        if MAPPING.tile_slots is not None and x.is_cuda:  # two launches for any mix of adapters
-            from pagedllm.ops.triton_lora import lora_apply
+    def shrink(self, x: torch.Tensor):
+        """On the Triton path: the shrink launched, its expand left to the projection's GEMM
+        (``ops.triton_ops.linear(..., lora=)``); None elsewhere (``apply`` after the GEMM)."""
+        if MAPPING.tile_slots is None or not x.is_cuda:
+            return None
+        from pagedllm.ops.triton_lora import lora_shrink
 
-            return lora_apply(x.contiguous(), y, self.A, self.B, MAPPING.sorted_ids, MAPPING.tile_slots)
+        return lora_shrink(x.contiguous(), self.A, self.B, MAPPING.sorted_ids, MAPPING.tile_slots,
+                           MAPPING.token_slots if x.shape[0] <= FUSED_ROWS else None)
+
+    def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        delta = self.shrink(x)  # two launches for any mix of adapters
+        if delta is not None:
+            return delta.expand_into(y)
+        if MAPPING.tile_slots is not None:  # a step whose tiles are all padding
+            return y
         for slot, rows in MAPPING.groups:
             xs = x.index_select(0, rows).to(self.A.dtype)
             y.index_add_(0, rows, ((xs @ self.A[slot].t()) @ self.B[slot].t()).to(y.dtype))

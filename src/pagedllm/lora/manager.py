@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from pagedllm.lora.layers import LoRASlots, set_graph_mapping, set_mapping
+from pagedllm.lora.layers import FUSED_ROWS, LoRASlots, set_graph_mapping, set_mapping
 from pagedllm.model.layers import MergedLinear, RowParallelLinear
 from pagedllm.lora.peft_loader import LoRAAdapter, load_adapter
 from pagedllm.lora.request import LoRARequest
@@ -139,36 +139,38 @@ class LoRAManager:
     def clear_mapping(self) -> None:
         set_mapping(None, self.device)
 
-    def graph_buffers(self, graph_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The fixed sorted-ids / tile-slot buffers a LoRA graph of ``graph_size`` tokens reads."""
+    def graph_buffers(self, graph_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The fixed sorted-ids / tile-slot / token-slot buffers a LoRA graph of ``graph_size``
+        tokens reads."""
         from pagedllm.ops.triton_lora import BLOCK_M, max_tiles
 
         if not hasattr(self, "_ids_buf"):
             tiles = max_tiles(self.max_graph_tokens, self.config.max_loras)
             self._ids_buf = torch.full((tiles * BLOCK_M,), -1, dtype=torch.int64, device=self.device)
             self._tiles_buf = torch.full((tiles,), -1, dtype=torch.int64, device=self.device)
+            self._slots_buf = torch.full((self.max_graph_tokens,), -1, dtype=torch.int64, device=self.device)
         tiles = max_tiles(graph_size, self.config.max_loras)
-        return self._ids_buf[:tiles * BLOCK_M], self._tiles_buf[:tiles]
+        return self._ids_buf[:tiles * BLOCK_M], self._tiles_buf[:tiles], self._slots_buf[:graph_size]
+
+    def _map_graph(self, graph_size: int) -> None:
+        ids, tiles, slots = self.graph_buffers(graph_size)
+        set_graph_mapping(ids, tiles, slots if graph_size <= FUSED_ROWS else None)
 
     def capture_mapping(self, graph_size: int) -> None:
         """Before capturing a LoRA graph: map through its buffers (all -1 now: no-op kernels)."""
-        ids, tiles = self.graph_buffers(graph_size)
-        ids.fill_(-1)
-        tiles.fill_(-1)
-        set_graph_mapping(ids, tiles)
+        for buf in self.graph_buffers(graph_size):
+            buf.fill_(-1)
+        self._map_graph(graph_size)
 
     def _fill_graph_buffers(self, slots: np.ndarray, graph_size: int) -> None:
         from pagedllm.ops.triton_lora import sort_by_slot
 
-        ids_buf, tiles_buf = self.graph_buffers(graph_size)
         ids, tiles = sort_by_slot(slots)  # a decode step: one token per request
-        host_ids = np.full(ids_buf.shape[0], -1, dtype=np.int64)
-        host_ids[:len(ids)] = ids
-        host_tiles = np.full(tiles_buf.shape[0], -1, dtype=np.int64)
-        host_tiles[:len(tiles)] = tiles
-        ids_buf.copy_(torch.from_numpy(host_ids), non_blocking=False)
-        tiles_buf.copy_(torch.from_numpy(host_tiles), non_blocking=False)
-        set_graph_mapping(ids_buf, tiles_buf)
+        for buf, values in zip(self.graph_buffers(graph_size), (ids, tiles, slots)):
+            host = np.full(buf.shape[0], -1, dtype=np.int64)
+            host[:len(values)] = values
+            buf.copy_(torch.from_numpy(host), non_blocking=False)
+        self._map_graph(graph_size)
 
 
 def lora_manager_for(input_batch: Any, config: Any, model: nn.Module, device: torch.device,

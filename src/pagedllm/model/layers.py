@@ -23,13 +23,16 @@ from pagedllm.ops import triton_ops_for
 from pagedllm.ops.cpu_linear import cpu_linear
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, lora=None) -> torch.Tensor:
     """``F.linear``; on CUDA the Triton ops' version (small decode batches on the small-row
-    kernels), on CPU oneDNN's (pagedllm.ops.cpu_linear: MKL sgemm is several times slower)."""
-    if x.device.type == "cpu":
-        return cpu_linear(x, weight, bias)
-    ops = triton_ops_for(x)
-    return F.linear(x, weight, bias) if ops is None else ops.linear(x, weight, bias)
+    kernels), on CPU oneDNN's (pagedllm.ops.cpu_linear: MKL sgemm is several times slower).
+    ``lora``: a LoRA delta whose shrink ran (Triton ops only: ``LoRASlots.shrink``)."""
+    ops = None if x.device.type == "cpu" else triton_ops_for(x)
+    if ops is not None:
+        return ops.linear(x, weight, bias, lora=lora)
+    if lora is not None:
+        raise ValueError("a fused LoRA delta needs the Triton ops")
+    return cpu_linear(x, weight, bias) if x.device.type == "cpu" else F.linear(x, weight, bias)
 
 
 def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
@@ -246,8 +249,13 @@ class Linear(nn.Module):
         return self.quant_method.apply(self, x, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self._matmul(x, self.bias)
-        return y if self.lora is None or not LORA_MAPPING.groups else self.lora.apply(x, y)
+        if self.lora is None or not LORA_MAPPING.groups:
+            return self._matmul(x, self.bias)
+        if self.quant_method is None:  # the adapters' expand rides in the GEMM where it can
+            delta = self.lora.shrink(x)
+            if delta is not None:
+                return linear(x, self.weight, self.bias, lora=delta)
+        return self.lora.apply(x, self._matmul(x, self.bias))
 
 
 def _narrow_features(tensor: torch.Tensor, dim: int, start: int, size: int, div: int, what: str) -> torch.Tensor:

@@ -7,6 +7,10 @@ on an H100), and split the long-K ones with a separate reduction kernel. Here ev
 owns ``BLOCK_N`` output features for all rows and walks K once, so a projection becomes
 ``N / BLOCK_N`` programs (hundreds) and one launch. The rows ride along in a tensor-core dot
 padded to 16 (or 32), so 1 to 16 rows cost the same weight read.
+
+With LoRA adapters in the step (``lora``: a ``triton_lora.LoRADelta``, its shrink done), each
+program also adds its features' ``t[m] @ B[slot(m)]^T`` before its one store: the expand costs
+no launch and no second pass over the output (a decode step's adapter overhead is launches).
 """
 from __future__ import annotations
 
@@ -17,10 +21,24 @@ import triton.language as tl
 MAX_ROWS = 32  # the dot's padded row count at most
 
 
+@triton.jit
+def _lora_rows_t(t_ptr, rows, rows_ok, r, r_ok, stride_ts, stride_tm, SPLIT: tl.constexpr):
+    """The adapter rows' shrink outputs [rows, r]: the K-split partial sums added, rounded to
+    the adapter's dtype as the expand kernel rounds them (rows not ok: 0)."""
+    mask = rows_ok[:, None] & r_ok[None, :]
+    ptrs = t_ptr + rows[:, None] * stride_tm + r[None, :]
+    t = tl.load(ptrs, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLIT):
+        t += tl.load(ptrs + s * stride_ts, mask=mask, other=0.0)
+    return t
+
+
 @triton.jit(do_not_specialize=["M"])
 def _small_m_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                         t_ptr, lb_ptr, ls_ptr, R, NUM_SLOTS, stride_ts, stride_tm, stride_lbs, stride_lbn,
                          HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr):
+                         BLOCK_K: tl.constexpr, HAS_LORA: tl.constexpr, SPLIT: tl.constexpr,
+                         BLOCK_R: tl.constexpr):
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, BLOCK_M)
     kk = tl.arange(0, BLOCK_K)
@@ -37,13 +55,27 @@ def _small_m_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_
         x_ptrs += BLOCK_K
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+    if HAS_LORA:  # acc[:, rows of slot s] += B[s] t[rows]^T, slot by slot (a handful of adapters)
+        row_slot = tl.load(ls_ptr + m, mask=m_ok, other=-1)
+        for r0 in range(0, R, BLOCK_R):
+            r = r0 + tl.arange(0, BLOCK_R)
+            r_ok = r < R
+            t = _lora_rows_t(t_ptr, m, row_slot >= 0, r, r_ok, stride_ts, stride_tm, SPLIT).to(w_ptr.dtype.element_ty)
+            for slot in range(0, NUM_SLOTS):
+                sel = row_slot == slot
+                if tl.max(sel.to(tl.int32), axis=0) > 0:
+                    bw = tl.load(lb_ptr + slot * stride_lbs + n.to(tl.int64)[:, None] * stride_lbn + r[None, :],
+                                 mask=n_ok[:, None] & r_ok[None, :], other=0.0)
+                    acc = tl.dot(bw.to(w_ptr.dtype.element_ty), tl.trans(tl.where(sel[:, None], t, 0.0)), acc)
     tl.store(y_ptr + m[None, :] * stride_ym + n[:, None], acc.to(y_ptr.dtype.element_ty),
              mask=n_ok[:, None] & m_ok[None, :])
 
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn,
-                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 t_ptr, lb_ptr, ls_ptr, R, stride_ts, stride_lbs, stride_lbn,
+                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_LORA: tl.constexpr,
+                 SPLIT: tl.constexpr, BLOCK_R: tl.constexpr):
     """One row: products accumulated elementwise in fp32, reduced once at the end."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     kk = tl.arange(0, BLOCK_K)
@@ -60,6 +92,19 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn,
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
         y += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
+    if HAS_LORA:
+        slot = tl.load(ls_ptr).to(tl.int64)
+        if slot >= 0:
+            for r0 in range(0, R, BLOCK_R):
+                r = r0 + tl.arange(0, BLOCK_R)
+                r_ok = r < R
+                t = tl.load(t_ptr + r, mask=r_ok, other=0.0)
+                for s in tl.static_range(1, SPLIT):
+                    t += tl.load(t_ptr + s * stride_ts + r, mask=r_ok, other=0.0)
+                t = t.to(lb_ptr.dtype.element_ty).to(tl.float32)
+                bw = tl.load(lb_ptr + slot * stride_lbs + n.to(tl.int64)[:, None] * stride_lbn + r[None, :],
+                             mask=n_ok[:, None] & r_ok[None, :], other=0.0)
+                y += tl.sum(bw.to(tl.float32) * t[None, :], axis=1)
     tl.store(y_ptr + n, y.to(y_ptr.dtype.element_ty), mask=n_ok)
 
 
@@ -75,8 +120,9 @@ def block_k_for(k: int, largest: int = 512) -> int | None:
 
 def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                    block_n: int = 32, block_k: int | None = None, num_warps: int = 4, num_stages: int = 4,
-                   kernel: str = "dot") -> torch.Tensor:
-    """``F.linear`` for 2-D ``x`` of at most 32 rows, half precision, K divisible by 64."""
+                   kernel: str = "dot", lora=None) -> torch.Tensor:
+    """``F.linear`` for 2-D ``x`` of at most 32 rows, half precision, K divisible by 64; plus the
+    adapters' delta of ``lora`` (a ``triton_lora.LoRADelta`` with ``token_slots``) if given."""
     m, k = x.shape
     n = weight.shape[0]
     if m > MAX_ROWS or weight.shape[1] != k or x.dtype != weight.dtype or x.stride(-1) != 1 \
@@ -90,12 +136,23 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         return y
     grid = (triton.cdiv(n, block_n),)
     b = bias if bias is not None else y
+    if lora is not None:
+        if lora.token_slots is None or lora.b.shape[1] != n or lora.t.shape[1] != m or lora.b.stride(2) != 1:
+            raise ValueError("small_m_linear: the LoRA delta does not fit this projection")
+        t, lb, ls, r = lora.t, lora.b, lora.token_slots, lora.b.shape[2]
+        lora_strides = (t.stride(0), t.stride(1), lb.stride(0), lb.stride(1))
+        block_r = max(16, min(64, triton.next_power_of_2(r)))
+    else:
+        t = lb = ls = y
+        r, lora_strides, block_r = 0, (0, 0, 0, 0), 16
+    common = dict(HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, HAS_LORA=lora is not None,
+                  SPLIT=lora.split if lora is not None else 1, BLOCK_R=block_r, num_warps=num_warps,
+                  num_stages=num_stages)
     if kernel == "gemv" and m == 1:
-        _gemv_kernel[grid](x, weight, b, y, n, k, weight.stride(0), HAS_BIAS=bias is not None,
-                           BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
+        ts, _, lbs, lbn = lora_strides
+        _gemv_kernel[grid](x, weight, b, y, n, k, weight.stride(0), t, lb, ls, r, ts, lbs, lbn, **common)
     else:
         _small_m_gemm_kernel[grid](x, weight, b, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
-                                   HAS_BIAS=bias is not None, BLOCK_M=16 if m <= 16 else 32, BLOCK_N=block_n,
-                                   BLOCK_K=block_k,
-                                   num_warps=num_warps, num_stages=num_stages)
+                                   t, lb, ls, r, lb.shape[0] if lora is not None else 0, *lora_strides,
+                                   BLOCK_M=16 if m <= 16 else 32, **common)
     return y

@@ -13,6 +13,8 @@ them (deterministic, no atomics, no zeroing launch).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 import triton
@@ -104,18 +106,24 @@ def max_tiles(num_tokens: int, num_slots: int, block_m: int = BLOCK_M) -> int:
     return -(-num_tokens // block_m) + num_slots
 
 
-MAX_SPLIT = 8
+MAX_SPLIT = 16
 
 
 def default_config(num_tiles: int, r_blocks: int, m: int, n: int, k: int) -> dict[str, int]:
-    """Tiles and K split for a launch (``benchmarks/lora_kernel.py`` sweeps them on a GPU). Few
-    tiles (a decode step) leave most SMs idle and each program latency-bound on its K loop: split
-    K over up to ``MAX_SPLIT`` programs per tile, each keeping at least 512 of K."""
-    programs = num_tiles * r_blocks
+    """Tiles and K split for a launch, from ``benchmarks/lora_kernel.py``'s sweep (H200,
+    llama3-8b projections, 1 to 2,048 tokens). A decode step's few tiles leave most SMs idle and
+    each program latency-bound on its K loop: K is split over programs (each keeping at least 512
+    of it) while the expand's re-reads of the partial sums, which grow with its programs per tile
+    times the split, stay small. A prefill has programs enough: no split, larger tiles."""
+    block_n = 256 if m <= 8 or n <= 8192 else 128
+    if m > 256:
+        return {"split": 1, "block_k": 256, "block_n": block_n}
+    rereads, min_k = 512 if m <= 128 else 256, 512 if m <= 32 else 1024
     split = 1
-    while split < MAX_SPLIT and programs * split * 2 <= 256 and k // (split * 2) >= 512:
+    while (split < MAX_SPLIT and k // (split * 2) >= min_k and -(-n // block_n) * split * 2 <= rereads
+           and num_tiles * r_blocks * split * 2 <= 1024):
         split *= 2
-    return {"split": split, "block_k": 128, "block_n": 64}
+    return {"split": split, "block_k": 256 if split <= 2 else 128, "block_n": block_n}
 
 
 def split_k(k: int, split: int, block_k: int) -> tuple[int, int]:
@@ -124,28 +132,65 @@ def split_k(k: int, split: int, block_k: int) -> tuple[int, int]:
     return -(-k // per), per
 
 
-def lora_apply(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, sorted_ids: torch.Tensor,
-               tile_slots: torch.Tensor, config: dict[str, int] | None = None) -> torch.Tensor:
-    """``y[m] += (x[m] @ A[s]^T) @ B[s]^T`` for every token m in ``sorted_ids`` (``sort_by_slot``),
-    s its tile's slot; in place. ``x`` [M, K], ``y`` [M, N], ``a`` [slots, R, K], ``b`` [slots, N, R].
+@dataclass
+class LoRADelta:
+    """One projection's shrink done: ``t`` [split, M, R] float32 partial sums of x @ A^T (rows of
+    base-model tokens unwritten), ``b`` [slots, N, R], and the mapping. The expand is left: a
+    small-row GEMM adds it in its epilogue (``triton_gemv``), or ``expand_into`` does it."""
+    t: torch.Tensor
+    b: torch.Tensor
+    sorted_ids: torch.Tensor
+    tile_slots: torch.Tensor
+    token_slots: torch.Tensor | None  # each row's slot (-1: base model), for a fused epilogue
+    block_n: int
+
+    @property
+    def split(self) -> int:
+        return self.t.shape[0]
+
+    def expand_into(self, y: torch.Tensor) -> torch.Tensor:
+        """``y[m] += t[m] @ B[s]^T`` for the tiles' tokens, in place."""
+        if y.stride(1) != 1 or self.b.stride(2) != 1:
+            raise ValueError("lora expand needs rows with unit stride")
+        n, r = y.shape[1], self.b.shape[2]
+        block_r = _block_r(r)
+        _expand_kernel[(self.tile_slots.shape[0], triton.cdiv(n, self.block_n))](
+            self.t, self.b, self.sorted_ids, self.tile_slots, y, n, r, self.t.stride(0), self.t.stride(1),
+            self.b.stride(0), self.b.stride(1), y.stride(0), IEEE=self.b.dtype == torch.float32, SPLIT=self.split,
+            BLOCK_M=BLOCK_M, BLOCK_N=self.block_n, BLOCK_R=block_r)
+        return y
+
+
+def _block_r(r: int) -> int:
+    return max(16, min(64, triton.next_power_of_2(r)))
+
+
+def lora_shrink(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, sorted_ids: torch.Tensor,
+                tile_slots: torch.Tensor, token_slots: torch.Tensor | None = None,
+                config: dict[str, int] | None = None) -> LoRADelta | None:
+    """The shrink ``t[m] = x[m] @ A[s]^T`` of every token in ``sorted_ids`` (``sort_by_slot``), s
+    its tile's slot; None for no tiles. ``x`` [M, K], ``a`` [slots, R, K], ``b`` [slots, N, R].
     ``config``: ``default_config``'s keys (split, block_k, block_n), for a sweep."""
     m, k = x.shape
-    r, n = a.shape[1], y.shape[1]
-    if x.stride(1) != 1 or y.stride(1) != 1 or a.stride(2) != 1 or b.stride(2) != 1:
-        raise ValueError("lora_apply needs rows with unit stride")
+    r, n = a.shape[1], b.shape[1]
+    if x.stride(1) != 1 or a.stride(2) != 1:
+        raise ValueError("lora shrink needs rows with unit stride")
     num_tiles = tile_slots.shape[0]
     if num_tiles == 0:
-        return y
-    ieee = a.dtype == torch.float32
-    block_r = max(16, min(64, triton.next_power_of_2(r)))
+        return None
+    block_r = _block_r(r)
     r_blocks = triton.cdiv(r, block_r)
     cfg = config or default_config(num_tiles, r_blocks, m, n, k)
     split, per = split_k(k, cfg["split"], cfg["block_k"])
     t = torch.empty(split, m, r, dtype=torch.float32, device=x.device)
     _shrink_kernel[(num_tiles, r_blocks, split)](
         x, a, sorted_ids, tile_slots, t, k, r, per, x.stride(0), a.stride(0), a.stride(1), t.stride(0), t.stride(1),
-        IEEE=ieee, BLOCK_M=BLOCK_M, BLOCK_R=block_r, BLOCK_K=cfg["block_k"])
-    _expand_kernel[(num_tiles, triton.cdiv(n, cfg["block_n"]))](
-        t, b, sorted_ids, tile_slots, y, n, r, t.stride(0), t.stride(1), b.stride(0), b.stride(1), y.stride(0),
-        IEEE=ieee, SPLIT=split, BLOCK_M=BLOCK_M, BLOCK_N=cfg["block_n"], BLOCK_R=block_r)
-    return y
+        IEEE=a.dtype == torch.float32, BLOCK_M=BLOCK_M, BLOCK_R=block_r, BLOCK_K=cfg["block_k"])
+    return LoRADelta(t, b, sorted_ids, tile_slots, token_slots, cfg["block_n"])
+
+
+def lora_apply(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, sorted_ids: torch.Tensor,
+               tile_slots: torch.Tensor, config: dict[str, int] | None = None) -> torch.Tensor:
+    """``y[m] += (x[m] @ A[s]^T) @ B[s]^T`` for every token m in ``sorted_ids``; in place."""
+    delta = lora_shrink(x, a, b, sorted_ids, tile_slots, None, config)
+    return y if delta is None else delta.expand_into(y)

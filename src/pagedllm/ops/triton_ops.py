@@ -214,23 +214,29 @@ def qk_norm_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_
     return rotary_embedding(positions, q, k, cos_sin_cache, q_weight, k_weight, eps)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, lora=None) -> torch.Tensor:
     """``F.linear``; decode batches of up to 32 rows in half precision go to the small-row kernels
     where they read the weight faster than cuBLAS does (``scripts/bench_gemv.py``, H100,
     graph-timed). One row: always (llama3-8b's projections 4-16% faster, the 4096 x 4096 o_proj
     16.5 -> 13.8 us, the LM head 372 -> 338 us). 2-16 rows: weights of 4M elements and up
     (2-14% faster; smaller ones lose). 17-32 rows: 20M and up (2-7% faster; the 16.8M o_proj
-    loses by 4%)."""
+    loses by 4%). ``lora``: a ``triton_lora.LoRADelta`` whose expand is added, in the small-row
+    kernel's epilogue where one runs, else by its own launch."""
     m = x.shape[0]
-    if x.dim() != 2 or not 1 <= m <= 32 or x.dtype == torch.float32 or x.dtype != weight.dtype \
-            or x.stride(-1) != 1 or not weight.is_contiguous():
-        return F.linear(x, weight, bias)
+    kernel = None
     block_k = block_k_for(x.shape[1])
-    if block_k is None:
-        return F.linear(x, weight, bias)
-    if m == 1:
-        return small_m_linear(x, weight, bias, kernel="gemv", block_n=8, block_k=block_k, num_warps=4, num_stages=3)
-    if weight.numel() >= (4 << 20 if m <= 16 else 20 << 20):
+    if x.dim() == 2 and 1 <= m <= 32 and x.dtype != torch.float32 and x.dtype == weight.dtype \
+            and x.stride(-1) == 1 and weight.is_contiguous() and block_k is not None \
+            and (lora is None or lora.token_slots is not None):
+        if m == 1:
+            kernel = "gemv"
+        elif weight.numel() >= (4 << 20 if m <= 16 else 20 << 20):
+            kernel = "dot"
+    if kernel == "gemv":
+        return small_m_linear(x, weight, bias, kernel="gemv", block_n=8, block_k=block_k, num_warps=4, num_stages=3,
+                              lora=lora)
+    if kernel == "dot":
         return small_m_linear(x, weight, bias, kernel="dot", block_n=64, block_k=min(block_k, 256), num_warps=4,
-                              num_stages=4)
-    return F.linear(x, weight, bias)
+                              num_stages=4, lora=lora)
+    y = F.linear(x, weight, bias)
+    return y if lora is None else lora.expand_into(y)
