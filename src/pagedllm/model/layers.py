@@ -18,6 +18,7 @@ from pagedllm.distributed import (
 )
 from pagedllm.lora.layers import MAPPING as LORA_MAPPING
 from pagedllm.model.quantization.base import UnquantizedMethod, current_quant_config
+from pagedllm.model.activations import GeluTanhAndMul, SiluAndMul  # noqa: F401  (re-exported)
 from pagedllm.model.rotary import RotaryEmbedding, rope_params  # noqa: F401  (re-exported)
 from pagedllm.ops import triton_ops_for
 from pagedllm.ops.cpu_linear import cpu_linear
@@ -156,25 +157,6 @@ class ShardedRMSNorm(Fp32RMSNorm):
         h = x.float()
         mean_sq = tensor_model_parallel_all_reduce(h.pow(2).mean(-1, keepdim=True)) / self.tp_size
         return (h * torch.rsqrt(mean_sq + self.eps) * self.weight.float()).to(x.dtype)
-
-
-class GeluTanhAndMul(nn.Module):
-    """``gelu_tanh(gate) * up`` over the two halves of a fused gate_up projection (Gemma)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = x.chunk(2, dim=-1)
-        return F.gelu(gate, approximate="tanh") * up
-
-
-class SiluAndMul(nn.Module):
-    """``silu(gate) * up`` over the two halves of a fused gate_up projection."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ops = triton_ops_for(x)
-        if ops is not None:
-            return ops.silu_and_mul(x)
-        gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
 
 
 class Linear(nn.Module):
