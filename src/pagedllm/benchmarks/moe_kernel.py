@@ -5,7 +5,8 @@ inputs, softmax top-k routing of random router logits. One JSON line per token c
 time of each path over --iters calls (CUDA events on a GPU), and the Triton result's largest
 difference from the reference.
 
---tune times a grid of tile configs per token count and writes the fastest into the kernel's
+--tune times a grid of tile configs per token count (in a CUDA graph up to 256 tokens, as
+decode steps run) and writes the fastest into the kernel's
 table (ops/fused_moe_configs.json, or --config-out), keyed by (experts, hidden, intermediate per
 rank, batch bucket); --tp sizes the intermediate per rank as tensor parallelism slices it.
 --tiny runs a small shape on the CPU (the torch paths only) as a smoke test.
@@ -24,10 +25,19 @@ TUNE_GRID = {"BLOCK_M": (16, 32, 64, 128), "BLOCK_N": (32, 64, 128), "BLOCK_K": 
              "num_stages": (3, 4)}
 
 
-def _time_ms(fn, iters: int, device: str) -> float:
+GRAPH_TOKENS = 256  # up to here decode steps replay CUDA graphs: tiles are timed in one (beyond, CUDA events)
+
+
+def _time_ms(fn, iters: int, device: str, graph: bool = False) -> float:
+    """Median ms of ``fn``; ``graph``: replayed in a CUDA graph, as decode steps run it (no host
+    launch time in the figure, which at a few tokens would otherwise be most of it)."""
     import torch
 
     fn()  # warm-up (and compile)
+    if graph and device.startswith("cuda"):
+        from triton.testing import do_bench_cudagraph
+
+        return do_bench_cudagraph(fn, rep=max(10, iters))
     times = []
     for _ in range(iters):
         if device.startswith("cuda"):
@@ -64,7 +74,8 @@ def _tune(args_t, iters: int, device: str) -> tuple[dict, float]:
     for values in itertools.product(*TUNE_GRID.values()):
         config = dict(zip(TUNE_GRID, values))
         try:
-            ms = _time_ms(lambda: fused_experts_triton(*args_t, config=config), iters, device)
+            ms = _time_ms(lambda: fused_experts_triton(*args_t, config=config), iters, device,
+                          graph=args_t[0].shape[0] <= GRAPH_TOKENS)
         except Exception:  # a tile the GPU cannot hold (shared memory): not a candidate
             continue
         if ms < best_ms:
@@ -103,21 +114,32 @@ def run(args) -> list[dict]:
     for num_tokens in args.tokens:
         inputs = _inputs(num_experts, hidden, inter, top_k, num_tokens, dtype, device)
         row = {"benchmark": "moe_kernel", "shape": args.shape, "num_experts": num_experts, "hidden": hidden,
-               "inter_per_rank": inter, "top_k": top_k, "num_tokens": num_tokens, "dtype": str(dtype)[6:],
-               "torch_ms": round(_time_ms(lambda: fused_moe.fused_experts_torch(*inputs), args.iters, device), 4),
-               "bmm_loop_ms": round(_time_ms(lambda: fused_moe.fused_experts_bmm_loop(*inputs), args.iters, device), 4)}
+               "inter_per_rank": inter, "top_k": top_k, "num_tokens": num_tokens, "dtype": str(dtype)[6:]}
+        if not args.tune:  # the reference paths (slow): not while tuning
+            row.update(torch_ms=round(_time_ms(lambda: fused_moe.fused_experts_torch(*inputs), args.iters, device), 4),
+                       bmm_loop_ms=round(_time_ms(lambda: fused_moe.fused_experts_bmm_loop(*inputs), args.iters,
+                                                  device), 4))
         if use_triton:
             config = None
             if args.tune:
+                default = triton_fused_moe.default_config(num_tokens, top_k, num_experts)
                 config, _ = _tune(inputs, max(3, args.iters // 4), device)
                 tuned[triton_fused_moe.batch_bucket(num_tokens)] = config
+                _write_table(args.config_out or triton_fused_moe.CONFIG_FILE,  # kept if a later count times out
+                             triton_fused_moe.config_key(num_experts, hidden, inter), tuned)
+                row["default_ms"] = round(_time_ms(lambda: triton_fused_moe.fused_experts_triton(
+                    *inputs, config=default), args.iters, device, graph=num_tokens <= GRAPH_TOKENS), 4)
             config = config or triton_fused_moe.get_config(num_experts, hidden, inter, num_tokens, top_k)
             run_triton = lambda: triton_fused_moe.fused_experts_triton(*inputs, config=config)  # noqa: E731
             triton_ms = _time_ms(run_triton, args.iters, device)
             ref = fused_moe.fused_experts_torch(*inputs).float()
-            row.update(triton_ms=round(triton_ms, 4), speedup_vs_torch=round(row["torch_ms"] / triton_ms, 2),
-                       speedup_vs_bmm_loop=round(row["bmm_loop_ms"] / triton_ms, 2), config=config,
-                       max_abs_diff=float((run_triton().float() - ref).abs().max()))
+            row.update(triton_ms=round(triton_ms, 4), config=config)
+            if num_tokens <= GRAPH_TOKENS:
+                row["triton_graph_ms"] = round(_time_ms(run_triton, args.iters, device, graph=True), 4)
+            if "torch_ms" in row:
+                row.update(speedup_vs_torch=round(row["torch_ms"] / triton_ms, 2),
+                           speedup_vs_bmm_loop=round(row["bmm_loop_ms"] / triton_ms, 2))
+            row["max_abs_diff"] = float((run_triton().float() - ref).abs().max())
         emit(row)
         rows.append(row)
     if tuned:
