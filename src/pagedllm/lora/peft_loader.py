@@ -1,4 +1,8 @@
-"""PEFT LoRA checkpoints → per-module (A, B) pairs, checked against the base model's shapes."""
+"""PEFT LoRA checkpoints → per-module (A, B) pairs, checked against the base model's shapes.
+
+On a mixture-of-experts base only the attention projections and the MLPs of dense layers take
+adapters: the routed experts are fused [E, ...] parameters with no per-expert slots, so an
+adapter on them (or on a shared expert) is refused by name rather than silently dropped."""
 from __future__ import annotations
 
 import json
@@ -35,6 +39,32 @@ def expected_shapes(hf_config: Any) -> dict[str, tuple[int, int]]:
             "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)}
 
 
+EXPERT_PARTS = ("experts", "shared_expert", "block_sparse_moe")  # module path parts of MoE experts
+MOE_REFUSAL = ("LoRA on MoE experts is not supported (on a mixture-of-experts base an adapter may target the "
+               "attention projections q_proj, k_proj, v_proj, o_proj, and the MLPs of dense layers)")
+
+
+def expert_layers(hf_config: Any) -> set[int]:
+    """The decoder layers whose MLP is a sparse MoE block (as MoeForCausalLM.is_moe_layer picks
+    them from the config: ``mlp_only_layers``, ``decoder_sparse_step``); empty for dense models."""
+    if not (getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None)):
+        return set()
+    dense, step = set(getattr(hf_config, "mlp_only_layers", None) or []), getattr(hf_config, "decoder_sparse_step", 1)
+    return {i for i in range(hf_config.num_hidden_layers) if i not in dense and (i + 1) % (step or 1) == 0}
+
+
+def _is_expert(module: str, hf_config: Any) -> bool:
+    """An adapted module inside a MoE block: an expert's projection (``mlp.experts.3.gate_proj``,
+    Mixtral's ``block_sparse_moe.experts.3.w1``, peft's fused ``mlp.experts``), a shared expert,
+    or an MLP projection of a sparse layer (where the base has no dense MLP)."""
+    parts = module.split(".")
+    if any(p in EXPERT_PARTS for p in parts):
+        return True
+    if "layers" not in parts[:-1] or not parts[parts.index("layers") + 1].isdigit() or parts[-2] != "mlp":
+        return False
+    return parts[-1] in TARGETS and int(parts[parts.index("layers") + 1]) in expert_layers(hf_config)
+
+
 def _read_config(path: str, cfg: dict | None = None) -> dict:
     if cfg is None:
         cfg_path = os.path.join(path, "adapter_config.json")
@@ -44,6 +74,9 @@ def _read_config(path: str, cfg: dict | None = None) -> dict:
             cfg = json.load(f)
     if cfg.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"LoRA adapter {path!r}: peft_type {cfg.get('peft_type')!r} is not LORA")
+    if cfg.get("target_parameters"):  # peft adapts fused MoE experts' [E, ...] parameters this way
+        raise ValueError(f"LoRA adapter {path!r}: target_parameters={cfg['target_parameters']!r} adapts parameters "
+                         f"(peft's LoRA on fused MoE experts); {MOE_REFUSAL}")
     for key, allowed in (("use_dora", (False, None)), ("fan_in_fan_out", (False, None)), ("bias", ("none", None)),
                          ("modules_to_save", (None, [])), ("layers_to_transform", (None,)),
                          ("rank_pattern", (None, {})), ("alpha_pattern", (None, {}))):
@@ -94,6 +127,8 @@ def load_adapter(request: LoRARequest, hf_config: Any, max_lora_rank: int) -> Lo
     weights = {}
     for module, ab in pairs.items():
         proj, parts = module.rsplit(".", 1)[-1], module.split(".")
+        if _is_expert(module, hf_config):
+            raise ValueError(f"LoRA adapter {request.lora_name!r} targets {module!r}: {MOE_REFUSAL}")
         if proj not in TARGETS:
             raise ValueError(f"LoRA adapter {request.lora_name!r} targets {module!r}; supported target modules: "
                              f"{list(TARGETS)}")
