@@ -92,6 +92,10 @@ class DraftModel:
         first = np.array([len(s.token_ids) - 1 for s in states], dtype=np.int64)  # the last token's position
         room = np.minimum(self.k, max_len - 1 - first)
         tokens = np.array([s.token_ids[-1] for s in states], dtype=np.int64)
+        size = None if self.graphs is None else self.graphs.size_for(len(states))
+        if size is not None and (room >= self.k).all():
+            guesses = self._chained_graph_decodes(size, rows, tokens, first)
+            return {s.req_id: g.tolist() for s, g in zip(states, guesses)}
         drafts: list[list[int]] = [[] for _ in states]
         for j in range(self.k):
             active = np.flatnonzero(room > j)
@@ -111,15 +115,31 @@ class DraftModel:
             tokens[active] = guesses
         return {s.req_id: d for s, d in zip(states, drafts) if d}
 
-    def _replay_decode(self, size: int, rows: np.ndarray, tokens: np.ndarray, positions: np.ndarray) -> torch.Tensor:
+    def _chained_graph_decodes(self, size: int, rows: np.ndarray, tokens: np.ndarray, first: np.ndarray) -> np.ndarray:
+        """All k guessing decodes queued at once, [requests, k]: each step's guesses are copied
+        on the device into the next step's input ids, so the host waits once, for all k, and
+        prepares step j + 1 while the device runs step j (a host round trip per guess left the
+        device idle between the draft's steps)."""
+        n = len(rows)
+        guesses = torch.empty(self.k, n, dtype=torch.int64, device=self.runner.device)
+        for j in range(self.k):
+            hidden = self._replay_decode(size, rows, tokens, first + j, guesses[j - 1] if j else None)
+            guesses[j] = self.model.compute_logits(hidden).argmax(dim=-1)
+        return guesses.t().cpu().numpy()
+
+    def _replay_decode(self, size: int, rows: np.ndarray, tokens: np.ndarray, positions: np.ndarray,
+                       device_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """One guessing decode through the draft's graph of ``size``: the inputs go into the
-        runner's buffers (the target's step has landed: they are free)."""
+        runner's buffers (the target's step has landed: they are free); ``device_tokens``, if
+        given, replace ``tokens`` as the input ids (the previous guesses, still on the device)."""
         runner, bs = self.runner, self.runner.block_size
         seq_lens = positions + 1
         tables = runner.input_batch.step_tables(rows, rows, positions, -(-int(seq_lens.max()) // bs), bs)
         runner._buffers.begin_step()
-        runner.upload_graph_inputs(tokens, positions, seq_lens, tables, size)
+        ids, _ = runner.upload_graph_inputs(tokens, positions, seq_lens, tables, size)
         runner._buffers.end_step()
+        if device_tokens is not None:
+            ids[:len(rows)].copy_(device_tokens)
         return self.graphs.replay(size, len(rows))
 
     def _decode_metadata(self, rows: np.ndarray, positions: np.ndarray) -> AttentionMetadata:
