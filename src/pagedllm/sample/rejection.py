@@ -42,7 +42,8 @@ def verify(logits: torch.Tensor, md: SamplingMetadata, draft_ids: torch.Tensor,
         emitted = torch.where(greedy, target, probs.div_(q).argmax(dim=-1))
     if envs.PAGEDLLM_SPEC_FORCE_ACCEPT:  # benchmarks only: the ceiling of the machinery
         accept = has_draft
-    accept_l, emitted_l, drafts_l = accept.tolist(), emitted.tolist(), draft_ids.tolist()
+    # One device-to-host copy (and wait) for the three.
+    accept_l, emitted_l, drafts_l = torch.stack((accept.to(torch.int64), emitted, draft_ids)).tolist()
     out, row = [], 0
     for k in num_drafts:
         tokens = []
