@@ -46,12 +46,11 @@ if args.stacks:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], with_stack=True) as sprof:
         llm.generate(prompt, params, use_tqdm=False)
         torch.cuda.synchronize()
-    waits = [e for e in sprof.key_averages(group_by_stack_n=6)
-             if e.key in ("cudaMemcpyAsync", "cudaStreamSynchronize", "cudaEventSynchronize", "aten::item",
-                          "aten::_local_scalar_dense")]
-    for e in sorted(waits, key=lambda e: -e.self_cpu_time_total)[:12]:
+    # The runtime's copies carry no stack: the ops that issue them (copy_, item) do.
+    waits = [e for e in sprof.key_averages(group_by_stack_n=8) if e.key in ("aten::copy_", "aten::item")]
+    for e in sorted(waits, key=lambda e: -e.cpu_time_total)[:14]:
         frames = [f for f in e.stack if "pagedllm" in f][:4]
-        print(f"{e.key:24} {e.count:5} calls {e.self_cpu_time_total / 1e3:8.2f} ms  " + " <- ".join(
+        print(f"{e.key:24} {e.count:5} calls {e.cpu_time_total / 1e3:8.2f} ms  " + " <- ".join(
             f.split("pagedllm/")[-1] for f in frames))
 print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15, max_name_column_width=60))
 pr = cProfile.Profile()
