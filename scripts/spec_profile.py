@@ -21,7 +21,6 @@ p.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
 p.add_argument("--draft-shape", choices=sorted(SHAPES), default="llama3.2-1b")
 p.add_argument("--k", type=int, default=3)
 p.add_argument("--tokens", type=int, default=64)
-p.add_argument("--stacks", action="store_true", help="where the host waits: the Python stacks of blocking copies")
 args = p.parse_args()
 llm = LLM(write_shape(args.shape), load_format="dummy", skip_tokenizer_init=True, max_model_len=2048,
           kv_cache_memory_bytes=4 << 30,
@@ -42,16 +41,6 @@ with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, tor
     llm.generate(prompt, params, use_tqdm=False)
     torch.cuda.synchronize()
 print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
-if args.stacks:
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], with_stack=True) as sprof:
-        llm.generate(prompt, params, use_tqdm=False)
-        torch.cuda.synchronize()
-    # The runtime's copies carry no stack: the ops that issue them (copy_, item) do.
-    waits = [e for e in sprof.key_averages(group_by_stack_n=8) if e.key in ("aten::copy_", "aten::item")]
-    for e in sorted(waits, key=lambda e: -e.cpu_time_total)[:14]:
-        frames = [f for f in e.stack if "pagedllm" in f][:4]
-        print(f"{e.key:24} {e.count:5} calls {e.cpu_time_total / 1e3:8.2f} ms  " + " <- ".join(
-            f.split("pagedllm/")[-1] for f in frames))
 print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15, max_name_column_width=60))
 pr = cProfile.Profile()
 pr.enable()
