@@ -11,7 +11,6 @@ block and one ``BLOCK_N`` column tile, reading that expert's weights. Tile sizes
 from __future__ import annotations
 
 import functools
-import json
 import os
 
 import torch
@@ -19,6 +18,7 @@ import triton
 import triton.language as tl
 
 from pagedllm.ops.precompile import in_dry_run
+from pagedllm.ops.tile_tables import read_table
 
 CONFIG_FILE = os.path.join(os.path.dirname(__file__), "fused_moe_configs.json")
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
@@ -215,10 +215,7 @@ def config_key(num_experts: int, hidden: int, inter: int) -> str:
 
 @functools.lru_cache(maxsize=1)
 def _config_table() -> dict:
-    if not os.path.isfile(CONFIG_FILE):
-        return {}
-    with open(CONFIG_FILE) as f:
-        return json.load(f)
+    return read_table(CONFIG_FILE)
 
 
 def reload_config_table() -> None:

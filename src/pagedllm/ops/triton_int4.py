@@ -15,12 +15,13 @@ prefills dequantize the weight once (a second kernel) and hand the product to cu
 from __future__ import annotations
 
 import functools
-import json
 import os
 
 import torch
 import triton
 import triton.language as tl
+
+from pagedllm.ops.tile_tables import read_table
 
 SMALL_ROWS = 32  # at most this many rows take the decode tiling
 DEQUANT_ROWS = 1024  # from this many rows on: dequantize once, then cuBLAS
@@ -259,10 +260,7 @@ def config_key(n: int, k: int, group: int) -> str:
 
 @functools.lru_cache(maxsize=1)
 def _config_table() -> dict:
-    if not os.path.isfile(CONFIG_FILE):
-        return {}
-    with open(CONFIG_FILE) as f:
-        return {key: value for key, value in json.load(f).items() if not key.startswith("_")}
+    return read_table(CONFIG_FILE)
 
 
 def reload_config_table() -> None:
