@@ -14,9 +14,9 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from pagedllm import LLM, LoRARequest, SamplingParams, TokensPrompt
+from pagedllm import LLM, SamplingParams, TokensPrompt
 from pagedllm.benchmarks.common import write_shape
-from pagedllm.benchmarks.lora import random_adapter
+from pagedllm.benchmarks.lora import push_random_adapters
 
 p = argparse.ArgumentParser()
 p.add_argument("--shape", default="llama3-8b")
@@ -27,12 +27,7 @@ p.add_argument("--rank", type=int, default=16)
 args = p.parse_args()
 llm = LLM(write_shape(args.shape), load_format="dummy", skip_tokenizer_init=True, max_model_len=4096,
           enable_lora=True, max_loras=args.num_adapters, max_lora_rank=args.rank)
-hf_config = llm.llm_engine.model_config.hf_config
-adapters = []
-for i in range(args.num_adapters):
-    tensors, cfg = random_adapter(hf_config, args.rank, seed=i)
-    llm.add_lora(LoRARequest(f"a{i}", i + 1, tensors=tensors, peft_config=cfg))
-    adapters.append(LoRARequest(f"a{i}", i + 1))
+adapters = push_random_adapters(llm, args.num_adapters, args.rank)
 random.seed(0)
 prompts = [TokensPrompt(prompt_token_ids=[random.randint(0, 10000) for _ in range(random.randint(100, args.max_len))])
            for _ in range(args.num_prompts)]

@@ -32,6 +32,18 @@ def random_adapter(hf_config, rank: int, seed: int):
     return tensors, {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(TARGETS)}
 
 
+def push_random_adapters(llm, num_adapters: int, rank: int) -> list:
+    """``num_adapters`` random adapters pushed from memory (``LLM.add_lora``, ids 1..n): the
+    requests that name them."""
+    from pagedllm import LoRARequest
+
+    hf_config = llm.llm_engine.model_config.hf_config
+    for i in range(num_adapters):
+        tensors, cfg = random_adapter(hf_config, rank, seed=i)
+        llm.add_lora(LoRARequest(f"a{i}", i + 1, tensors=tensors, peft_config=cfg))
+    return [LoRARequest(f"a{i}", i + 1) for i in range(num_adapters)]
+
+
 def _timed(llm, prompts, params, loras=None) -> tuple[float, int]:
     from pagedllm import TokensPrompt
 
@@ -53,16 +65,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default="auto")
     args = p.parse_args(argv)
 
-    from pagedllm import LLM, LoRARequest, SamplingParams
+    from pagedllm import LLM, SamplingParams
 
     llm = LLM(write_shape(args.shape), load_format="dummy", dtype=args.dtype, skip_tokenizer_init=True,
               max_model_len=4096, enable_lora=True, max_loras=args.num_adapters, max_lora_rank=args.rank)
-    hf_config = llm.llm_engine.model_config.hf_config
-    adapters = []
-    for i in range(args.num_adapters):
-        tensors, cfg = random_adapter(hf_config, args.rank, seed=i)
-        llm.add_lora(LoRARequest(f"a{i}", i + 1, tensors=tensors, peft_config=cfg))
-        adapters.append(LoRARequest(f"a{i}", i + 1))
+    adapters = push_random_adapters(llm, args.num_adapters, args.rank)
     random.seed(0)
     lo_in, lo_out = min(100, args.max_input_len), min(100, args.max_output_len)
     prompts = [[random.randint(0, 10000) for _ in range(random.randint(lo_in, args.max_input_len))]
