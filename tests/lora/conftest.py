@@ -5,7 +5,7 @@ import pytest
 
 from tests.triton_env import import_interpreted, kernel_module
 
-import_interpreted("pagedllm.ops.triton_lora", "pagedllm.ops.triton_gemv")
+import_interpreted("pagedllm.ops.triton_lora", "pagedllm.ops.triton_gemv", "pagedllm.ops.triton_ops")
 
 
 @pytest.fixture
@@ -16,3 +16,8 @@ def triton_lora(monkeypatch):
 @pytest.fixture
 def triton_gemv(monkeypatch):
     return kernel_module("pagedllm.ops.triton_gemv", "_small_m_gemm_kernel", monkeypatch)
+
+
+@pytest.fixture
+def triton_ops(monkeypatch):
+    return kernel_module("pagedllm.ops.triton_ops", "_rms_norm_kernel", monkeypatch)

@@ -79,8 +79,9 @@ def test_padding_tiles_of_slot_minus_one_change_nothing(triton_lora):
     torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-4)
 
 
-@pytest.mark.parametrize("m, kernel, split", [(1, "gemv", 1), (1, "gemv", 4), (6, "dot", 2), (20, "dot", 1)])
-def test_small_row_gemm_adds_the_expand_in_its_epilogue(triton_lora, triton_gemv, m, kernel, split):
+@pytest.mark.parametrize("m, kernel, split", [(1, "gemv", 1), (1, "gemv", 4), (6, "dot", 2), (20, "dot", 1),
+                                             (6, "linear", 2)])
+def test_small_row_gemm_adds_the_expand_in_its_epilogue(triton_lora, triton_gemv, triton_ops, m, kernel, split):
     """A decode step's expand fused into the small-row GEMM: the rows of each adapter get their
     own delta, base-model rows exactly the plain GEMM's; rank 40 spans two rank blocks."""
     g = torch.Generator().manual_seed(m + split)
@@ -94,8 +95,11 @@ def test_small_row_gemm_adds_the_expand_in_its_epilogue(triton_lora, triton_gemv
     delta = triton_lora.lora_shrink(x, a, b, torch.from_numpy(ids).to(DEVICE), torch.from_numpy(tiles).to(DEVICE),
                                     torch.from_numpy(slots).to(DEVICE), {"split": split, "block_k": 64, "block_n": 64})
     assert delta.split == split
-    got = triton_gemv.small_m_linear(x, w, kernel=kernel, block_n=32, lora=delta)
-    plain = triton_gemv.small_m_linear(x, w, kernel=kernel, block_n=32)
+    if kernel == "linear":  # the engine's dispatch: a weight this small goes to F.linear, the expand its own launch
+        got, plain = triton_ops.linear(x, w, lora=delta), triton_ops.linear(x, w)
+    else:
+        got = triton_gemv.small_m_linear(x, w, kernel=kernel, block_n=32, lora=delta)
+        plain = triton_gemv.small_m_linear(x, w, kernel=kernel, block_n=32)
     want = x.float() @ w.float().T
     for i, s in enumerate(slots.tolist()):
         if s >= 0:
@@ -103,5 +107,6 @@ def test_small_row_gemm_adds_the_expand_in_its_epilogue(triton_lora, triton_gemv
     torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=2e-2)
     base = torch.from_numpy(slots < 0).to(DEVICE)
     assert torch.equal(got[base], plain[base])
-    with pytest.raises(ValueError, match="LoRA delta"):
-        triton_gemv.small_m_linear(x, w[:48], kernel=kernel, lora=delta)  # another projection
+    if kernel != "linear":
+        with pytest.raises(ValueError, match="LoRA delta"):
+            triton_gemv.small_m_linear(x, w[:48], kernel=kernel, lora=delta)  # another projection
