@@ -80,7 +80,7 @@ def test_padding_tiles_of_slot_minus_one_change_nothing(triton_lora):
 
 
 @pytest.mark.parametrize("m, kernel, split", [(1, "gemv", 1), (1, "gemv", 4), (6, "dot", 2), (20, "dot", 1),
-                                             (6, "linear", 2)])
+                                             (6, "linear", 2), (1, "linear_fp32_adapter", 4)])
 def test_small_row_gemm_adds_the_expand_in_its_epilogue(triton_lora, triton_gemv, triton_ops, m, kernel, split):
     """A decode step's expand fused into the small-row GEMM: the rows of each adapter get their
     own delta, base-model rows exactly the plain GEMM's; rank 40 spans two rank blocks."""
@@ -88,14 +88,16 @@ def test_small_row_gemm_adds_the_expand_in_its_epilogue(triton_lora, triton_gemv
     k, n, r, dtype = 512, 96, 40, torch.bfloat16
     x = torch.randn(m, k, generator=g).to(DEVICE, dtype)
     w = (torch.randn(n, k, generator=g) / k ** 0.5).to(DEVICE, dtype)
-    a = (torch.randn(3, r, k, generator=g) / k ** 0.5).to(DEVICE, dtype)
-    b = (torch.randn(3, n, r, generator=g) * 0.1).to(DEVICE, dtype)
+    lora_dtype = torch.float32 if kernel.endswith("fp32_adapter") else dtype  # lora_dtype="float32"
+    a = (torch.randn(3, r, k, generator=g) / k ** 0.5).to(DEVICE, lora_dtype)
+    b = (torch.randn(3, n, r, generator=g) * 0.1).to(DEVICE, lora_dtype)
     slots = np.array([(2 - i) % 4 - 1 if m > 1 else 1 for i in range(m)])  # 1, 0, -1, 2, ...
     ids, tiles = triton_lora.sort_by_slot(slots)
     delta = triton_lora.lora_shrink(x, a, b, torch.from_numpy(ids).to(DEVICE), torch.from_numpy(tiles).to(DEVICE),
                                     torch.from_numpy(slots).to(DEVICE), {"split": split, "block_k": 64, "block_n": 64})
     assert delta.split == split
-    if kernel == "linear":  # the engine's dispatch: a weight this small goes to F.linear, the expand its own launch
+    if kernel.startswith("linear"):  # the engine's dispatch: F.linear for a weight this small (6 rows), and
+        # the expand its own launch there and for an adapter of another dtype than the weight
         got, plain = triton_ops.linear(x, w, lora=delta), triton_ops.linear(x, w)
     else:
         got = triton_gemv.small_m_linear(x, w, kernel=kernel, block_n=32, lora=delta)
@@ -107,6 +109,6 @@ def test_small_row_gemm_adds_the_expand_in_its_epilogue(triton_lora, triton_gemv
     torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=2e-2)
     base = torch.from_numpy(slots < 0).to(DEVICE)
     assert torch.equal(got[base], plain[base])
-    if kernel != "linear":
+    if not kernel.startswith("linear"):
         with pytest.raises(ValueError, match="LoRA delta"):
             triton_gemv.small_m_linear(x, w[:48], kernel=kernel, lora=delta)  # another projection

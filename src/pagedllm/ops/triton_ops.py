@@ -226,17 +226,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     kernel = None
     block_k = block_k_for(x.shape[1])
     if x.dim() == 2 and 1 <= m <= 32 and x.dtype != torch.float32 and x.dtype == weight.dtype \
-            and x.stride(-1) == 1 and weight.is_contiguous() and block_k is not None \
-            and (lora is None or lora.token_slots is not None):
+            and x.stride(-1) == 1 and weight.is_contiguous() and block_k is not None:
         if m == 1:
             kernel = "gemv"
         elif weight.numel() >= (4 << 20 if m <= 16 else 20 << 20):
             kernel = "dot"
+    fuse = kernel is not None and lora is not None and lora.token_slots is not None and lora.b.dtype == weight.dtype
     if kernel == "gemv":
-        return small_m_linear(x, weight, bias, kernel="gemv", block_n=8, block_k=block_k, num_warps=4, num_stages=3,
-                              lora=lora)
-    if kernel == "dot":
-        return small_m_linear(x, weight, bias, kernel="dot", block_n=64, block_k=min(block_k, 256), num_warps=4,
-                              num_stages=4, lora=lora)
-    y = F.linear(x, weight, bias)
-    return y if lora is None else lora.expand_into(y)
+        y = small_m_linear(x, weight, bias, kernel="gemv", block_n=8, block_k=block_k, num_warps=4, num_stages=3,
+                           lora=lora if fuse else None)
+    elif kernel == "dot":
+        y = small_m_linear(x, weight, bias, kernel="dot", block_n=64, block_k=min(block_k, 256), num_warps=4,
+                           num_stages=4, lora=lora if fuse else None)
+    else:
+        y = F.linear(x, weight, bias)
+    return y if lora is None or fuse else lora.expand_into(y)
