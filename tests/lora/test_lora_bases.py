@@ -176,3 +176,25 @@ def test_adapters_on_moe_experts_are_refused_by_name_and_the_engine_serves_on(mo
     assert _generate(llm, None) == _greedy(_moe_base(folder))
     core = llm.llm_engine.engine_core
     assert core.kv_cache_manager.num_free_blocks == core.kv_cache_manager.num_blocks
+
+
+def test_an_adapter_on_a_moe_base_s_dense_mlp_gives_the_merged_model_s_tokens(moe):
+    """The dense layer's MLP (mlp_only_layers) is a plain gate/up/down, adapted as in a dense model.
+    peft 0.21 turns gate/up/down targets on a transformers-5 MoE model into its expert
+    ``target_parameters`` (the sparse layers' experts, not this MLP), so the reference is the
+    transformers model with the adapter merged into those three weights: W + (alpha / r) B A."""
+    folder, llm = moe
+    torch.manual_seed(1)
+    dense = {f"model.layers.0.mlp.{p}": shape for p, shape in
+             (("gate_proj", (64, 96)), ("up_proj", (64, 96)), ("down_proj", (96, 64)))}
+    tensors = {k: v * 0.5 for k, v in _in_memory(dense).items()}
+    merged = _moe_base(folder)
+    with torch.no_grad():
+        for name in dense:
+            a, b = (tensors[f"base_model.model.{name}.lora_{x}.weight"] for x in "AB")
+            merged.get_submodule(name).weight += 2.0 * b @ a  # lora_alpha 8 / r 4
+    want = _greedy(merged)
+    assert want != _greedy(_moe_base(folder))
+    config = {"peft_type": "LORA", "r": 4, "lora_alpha": 8}
+    llm.add_lora(LoRARequest("dense-mlp", 30, tensors=tensors, peft_config=config))
+    assert _generate(llm, LoRARequest("dense-mlp", 30)) == want
