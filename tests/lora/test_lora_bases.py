@@ -104,8 +104,8 @@ def test_an_adapter_on_a_quantized_base_gives_peft_tokens_on_the_dequantized_mod
     assert _runner(llm).model.quant_config is not None
     lora = LoRARequest("a", 1, str(tmp_path / "adapter"))
     assert _generate(llm, lora) == want
-    if fmt.endswith("w8a8"):  # the adapter reads the unquantized activation, as peft's does
-        _check_layers(llm, peft_model, lora)
+    if fmt.endswith("w8a8") and _runner(llm).device.type == "cpu":
+        _check_layers(llm, peft_model, lora)  # the adapter reads the unquantized activation, as peft's does
     assert _generate(llm, None) == base_tokens
 
 
