@@ -14,17 +14,15 @@ import argparse
 import itertools
 
 from pagedllm.benchmarks.common import SHAPES, emit
+from pagedllm.benchmarks.quant_kernel import projections as gemm_shapes
 
 SPLITS, BLOCK_KS, BLOCK_NS = (1, 2, 4, 8, 16), (64, 128, 256), (64, 128, 256)
 
 
 def projections(cfg: dict, rank: int) -> dict[str, tuple[int, int, int]]:
     """name -> (K, N, R): a fused projection's adapters stack one rank per part."""
-    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
-    head_dim = cfg.get("head_dim") or h // cfg["num_attention_heads"]
-    qkv = (cfg["num_attention_heads"] + 2 * cfg["num_key_value_heads"]) * head_dim
-    return {"qkv": (h, qkv, 3 * rank), "o": (cfg["num_attention_heads"] * head_dim, h, rank),
-            "gate_up": (h, 2 * inter, 2 * rank), "down": (inter, h, rank)}
+    parts = {"qkv": 3, "o": 1, "gate_up": 2, "down": 1}
+    return {name: (k, n, parts[name] * rank) for name, (n, k) in gemm_shapes(cfg).items()}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -67,8 +65,7 @@ def main(argv: list[str] | None = None) -> None:
             def run(config):
                 return 1e3 * do_bench_cudagraph(lambda: tl_lora.lora_apply(x, y, a, b, ids, tiles, config), rep=20)
 
-            block_r = max(16, min(64, 1 << (r - 1).bit_length()))
-            default = tl_lora.default_config(graph_tiles, -(-r // block_r), m, n, k)
+            default = tl_lora.default_config(graph_tiles, -(-r // tl_lora.block_r_for(r)), m, n, k)
             default_us = run(default)
             best_us, best = default_us, default
             if args.sweep:

@@ -18,19 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.ops.triton_lora import block_r_for, partial_sums
+
 MAX_ROWS = 32  # the dot's padded row count at most
-
-
-@triton.jit
-def _lora_rows_t(t_ptr, rows, rows_ok, r, r_ok, stride_ts, stride_tm, SPLIT: tl.constexpr):
-    """The adapter rows' shrink outputs [rows, r]: the K-split partial sums added, rounded to
-    the adapter's dtype as the expand kernel rounds them (rows not ok: 0)."""
-    mask = rows_ok[:, None] & r_ok[None, :]
-    ptrs = t_ptr + rows[:, None] * stride_tm + r[None, :]
-    t = tl.load(ptrs, mask=mask, other=0.0)
-    for s in tl.static_range(1, SPLIT):
-        t += tl.load(ptrs + s * stride_ts, mask=mask, other=0.0)
-    return t
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -60,7 +50,7 @@ def _small_m_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_
         for r0 in range(0, R, BLOCK_R):
             r = r0 + tl.arange(0, BLOCK_R)
             r_ok = r < R
-            t = _lora_rows_t(t_ptr, m, row_slot >= 0, r, r_ok, stride_ts, stride_tm, SPLIT).to(w_ptr.dtype.element_ty)
+            t = partial_sums(t_ptr, m, row_slot >= 0, r, r_ok, stride_ts, stride_tm, SPLIT).to(w_ptr.dtype.element_ty)
             for slot in range(0, NUM_SLOTS):
                 sel = row_slot == slot
                 if tl.max(sel.to(tl.int32), axis=0) > 0:
@@ -141,7 +131,7 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
             raise ValueError("small_m_linear: the LoRA delta does not fit this projection")
         t, lb, ls, r = lora.t, lora.b, lora.token_slots, lora.b.shape[2]
         lora_strides = (t.stride(0), t.stride(1), lb.stride(0), lb.stride(1))
-        block_r = max(16, min(64, triton.next_power_of_2(r)))
+        block_r = block_r_for(r)
     else:
         t = lb = ls = y
         r, lora_strides, block_r = 0, (0, 0, 0, 0), 16

@@ -69,6 +69,19 @@ def _shrink_kernel(x_ptr, a_ptr, ids_ptr, tile_slot_ptr, t_ptr, K, R, K_PER_SPLI
 
 
 @triton.jit
+def partial_sums(t_ptr, rows, rows_ok, r, r_ok, stride_ts, stride_tm, SPLIT: tl.constexpr):
+    """The shrink's outputs [rows, r] (float32): its ``SPLIT`` partial sums over K added, the
+    loads issued together (rows or ranks not ok: 0). The expand and the small-row GEMM's LoRA
+    epilogue (``triton_gemv``) read them through this."""
+    mask = rows_ok[:, None] & r_ok[None, :]
+    ptrs = t_ptr + rows[:, None] * stride_tm + r[None, :]
+    t = tl.load(ptrs, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLIT):
+        t += tl.load(ptrs + s * stride_ts, mask=mask, other=0.0)
+    return t
+
+
+@triton.jit
 def _expand_kernel(t_ptr, b_ptr, ids_ptr, tile_slot_ptr, y_ptr, N, R, stride_ts, stride_tm, stride_bs,
                    stride_bn, stride_ym, IEEE: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
     tile = tl.program_id(0)
@@ -84,11 +97,7 @@ def _expand_kernel(t_ptr, b_ptr, ids_ptr, tile_slot_ptr, y_ptr, N, R, stride_ts,
     for r0 in range(0, R, BLOCK_R):
         r = r0 + tl.arange(0, BLOCK_R)
         r_ok = r < R
-        t_ptrs = t_ptr + rows[:, None] * stride_tm + r[None, :]
-        t_mask = m_ok[:, None] & r_ok[None, :]
-        t = tl.load(t_ptrs, mask=t_mask, other=0.0)
-        for s in tl.static_range(1, SPLIT):  # the shrink's partial sums over K, loads issued together
-            t += tl.load(t_ptrs + s * stride_ts, mask=t_mask, other=0.0)
+        t = partial_sums(t_ptr, rows, m_ok, r, r_ok, stride_ts, stride_tm, SPLIT)
         b = tl.load(b_ptr + slot * stride_bs + n.to(tl.int64)[None, :] * stride_bn + r[:, None],
                     mask=r_ok[:, None] & n_ok[None, :], other=0.0)
         if IEEE:
@@ -128,8 +137,8 @@ def default_config(num_tiles: int, r_blocks: int, m: int, n: int, k: int) -> dic
 
 def split_k(k: int, split: int, block_k: int) -> tuple[int, int]:
     """(programs per tile over K, K per program: a multiple of ``block_k``) for ``split`` asked."""
-    per = -(-(-(-k // split)) // block_k) * block_k
-    return -(-k // per), per
+    per = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+    return triton.cdiv(k, per), per
 
 
 @dataclass
@@ -153,7 +162,7 @@ class LoRADelta:
         if y.stride(1) != 1 or self.b.stride(2) != 1:
             raise ValueError("lora expand needs rows with unit stride")
         n, r = y.shape[1], self.b.shape[2]
-        block_r = _block_r(r)
+        block_r = block_r_for(r)
         _expand_kernel[(self.tile_slots.shape[0], triton.cdiv(n, self.block_n))](
             self.t, self.b, self.sorted_ids, self.tile_slots, y, n, r, self.t.stride(0), self.t.stride(1),
             self.b.stride(0), self.b.stride(1), y.stride(0), IEEE=self.b.dtype == torch.float32, SPLIT=self.split,
@@ -161,7 +170,8 @@ class LoRADelta:
         return y
 
 
-def _block_r(r: int) -> int:
+def block_r_for(r: int) -> int:
+    """The rank block of the LoRA kernels (and the small-row GEMM's LoRA epilogue) for rank ``r``."""
     return max(16, min(64, triton.next_power_of_2(r)))
 
 
@@ -178,7 +188,7 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, sorted_ids: t
     num_tiles = tile_slots.shape[0]
     if num_tiles == 0:
         return None
-    block_r = _block_r(r)
+    block_r = block_r_for(r)
     r_blocks = triton.cdiv(r, block_r)
     cfg = config or default_config(num_tiles, r_blocks, m, n, k)
     split, per = split_k(k, cfg["split"], cfg["block_k"])
