@@ -48,10 +48,24 @@ def test_the_target_as_its_own_draft_accepts_every_guess(tiny_models, reference)
         return execute(*args, **kwargs)
 
     core.executor.execute_model = counting
+    draft = core.executor.worker.model_runner.draft.model
+    forwards = 0
+    draft_forward = draft.forward
+
+    def counting_draft(*args, **kwargs):
+        nonlocal forwards
+        forwards += 1
+        return draft_forward(*args, **kwargs)
+
+    draft.forward = counting_draft
     assert _tokens(llm, PROMPTS[:1]) == reference[:1]
     stats = _stats(llm)
     assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens > 0
     assert steps <= len(reference[0]) // 2 + 2
+    # k forwards a step: the prompt's step (with the draft following it) proposes, and each
+    # verifying step's first guess catches the draft up instead of a run over the step's inputs
+    assert forwards <= 1 + 3 * steps
+    del draft.forward
     del core.executor.execute_model
     assert _tokens(llm) == reference
     assert core.kv_cache_manager.num_free_blocks == core.kv_cache_manager.num_blocks
