@@ -8,7 +8,7 @@ import pytest
 
 from pagedllm import LLM, SamplingParams, TokensPrompt
 from tests.conftest import TEST_KV_BYTES, build_tiny_model
-from tests.engine.test_correctness import mixed_prompts
+from tests.engine.test_correctness import mixed_prompts, shared_prefix_prompts
 
 PROMPTS = mixed_prompts(6)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
@@ -68,6 +68,14 @@ def test_the_target_as_its_own_draft_accepts_every_guess(tiny_models, reference)
     del draft.forward
     del core.executor.execute_model
     assert _tokens(llm) == reference
+    shared = shared_prefix_prompts()[:4]
+    first = _tokens(llm, shared)
+    before = _stats(llm)
+    assert _tokens(llm, shared) == first  # their first blocks are prefix hits now
+    stats = _stats(llm)
+    assert stats.prefix_cache_hits > before.prefix_cache_hits
+    # the draft's cache is right over cached blocks and skipped runs: still every guess accepted
+    assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens > before.spec_num_draft_tokens
     assert core.kv_cache_manager.num_free_blocks == core.kv_cache_manager.num_blocks
 
 
