@@ -2,9 +2,10 @@
 request's next k tokens; the target verifies them in its next step (sample/rejection.py).
 
 The draft keeps its own paged KV cache (its layers' shapes, the same blocks: one block table
-serves both). It runs every step on the target's own inputs, so its cache holds the same
-positions (prompts, chunks, verified drafts; rejected positions are written over later, as the
-target's are). After the step's tokens are known, it decodes k greedy steps from each
+serves both). It runs on the target's own inputs, so its cache holds the same positions
+(prompts, chunks, verified drafts; rejected positions are written over later, as the target's
+are); a step where every request verifies drafts it skips, its guessing decodes having written
+those positions already (``follow``). After the step's tokens are known, it decodes k greedy steps from each
 request's last token into the lookahead slots the scheduler allocated (a point-mass proposal:
 the verification rule keeps the target's distribution whatever the draft says).
 """
