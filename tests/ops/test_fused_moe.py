@@ -127,3 +127,40 @@ def test_tile_config_table_lookup(triton_fused_moe, tmp_path, monkeypatch):
         assert triton_fused_moe.get_config(16, 64, 32, 20, 2) == triton_fused_moe.default_config(20, 2, 16)
     finally:
         triton_fused_moe.reload_config_table()
+
+
+@pytest.mark.parametrize("scoring,renormalize,round_to,num_experts,top_k,dtype", [
+    ("softmax", True, None, 6, 2, torch.float32), ("softmax", False, torch.bfloat16, 60, 8, torch.bfloat16),
+    ("sigmoid", True, torch.bfloat16, 128, 8, torch.bfloat16), ("sigmoid", False, None, 5, 1, torch.float32)])
+def test_one_launch_routing_picks_the_torch_experts(triton_fused_moe, scoring, renormalize, round_to, num_experts,
+                                                    top_k, dtype):
+    from pagedllm.ops.fused_moe import route_torch
+
+    logits = torch.randn(13, num_experts, generator=torch.Generator().manual_seed(num_experts)).to(dtype)
+    weights, ids = triton_fused_moe.route_triton(logits.to(DEVICE), top_k, scoring, renormalize, round_to)
+    ref_w, ref_ids = route_torch(logits, top_k, scoring, renormalize)
+    if round_to is not None:
+        ref_w = ref_w.to(round_to).float()
+    assert weights.dtype == torch.float32 and ids.dtype == torch.int64
+    ids = ids.cpu()
+    if dtype == torch.float32:
+        assert torch.equal(ids, ref_ids)
+    else:  # bf16 logits tie often, and torch.topk orders ties its own way: the same scores picked
+        assert all(len(set(row)) == top_k for row in ids.tolist())
+        assert torch.equal(logits.gather(1, ids), logits.gather(1, ref_ids))
+    tol = 1e-6 if round_to is None else 8e-3  # at most one bf16 step apart
+    torch.testing.assert_close(weights.cpu(), ref_w, rtol=tol, atol=tol)
+    if round_to is not None:
+        assert torch.equal(weights.cpu().to(round_to).float(), weights.cpu())
+
+
+def test_one_launch_routing_breaks_ties_by_the_lowest_expert(triton_fused_moe):
+    weights, ids = triton_fused_moe.route_triton(torch.zeros(2, 7, device=DEVICE), 3, renormalize=True)
+    assert ids.tolist() == [[0, 1, 2]] * 2
+    torch.testing.assert_close(weights.cpu(), torch.full((2, 3), 1 / 3))
+
+
+def test_the_top_k_sum_is_one_float32_sum_rounded_once(triton_fused_moe):
+    per_pair = torch.randn(5 * 3, 1500, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    out = triton_fused_moe.sum_pairs(per_pair.to(DEVICE), 5, 3)
+    assert torch.equal(out.cpu(), per_pair.view(5, 3, 1500).float().sum(dim=1).to(torch.bfloat16))

@@ -96,9 +96,8 @@ class FusedMoE(nn.Module):
             default_weight_loader(param.data[local, part * inter:(part + 1) * inter], self._slice_inter(loaded_weight, 0))
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(router_logits, self.top_k, self.scoring, self.renormalize)
-        if self.round_weights:
-            weights = weights.to(x.dtype)
+        weights, ids = route(router_logits, self.top_k, self.scoring, self.renormalize,
+                             round_to=x.dtype if self.round_weights else None)
         if self.routed_experts_out is not None:
             self.routed_experts_out[:ids.shape[0]].copy_(ids)
         return fused_experts(x, self.gate_up_proj, self.down_proj, weights, ids, self.expert_map)

@@ -17,16 +17,31 @@ SCORING_FUNCS = ("softmax", "sigmoid")
 CPU_ONEDNN_MIN_ROWS = 16
 
 
-def route(router_logits: torch.Tensor, top_k: int, scoring: str = "softmax",
-          renormalize: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def route(router_logits: torch.Tensor, top_k: int, scoring: str = "softmax", renormalize: bool = False,
+          round_to: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [T, k] float32, expert ids [T, k] int64) of each token's top-k experts, scored
-    in float32 by softmax or sigmoid; ``renormalize`` makes each token's k weights sum to 1."""
+    in float32 by softmax or sigmoid; ``renormalize`` makes each token's k weights sum to 1;
+    ``round_to``: the weights rounded to that dtype (still float32 tensors). One Triton launch on
+    CUDA (``triton_fused_moe.route_triton``), the torch code elsewhere."""
+    if scoring not in SCORING_FUNCS:
+        raise ValueError(f"MoE scoring function {scoring!r} is not supported; supported: {list(SCORING_FUNCS)}")
+    from pagedllm.ops import triton_ops_for
+
+    if router_logits.dim() == 2 and triton_ops_for(router_logits) is not None:
+        from pagedllm.ops.triton_fused_moe import route_triton
+
+        return route_triton(router_logits, top_k, scoring, renormalize, round_to)
+    weights, ids = route_torch(router_logits, top_k, scoring, renormalize)
+    return (weights, ids) if round_to is None else (weights.to(round_to).float(), ids)
+
+
+def route_torch(router_logits: torch.Tensor, top_k: int, scoring: str = "softmax",
+                renormalize: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``route``'s torch code: the reference of its Triton kernel."""
     if scoring == "softmax":
         scores = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
-    elif scoring == "sigmoid":
-        scores = torch.sigmoid(router_logits.float())
     else:
-        raise ValueError(f"MoE scoring function {scoring!r} is not supported; supported: {list(SCORING_FUNCS)}")
+        scores = torch.sigmoid(router_logits.float())
     weights, ids = torch.topk(scores, top_k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)

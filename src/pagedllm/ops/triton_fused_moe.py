@@ -147,6 +147,81 @@ def _moe_align_kernel(ids_ptr, sorted_pairs_ptr, block_expert_ptr, cursor_ptr, n
         tl.store(sorted_pairs_ptr + row, pairs, mask=expert >= 0)
 
 
+@triton.jit
+def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
+                  E_PAD: tl.constexpr, SIGMOID: tl.constexpr, RENORMALIZE: tl.constexpr, ROUND_BF16: tl.constexpr,
+                  ROUND_FP16: tl.constexpr):
+    """One token's routing: scores (softmax or sigmoid, float32), its TOP_K best experts (the
+    lowest id first among equal scores), the weights renormalised and rounded as asked."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, E_PAD)
+    ok = offs < num_experts
+    x = tl.load(logits_ptr + row * stride_l + offs, mask=ok, other=float("-inf")).to(tl.float32)
+    if SIGMOID:
+        scores = 1.0 / (1.0 + tl.exp(-x))
+    else:
+        e = tl.exp(x - tl.max(x, axis=0))
+        scores = e / tl.sum(e, axis=0)
+    scores = tl.where(ok, scores, -1.0)  # below any score: never picked
+    k_offs = tl.arange(0, K_PAD)
+    vals = tl.zeros([K_PAD], dtype=tl.float32)
+    ids = tl.zeros([K_PAD], dtype=tl.int64)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(scores, axis=0)
+        pick = tl.min(tl.where(scores == best, offs, E_PAD), axis=0)
+        vals = tl.where(k_offs == j, best, vals)
+        ids = tl.where(k_offs == j, pick.to(tl.int64), ids)
+        scores = tl.where(offs == pick, -2.0, scores)
+    if RENORMALIZE:
+        vals = vals / tl.sum(tl.where(k_offs < TOP_K, vals, 0.0), axis=0)
+    if ROUND_BF16:
+        vals = vals.to(tl.bfloat16).to(tl.float32)
+    if ROUND_FP16:
+        vals = vals.to(tl.float16).to(tl.float32)
+    tl.store(weights_ptr + row * TOP_K + k_offs, vals, mask=k_offs < TOP_K)
+    tl.store(ids_ptr + row * TOP_K + k_offs, ids, mask=k_offs < TOP_K)
+
+
+def route_triton(router_logits: torch.Tensor, top_k: int, scoring: str = "softmax", renormalize: bool = False,
+                 round_to: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fused_moe.route`` in one launch (torch's softmax, top-k, sum and division take five small
+    kernels a layer, which a decode step feels): float32 weights (rounded to ``round_to`` if
+    given) and int64 expert ids, [T, top_k]."""
+    num_tokens, num_experts = router_logits.shape
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=router_logits.device)
+    if num_tokens:
+        logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
+        e_pad = triton.next_power_of_2(num_experts)
+        _route_kernel[(num_tokens,)](logits, weights, ids, num_experts, logits.stride(0), TOP_K=top_k,
+                                     K_PAD=triton.next_power_of_2(top_k), E_PAD=e_pad, SIGMOID=scoring == "sigmoid",
+                                     RENORMALIZE=renormalize, ROUND_BF16=round_to == torch.bfloat16,
+                                     ROUND_FP16=round_to == torch.float16, num_warps=1 if e_pad <= 256 else 4)
+    return weights, ids
+
+
+@triton.jit
+def _sum_pairs_kernel(per_pair_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    """out[t] = sum over the token's TOP_K rows of per_pair, in float32, rounded once."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < H
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        acc += tl.load(per_pair_ptr + (t * TOP_K + j) * H + offs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * H + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def sum_pairs(per_pair: torch.Tensor, num_tokens: int, top_k: int) -> torch.Tensor:
+    """``per_pair.view(T, top_k, H).sum(dim=1)`` (float32 sum, one rounding) in one small launch."""
+    hidden = per_pair.shape[1]
+    out = torch.empty(num_tokens, hidden, dtype=per_pair.dtype, device=per_pair.device)
+    block = min(1024, triton.next_power_of_2(hidden))
+    _sum_pairs_kernel[(num_tokens, triton.cdiv(hidden, block))](per_pair, out, hidden, TOP_K=top_k, BLOCK=block,
+                                                                num_warps=4)
+    return out
+
+
 def align_pairs_triton(local_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``align_pairs``' layout from one Triton launch (the torch version takes a dozen small
     kernels per layer, which a decode step feels); the same blocks, pairs in any order within an expert."""
@@ -263,4 +338,4 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w
     _moe_down_kernel[grid](act, w2, per_pair, sorted_pairs, block_expert, weights.reshape(-1).float().contiguous(),
                            num_pairs, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1), per_pair.stride(0),
                            BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], IEEE=ieee, **launch)
-    return per_pair.view(num_tokens, top_k, hidden).sum(dim=1)  # accumulated in float32, rounded once
+    return sum_pairs(per_pair, num_tokens, top_k)  # accumulated in float32, rounded once
