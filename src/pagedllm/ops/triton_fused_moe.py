@@ -188,8 +188,10 @@ def route_triton(router_logits: torch.Tensor, top_k: int, scoring: str = "softma
     kernels a layer, which a decode step feels): float32 weights (rounded to ``round_to`` if
     given) and int64 expert ids, [T, top_k]."""
     num_tokens, num_experts = router_logits.shape
-    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=router_logits.device)
-    ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=router_logits.device)
+    # While compiles are collected this launch may be skipped: the align kernel must then read valid ids.
+    alloc = torch.zeros if in_dry_run() else torch.empty
+    weights = alloc(num_tokens, top_k, dtype=torch.float32, device=router_logits.device)
+    ids = alloc(num_tokens, top_k, dtype=torch.int64, device=router_logits.device)
     if num_tokens:
         logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
         e_pad = triton.next_power_of_2(num_experts)
