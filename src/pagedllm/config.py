@@ -252,7 +252,8 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 3  # n-gram: the longest (tried first)
     disable_by_batch_size: int | None = None  # steps with more running requests do not speculate
     model: str | None = None  # draft_model: a smaller model with the target's vocabulary; eagle, eagle3: the head
-    draft_tensor_parallel_size: int | None = None  # draft_model: None or the target's (the draft shards alike)
+    # draft_model: None or the target's (the draft shards alike), or 1 (every rank runs the whole draft)
+    draft_tensor_parallel_size: int | None = None
     max_model_len: int | None = None  # accepted for vLLM's configs; the target's applies
 
     @classmethod

@@ -212,6 +212,34 @@ def test_tp2_speculative_decoding_gives_tp1_greedy_tokens(tp_models, module_llms
     assert core.kv_cache_manager.num_free_blocks == core.kv_cache_manager.num_blocks
 
 
+def _kv_heads(worker) -> tuple[int, int]:
+    """(the target's, the draft's) KV heads per layer on this rank."""
+    runner = worker.model_runner
+    return runner.attn_layers[0].num_kv_heads, runner.draft.attn_layers[0].num_kv_heads
+
+
+@pytest.mark.parametrize("draft_tp", [1, 2])
+def test_tp2_draft_model_whole_or_sharded_gives_tp1_greedy_tokens(tp_models, module_llms, draft_tp):
+    """A draft model equal to the target, whole on every rank (draft_tensor_parallel_size=1: its
+    collectives off) or sharded as the target: every guess accepted, TP=1's tokens."""
+    model_dir = tp_models["llama"]
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in PROMPTS]
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    ref = reused_llm(module_llms, "llama-tp1", model_dir).generate(prompts, greedy, use_tqdm=False)
+    llm = make_llm(model_dir, tensor_parallel_size=2, speculative_config={
+        "model": model_dir, "num_speculative_tokens": 3, "draft_tensor_parallel_size": draft_tp})
+    try:
+        assert llm.collective_rpc(_kv_heads) == [(1, 2 // draft_tp)] * 2  # 2 KV heads, sharded or whole
+        out = llm.generate(prompts, greedy, use_tqdm=False)
+        assert [list(o.outputs[0].token_ids) for o in out] == [list(o.outputs[0].token_ids) for o in ref]
+        core = llm.llm_engine.engine_core
+        stats = core.scheduler.make_stats()
+        assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens > 0
+        assert core.kv_cache_manager.num_free_blocks == core.kv_cache_manager.num_blocks
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+
 def test_tp2_lora_gives_peft_greedy_tokens(tp_models, tmp_path_factory):
     """Adapters sharded as their layers (column-parallel: B's rows of each projection; row-parallel:
     A's input columns, the partial deltas summed by the layer's all-reduce): a batch mixing two

@@ -9,6 +9,9 @@ return their input: a single-device engine never pays for, or depends on, a proc
 """
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 
 _TP_RANK = 0
@@ -55,6 +58,19 @@ def destroy_distributed() -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
     _TP_RANK, _TP_SIZE, _PP_RANK, _PP_SIZE, _TP_GROUP, _EXPERT_PARALLEL = 0, 1, 0, 1, None, False
+
+
+@contextlib.contextmanager
+def replicated() -> Iterator[None]:
+    """Within: this rank is its own tensor-parallel world (size 1, collectives off), for a model
+    every rank builds and runs whole (a speculative draft with ``draft_tensor_parallel_size=1``)."""
+    global _TP_RANK, _TP_SIZE, _EXPERT_PARALLEL
+    saved = _TP_RANK, _TP_SIZE, _EXPERT_PARALLEL
+    _TP_RANK, _TP_SIZE, _EXPERT_PARALLEL = 0, 1, False
+    try:
+        yield
+    finally:
+        _TP_RANK, _TP_SIZE, _EXPERT_PARALLEL = saved
 
 
 def get_tp_rank() -> int:

@@ -26,9 +26,9 @@ def draft_model_config(spec: SpeculativeConfig | None, target: ModelConfig, para
                          "draft's cache follows a single block table; use method 'ngram'")
     from pagedllm.model.loader import resolve_model
 
-    if spec.draft_tensor_parallel_size not in (None, parallel.tensor_parallel_size):
-        raise ValueError(f"speculative_config draft_tensor_parallel_size must be None or the target's "
-                         f"tensor_parallel_size ({parallel.tensor_parallel_size}), got "
+    if spec.draft_tensor_parallel_size not in (None, 1, parallel.tensor_parallel_size):
+        raise ValueError(f"speculative_config draft_tensor_parallel_size must be None, 1 (the draft whole on every "
+                         f"rank) or the target's tensor_parallel_size ({parallel.tensor_parallel_size}), got "
                          f"{spec.draft_tensor_parallel_size}")
     resolved = resolve_model(spec.model, trust_remote_code=trust_remote_code)
     if spec.method in ("eagle", "eagle3"):

@@ -35,7 +35,7 @@ from pagedllm.worker.kv_cache import allocate_kv_caches, check_fp8_kv_cache, pla
 from pagedllm.worker.pending_output import PendingOutput
 from pagedllm.worker.pooling import PoolingSteps
 from pagedllm.worker.prompt_logprobs import prompt_logprobs
-from pagedllm.worker.spec_draft import DraftModel
+from pagedllm.worker.spec_draft import DraftModel, draft_scope
 from pagedllm.worker.spec_eagle import Eagle3Proposer, EagleProposer
 from pagedllm.worker.routed_experts import RoutedExpertsCapture
 from pagedllm.worker.spec_verify import verify_drafts
@@ -176,7 +176,8 @@ class ModelRunner:
     def capture_cuda_graphs(self) -> None:
         self.graphs.capture(self.model, self.lora)
         if self.draft is not None:
-            self.draft.capture_cuda_graphs()
+            with draft_scope(self.config):
+                self.draft.capture_cuda_graphs()
 
     def release_cuda_graphs(self) -> None:
         self.graphs.release()
@@ -249,7 +250,8 @@ class ModelRunner:
         if lora_ids is not None:
             self.lora.clear_mapping()
         if self.draft is not None:  # the draft's cache follows the target's positions
-            self.draft.follow(batch, hidden)
+            with draft_scope(self.config):
+                self.draft.follow(batch, hidden)
         if not self.is_last_stage:  # the last stage samples; the engine reads its output
             output = ModelRunnerOutput(req_ids, [[] for _ in req_ids])
             return PendingOutput.done(output) if non_block else output
@@ -281,7 +283,9 @@ class ModelRunner:
             pending.routed = self.routed_experts.collect(sched, req_ids, self.input_batch.block_table_cpu, rows,
                                                          batch.starts, batch.query_start_loc)
         if self.draft is not None:  # the step's tokens land, then the draft guesses the next ones
-            output = self.draft.after_step(pending.result())
+            output = pending.result()
+            with draft_scope(self.config):
+                output = self.draft.after_step(output)
             return PendingOutput.done(output) if non_block else output
         if sched.defer_grammar:
             self._deferred = (pending, None, None, None) if deferred is None else deferred

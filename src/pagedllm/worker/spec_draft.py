@@ -11,6 +11,7 @@ the verification rule keeps the target's distribution whatever the draft says).
 """
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -21,9 +22,20 @@ from pagedllm.attention.backend import AttentionMetadata, kv_cache_shape
 from pagedllm.worker.cuda_graphs import CudaGraphs
 from pagedllm.worker.kv_cache import zeroed_cache
 
+from pagedllm.distributed.parallel_state import get_tp_size, replicated
+
 if TYPE_CHECKING:
     from pagedllm.worker.input_batch import CachedRequestState
     from pagedllm.worker.model_runner import ModelRunner, _Batch
+
+
+def draft_scope(config) -> contextlib.AbstractContextManager:
+    """Where the draft is built and run: under tensor parallelism with
+    ``draft_tensor_parallel_size=1`` every rank holds and runs the whole draft, its collectives
+    off (the ranks compute the same guesses; the driver's reach the scheduler)."""
+    spec = config.speculative_config
+    alone = spec is not None and spec.draft_tensor_parallel_size == 1 and get_tp_size() > 1
+    return replicated() if alone else contextlib.nullcontext()
 
 
 class DraftModel:

@@ -16,6 +16,7 @@ from pagedllm.model.eagle import EagleLlamaHead
 from pagedllm.model.eagle3 import Eagle3LlamaHead
 from pagedllm.model.loader import TORCH_DTYPES, ResolvedModel, load_model
 from pagedllm.worker.model_runner import ModelRunner
+from pagedllm.worker.spec_draft import draft_scope
 
 logger = logging.getLogger("pagedllm")
 
@@ -55,12 +56,13 @@ class Worker:
                            self.device, seed=mc.seed, max_model_len=mc.max_model_len, convert=mc.convert,
                            quantization=mc.quantization)
         draft = None
-        if config.draft_model_config is not None:  # speculative decoding's draft, sharded as the target
+        if config.draft_model_config is not None:  # speculative decoding's draft, sharded as the target or whole
             dmc = config.draft_model_config
             head_cls = {"eagle": EagleLlamaHead, "eagle3": Eagle3LlamaHead}.get(config.speculative_config.method)
-            draft = load_model(ResolvedModel(path=dmc.path, gguf_file=dmc.gguf_file, hf_config=dmc.hf_config),
-                               dmc.load_format, TORCH_DTYPES[dmc.dtype], self.device, seed=mc.seed,
-                               max_model_len=mc.max_model_len, quantization=dmc.quantization, model_cls=head_cls)
+            with draft_scope(config):
+                draft = load_model(ResolvedModel(path=dmc.path, gguf_file=dmc.gguf_file, hf_config=dmc.hf_config),
+                                   dmc.load_format, TORCH_DTYPES[dmc.dtype], self.device, seed=mc.seed,
+                                   max_model_len=mc.max_model_len, quantization=dmc.quantization, model_cls=head_cls)
             if head_cls is not None:  # the head reads the target's embedding (EAGLE-1: and LM head)
                 draft.share_target(model)
         self.model_runner = ModelRunner(config, model, self.device, draft)
