@@ -120,6 +120,32 @@ def test_an_exact_proposer_lets_the_target_run_fewer_steps_than_tokens(spec_llm,
     assert steps < len(out.outputs[0].token_ids) // 2
 
 
+def test_no_drafts_while_more_requests_run_than_disable_by_batch_size(spec_llm, reference):
+    core = spec_llm.llm_engine.engine_core
+    spec = core.config.speculative_config
+    oracle = OracleProposer(reference, wrong_every=10 ** 9)
+    saved, core.proposer, spec.disable_by_batch_size = core.proposer, oracle, 1
+    running_at_proposal, running_at_step = [], []
+    propose, execute = oracle.propose, core.executor.execute_model
+
+    def recording_propose(*args, **kwargs):
+        running_at_proposal.append(len(core.scheduler.running))
+        return propose(*args, **kwargs)
+
+    def recording_execute(*args, **kwargs):
+        running_at_step.append(len(core.scheduler.running))
+        return execute(*args, **kwargs)
+
+    oracle.propose, core.executor.execute_model = recording_propose, recording_execute
+    try:
+        outs = spec_llm.generate(PROMPTS[:3], GREEDY, use_tqdm=False)
+    finally:
+        core.proposer, spec.disable_by_batch_size = saved, None
+        del core.executor.execute_model
+    assert [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs] == reference[:3]
+    assert max(running_at_step) > 1 and running_at_proposal and max(running_at_proposal) <= 1
+
+
 def test_verification_keeps_the_target_distribution():
     """Rows: request r's row 0 and row 1 (after its draft 0), then the bonus row. The first
     emitted token must follow p0, and given that draft 0 was emitted, the second must follow p1."""
