@@ -184,8 +184,9 @@ def profile_run(runner, num_tokens: int) -> None:
     """One forward + sample at the largest step size, to measure peak activation memory."""
     dev, model = runner.device, runner.model
     num_blocks = -(-num_tokens // runner.block_size)
-    # Pooling models run whole prompts of at most max_model_len (absolute position tables end there).
-    longest = runner.config.scheduler_config.max_model_len if runner.pooling is not None else num_tokens
+    # No sequence of a step is longer than max_model_len (position tables may end there: rotary
+    # caches, absolute positions of pooling models): the tokens go in sequences of at most that.
+    longest = min(num_tokens, runner.config.scheduler_config.max_model_len)
     lens = [longest] * (num_tokens // longest) + ([num_tokens % longest] if num_tokens % longest else [])
     qsl = [0]
     for n in lens:
