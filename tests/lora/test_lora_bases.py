@@ -4,8 +4,9 @@ Quantized: the adapters' delta is added to the quantized projection's output, fr
 unquantized input (what peft's LoRA layer sees: W8A8 quantizes the activation for the base GEMM
 only). Pinned against peft on the transformers model holding the dequantized weights (fp32,
 W8A8's base projections' inputs fake-quantized by pre-hooks, tests/model/quant_checkpoints.py):
-W4A16 greedy tokens identical, adapter on all seven projections; W8A8 each adapted layer equal
-to peft's on the same input, and greedy tokens identical.
+W4A16 greedy tokens identical, adapter on all seven projections; W8A8 (per-tensor and block-wise
+fp8) each adapted layer equal to peft's on the same input, and greedy tokens identical; the
+real SmolLM2 GGUF (Q4_1) against peft over transformers' GGUF loader.
 
 MoE: an adapter on the attention projections gives peft's greedy tokens; one on the experts
 (peft's fused ``target_parameters``, per-expert modules, Mixtral's ``w1``, a shared expert) is
@@ -27,6 +28,7 @@ QUANTIZED = {  # weight-only int4 formats (GPTQ: tests/model/test_quantization.p
     "awq": lambda d: qc.write_awq(d, group=64),
     "ct-w4a16": lambda d: qc.write_ct_int4(d, group=32, symmetric=True),
     "fp8-w8a8": lambda d: qc.write_fp8(d, "dynamic"),
+    "fp8-block-w8a8": lambda d: qc.write_fp8_block(d),  # weight_scale_inv blocks, per-token-group activations
 }
 
 
@@ -106,6 +108,28 @@ def test_an_adapter_on_a_quantized_base_gives_peft_tokens_on_the_dequantized_mod
     assert _generate(llm, lora) == want
     if fmt.endswith("w8a8") and _runner(llm).device.type == "cpu":
         _check_layers(llm, peft_model, lora)  # the adapter reads the unquantized activation, as peft's does
+    assert _generate(llm, None) == base_tokens
+
+
+def test_an_adapter_on_the_gguf_base_gives_peft_tokens_on_transformers_gguf_model(smollm2_gguf, tmp_path):
+    """The real SmolLM2 Q4_1 GGUF as the base: peft over transformers' own GGUF loader (its
+    dequantized weights) is the reference."""
+    import os
+
+    from transformers import AutoModelForCausalLM
+
+    from pagedllm.model.loader import resolve_model
+
+    resolved = resolve_model(smollm2_gguf)
+    reference = AutoModelForCausalLM.from_pretrained(resolved.path, gguf_file=os.path.basename(smollm2_gguf),
+                                                     config=resolved.hf_config, dtype=torch.float32).eval()
+    base_tokens = _greedy(reference)
+    peft_model = _peft(reference, str(tmp_path / "adapter"), ALL)
+    want = _greedy(peft_model)
+    assert want != base_tokens
+    llm = LLM(smollm2_gguf, dtype="float32", seed=0, skip_tokenizer_init=True, kv_cache_memory_bytes=8 << 20,
+              enable_lora=True, max_lora_rank=8, max_loras=1, max_model_len=128)
+    assert _generate(llm, LoRARequest("a", 1, str(tmp_path / "adapter"))) == want
     assert _generate(llm, None) == base_tokens
 
 
