@@ -5,9 +5,10 @@ The draft keeps its own paged KV cache (its layers' shapes, the same blocks: one
 serves both). It runs on the target's own inputs, so its cache holds the same positions
 (prompts, chunks, verified drafts; rejected positions are written over later, as the target's
 are); a step where every request verifies drafts it skips, its guessing decodes having written
-those positions already (``follow``). After the step's tokens are known, it decodes k greedy steps from each
-request's last token into the lookahead slots the scheduler allocated (a point-mass proposal:
-the verification rule keeps the target's distribution whatever the draft says).
+those positions already (``follow``). After the step's tokens are known, it decodes k greedy
+steps from each request's last token into the lookahead slots the scheduler allocated (a
+point-mass proposal: the verification rule keeps the target's distribution whatever the draft
+says).
 """
 from __future__ import annotations
 
@@ -19,10 +20,9 @@ import torch
 from torch import nn
 
 from pagedllm.attention.backend import AttentionMetadata, kv_cache_shape
+from pagedllm.distributed.parallel_state import get_tp_size, replicated
 from pagedllm.worker.cuda_graphs import CudaGraphs
 from pagedllm.worker.kv_cache import zeroed_cache
-
-from pagedllm.distributed.parallel_state import get_tp_size, replicated
 
 if TYPE_CHECKING:
     from pagedllm.worker.input_batch import CachedRequestState
@@ -143,10 +143,10 @@ class DraftModel:
     def _chained_graph_decodes(self, sizes: tuple[int, int], rows: np.ndarray, tokens: np.ndarray,
                                first: np.ndarray) -> np.ndarray:
         """All k guessing forwards queued at once, [requests, k] (``sizes``: the graphs of the
-        first forward and of the others): each step's guesses are copied
-        on the device into the next step's input ids, so the host waits once, for all k, and
-        prepares step j + 1 while the device runs step j (a host round trip per guess left the
-        device idle between the draft's steps)."""
+        first forward and of the others): each step's guesses are copied on the device into the
+        next step's input ids, so the host waits once, for all k, and prepares step j + 1 while
+        the device runs step j (a host round trip per guess left the device idle between the
+        draft's steps)."""
         n = len(rows)
         guesses = torch.empty(self.k, n, dtype=torch.int64, device=self.runner.device)
         for j in range(self.k):

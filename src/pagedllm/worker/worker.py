@@ -86,15 +86,18 @@ class Worker:
             blocks = min(blocks, -(-sc.max_num_batched_tokens // bs) + sc.max_num_seqs)
         return blocks
 
+    def _profiles_memory(self) -> bool:
+        """Whether the KV cache is sized by a profiling forward (on GPU, no size given)."""
+        cc = self.config.cache_config
+        return self.device.type == "cuda" and cc.num_gpu_blocks_override is None and cc.kv_cache_memory_bytes is None
+
     def _blocks_that_fit(self) -> int:
         cc = self.config.cache_config
         per_block = self.model_runner.kv_cache_bytes_per_block()
         if cc.num_gpu_blocks_override is not None:
             return cc.num_gpu_blocks_override
-        if self.device.type != "cuda":
+        if not self._profiles_memory():
             return max((cc.kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES) // per_block, 1)
-        if cc.kv_cache_memory_bytes is not None:
-            return max(cc.kv_cache_memory_bytes // per_block, 1)
         gc.collect()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
@@ -118,11 +121,13 @@ class Worker:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.num_kv_blocks = num_blocks  # sleep mode rebuilds the same cache on wake_up
         self.model_runner.initialize_kv_cache(num_blocks)
-        if self.device.type == "cuda":
+        if self._profiles_memory():
             # The largest step once more, the cache now allocated: sizing it released profiling's
             # activation memory, and the first long prefills of a run then waited on cudaMalloc
             # (GPU idle ~0.3 s of an H100 throughput run); the caching allocator keeps these blocks.
+            # Only where profiling sized the cache: then its budget left this forward room.
             self.model_runner.profile_run(self.config.scheduler_config.max_num_batched_tokens)
+        if self.device.type == "cuda":
             self.model_runner.warm_up_kernels()
             if not self.config.model_config.enforce_eager:
                 self.model_runner.capture_cuda_graphs()
