@@ -3,7 +3,7 @@
 # short table. Usage (on the device machine, repo root): scripts/gpu_pass.sh [STAGES]
 # STAGES is a comma list of: tests, throughput, throughput8b, latency, long, startup, structured, lora,
 # moetune, moe, quant, quanttune, pooling, embed, embedprof, moedebug, fp8kv, fp8kvbench, structuredab,
-# prefill, structuredub, structuredoverlap, w4tune, spec, loratests, lorakernel, loraprof (default: startup,tests,throughput,throughput8b,latency).
+# prefill, structuredub, structuredoverlap, structuredchain, w4tune, spec, loratests, lorakernel, loraprof (default: startup,tests,throughput,throughput8b,latency).
 # Needs the SmolLM2 tokenizer saved under .gpu/tokenizer (carried with the call), and wheels carried in .whl
 # for what the device lacks: xgrammar with apache-tvm-ffi, llguidance, pydantic (+ pydantic-core,
 # annotated-types, typing-inspection), jsonschema (+ jsonschema-specifications, referencing, rpds-py),
@@ -68,6 +68,14 @@ for schema in bounded unbounded; do
   stage structuredoverlap && bench structured_defer_$schema python -m pagedllm.benchmarks.structured --shape qwen3-0.6b --tokenizer .gpu/tokenizer --backend xgrammar --schema $schema
   stage structuredoverlap && bench structured_pause_$schema env PAGEDLLM_DEFER_GRAMMAR=0 python -m pagedllm.benchmarks.structured --shape qwen3-0.6b --tokenizer .gpu/tokenizer --backend xgrammar --schema $schema
 done
+# Issue 15: bounded strings chained (the default) against xgrammar's own form, then the unbounded schema, same run.
+stage structuredchain && bench structured_chain python -m pagedllm.benchmarks.structured --shape qwen3-0.6b --tokenizer .gpu/tokenizer --backend xgrammar
+stage structuredchain && bench structured_nochain env PAGEDLLM_CHAIN_STRINGS=0 python -m pagedllm.benchmarks.structured --shape qwen3-0.6b --tokenizer .gpu/tokenizer --backend xgrammar
+stage structuredchain && bench structured_chain_ub python -m pagedllm.benchmarks.structured --shape qwen3-0.6b --tokenizer .gpu/tokenizer --backend xgrammar --schema unbounded
+if stage structuredchain; then
+  python -m pytest -q -p no:cacheprovider tests/structured_output tests/engine/test_structured_outputs.py > "$OUT/structuredtests.log" 2>&1
+  echo "   structured tests rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/structuredtests.log" | tail -6 | cut -c1-250
+fi
 if stage loratests; then  # issue 20: the multi-LoRA kernels and engine paths on the GPU
   echo "== loratests"
   python -m pytest -q -rfE -p no:cacheprovider tests/lora tests/ops/test_triton_gemv.py --ignore=tests/lora/test_lora_server.py > "$OUT/loratests.log" 2>&1

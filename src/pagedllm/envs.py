@@ -69,6 +69,9 @@ _VARS = [
            "0: with async scheduling, a step with constrained rows lands before the next is launched, "
            "instead of the next step deferring its sampling until the masks are known (A/B measurements).",
            _not_zero),
+    EnvVar("PAGEDLLM_CHAIN_STRINGS", "bool (0 = off)", True,
+           "0 keeps xgrammar's own form of length-bounded JSON strings instead of chaining them "
+           "(structured_output/xgrammar_strings.py; A/B measurements).", _not_zero),
     EnvVar("PAGEDLLM_SPEC_FORCE_ACCEPT", "bool (1 = on)", False,
            "Benchmarks only: speculative decoding accepts every draft (the machinery's ceiling; outputs are the "
            "draft's).", _is_one),

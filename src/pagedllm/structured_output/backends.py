@@ -12,6 +12,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from pagedllm.structured_output.xgrammar_strings import with_chained_strings
 from pagedllm.structured_params import StructuredOutputsParams
 
 
@@ -56,7 +57,8 @@ def xgrammar_grammar(params: StructuredOutputsParams) -> Any:
     if kind in ("json", "json_object"):
         schema = json.dumps(params.json) if kind == "json" else '{"type": "object"}'
         bound = {} if params.max_whitespace is None else {"max_whitespace_cnt": params.max_whitespace}
-        return xgr.Grammar.from_json_schema(schema, any_whitespace=not params.disable_any_whitespace, **bound)
+        grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=not params.disable_any_whitespace, **bound)
+        return with_chained_strings(grammar)
     if kind == "regex":
         return xgr.Grammar.from_regex(params.regex)
     if kind == "choice":
