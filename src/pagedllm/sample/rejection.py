@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from pagedllm import envs
+from pagedllm.sample.draw import draw
 from pagedllm.sample.sampler import _EPS, Sampler, SamplingMetadata
 
 
@@ -38,8 +39,7 @@ def verify(logits: torch.Tensor, md: SamplingMetadata, draft_ids: torch.Tensor,
         accept = torch.where(greedy, drafts == target, u < p_draft) & has_draft
         # The residual: p without the draft (rows with no draft keep p: the bonus token).
         probs[has_draft.nonzero().squeeze(1), drafts[has_draft]] = 0.0
-        q = torch.empty_like(probs).exponential_()
-        emitted = torch.where(greedy, target, probs.div_(q).argmax(dim=-1))
+        emitted = torch.where(greedy, target, draw(probs, {}))
     if envs.PAGEDLLM_SPEC_FORCE_ACCEPT:  # benchmarks only: the ceiling of the machinery
         accept = has_draft
     # One device-to-host copy (and wait) for the three.

@@ -8,6 +8,7 @@ from typing import Callable
 import torch
 
 from pagedllm.ops import triton_ops_for
+from pagedllm.sample.draw import draw
 
 _EPS = 1e-5
 
@@ -155,15 +156,8 @@ class Sampler:
         if md.all_greedy:
             return logits.argmax(dim=-1)
         greedy = None if md.all_random else logits.argmax(dim=-1)
-        probs = self.probs(logits, md)
-        # Exponential race (Gumbel-max): argmax(p / q), q ~ Exp(1), samples from p. Seeded
-        # rows draw q from their own generator, so their tokens do not depend on the batch.
-        q = torch.empty_like(probs)
-        if len(md.generators) < probs.shape[0]:
-            q.exponential_()
-        for row, gen in md.generators.items():
-            q[row].exponential_(generator=gen)
-        sampled = probs.div_(q).argmax(dim=-1)
+        # Seeded rows draw from their own generator, so their tokens do not depend on the batch.
+        sampled = draw(self.probs(logits, md), md.generators)
         if md.all_random:
             return sampled
         return torch.where(md.temperature < _EPS, greedy, sampled)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+from collections import OrderedDict
 from typing import Any, Protocol
 
 import numpy as np
@@ -47,8 +49,10 @@ def structural_tag_text(tag: dict) -> str:
 
 
 # ---- xgrammar -----------------------------------------------------------------------------------
-def xgrammar_grammar(params: StructuredOutputsParams) -> Any:
-    """The tokenizer-independent grammar (cheap): raises on an invalid or unsupported constraint."""
+def xgrammar_grammar(params: StructuredOutputsParams, chained: bool = True) -> Any:
+    """The tokenizer-independent grammar: raises on an invalid or unsupported constraint. Cheap
+    without ``chained`` (validation); with it, bounded JSON strings are rewritten as chains for
+    fast masks (xgrammar_strings.py; ~10 ms for a large schema)."""
     import xgrammar as xgr
 
     kind = params.kind
@@ -58,7 +62,7 @@ def xgrammar_grammar(params: StructuredOutputsParams) -> Any:
         schema = json.dumps(params.json) if kind == "json" else '{"type": "object"}'
         bound = {} if params.max_whitespace is None else {"max_whitespace_cnt": params.max_whitespace}
         grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=not params.disable_any_whitespace, **bound)
-        return with_chained_strings(grammar)
+        return with_chained_strings(grammar) if chained else grammar
     if kind == "regex":
         return xgr.Grammar.from_regex(params.regex)
     if kind == "choice":
@@ -231,14 +235,40 @@ def choose_backend(params: StructuredOutputsParams, backend: str, disable_fallba
     order = ["xgrammar", "guidance"] if backend == "auto" else [backend]
     if backend == "auto" and (disable_fallback or params.disable_fallback):
         order = ["xgrammar"]
+    key = (tuple(order), params.kind, params.spec_text(), params.options())
+    with _CHOSEN_LOCK:
+        chosen = _CHOSEN.get(key)
+        if chosen is not None:
+            _CHOSEN.move_to_end(key)
+    if chosen is None:
+        chosen = _choose(params, order)
+        with _CHOSEN_LOCK:
+            _CHOSEN[key] = chosen
+            while len(_CHOSEN) > _CHOSEN_ENTRIES:
+                _CHOSEN.popitem(last=False)
+    if chosen.startswith("error:"):
+        raise ValueError(f"{_field(params)} is invalid or unsupported ({chosen[len('error:'):]})")
+    return chosen
+
+
+# Requests tend to repeat a few constraints: each one's verdict is kept (a backend's name or an error).
+_CHOSEN: OrderedDict[tuple, str] = OrderedDict()
+_CHOSEN_ENTRIES = 256
+_CHOSEN_LOCK = threading.Lock()
+
+
+def _choose(params: StructuredOutputsParams, order: list[str]) -> str:
     errors = []
     for name in order:
         try:
-            (xgrammar_grammar if name == "xgrammar" else guidance_grammar)(params)
+            if name == "xgrammar":
+                xgrammar_grammar(params, chained=False)
+            else:
+                guidance_grammar(params)
             return name
         except Exception as e:  # noqa: BLE001 - the backends raise RuntimeError, ValueError, their own types
             errors.append(f"{name}: {_first_line(e)}")
-    raise ValueError(f"{_field(params)} is invalid or unsupported ({'; '.join(errors)})")
+    return "error:" + "; ".join(errors)
 
 
 _CPP_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # xgrammar's "[12:00:00] /path/x.cc:83: "

@@ -1,0 +1,57 @@
+"""Drawing tokens from probabilities (sample/draw.py): both ways sample the distribution, never
+a token of probability zero, and seeded rows do not depend on the batch."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm.sample.draw import BLOCK, _inverse_cdf, _race, draw
+
+VOCAB = 2 * BLOCK + 188  # not a whole number of blocks: the last one is padded
+
+
+def _distribution(seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    p = torch.rand(VOCAB, generator=g) ** 4  # uneven
+    p[torch.rand(VOCAB, generator=g) < 0.4] = 0
+    p[:BLOCK] = 0  # a whole block without mass
+    p[-1] = 0
+    p[BLOCK + 7] = 1e-7  # a rare token with mass of its own
+    return p / p.sum()
+
+
+@pytest.mark.parametrize("fn", [_inverse_cdf, _race], ids=["inverse_cdf", "race"])
+def test_samples_the_distribution(fn):
+    p = _distribution()
+    rows = 100_000
+    torch.manual_seed(1)
+    tokens = fn(p.expand(rows, VOCAB).contiguous(), {})
+    counts = torch.bincount(tokens, minlength=VOCAB).double()
+    assert counts[p == 0].sum() == 0
+    expected = p.double() * rows
+    some = expected > 5  # Pearson's test over the tokens expected often enough
+    chi2 = ((counts[some] - expected[some]) ** 2 / expected[some]).sum().item()
+    dof = int(some.sum()) - 1
+    assert chi2 < dof + 5 * (2 * dof) ** 0.5, (chi2, dof)
+
+
+def test_seeded_rows_do_not_depend_on_the_batch():
+    p = _distribution(3)
+
+    def seeded(rows: int, at: int) -> int:
+        batch = p.expand(rows, VOCAB).contiguous()
+        return int(draw(batch, {at: torch.Generator().manual_seed(1234)})[at])
+
+    firsts = {seeded(rows, at) for rows, at in [(1, 0), (5, 2), (9, 8)]}
+    assert len(firsts) == 1
+    picks = {int(draw(p[None].clone(), {0: torch.Generator().manual_seed(s)})[0]) for s in range(40)}
+    assert len(picks) > 5  # and different seeds draw different tokens
+
+
+def test_point_masses_and_empty_rows():
+    p = torch.zeros(3, VOCAB)
+    p[0, 5] = 1.0
+    p[1, VOCAB - 2] = 0.25  # mass only in the padded block
+    tokens = _inverse_cdf(p, {})
+    assert tokens[0] == 5 and tokens[1] == VOCAB - 2
+    assert 0 <= tokens[2] < VOCAB  # a row without mass still gets an id in range
