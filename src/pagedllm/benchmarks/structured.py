@@ -78,7 +78,7 @@ def _timed(llm, prompts, params) -> tuple[float, list]:
     return time.perf_counter() - start, outs
 
 
-def main(argv: list[str] | None = None) -> None:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--engine", choices=["pagedllm", "vllm"], default="pagedllm")
     p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b")
@@ -95,7 +95,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--fill-threads", type=int, default=None,
                    help="structured_outputs_config max_fill_threads (default: the engine's)")
     p.add_argument("--engine-args", default="", help="extra EngineArgs as k=v,k=v (ints parsed)")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
     LLM, SamplingParams, StructuredOutputsParams, TokensPrompt = _imports(args.engine)
 
     random.seed(0)
