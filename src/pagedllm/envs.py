@@ -65,6 +65,9 @@ _VARS = [
            "Force an attention backend (default: triton on CUDA, torch elsewhere).", _stripped_lower),
     EnvVar("PAGEDLLM_CPU_ONEDNN_LINEAR", "bool (0 = off)", True,
            "0 runs CPU linears through `F.linear` (MKL) instead of oneDNN (docs/cpu_performance.md).", _not_zero),
+    EnvVar("PAGEDLLM_CPU_PACKED_WEIGHTS", "bool (0 = off)", True,
+           "0: CPU linears read the plain weights instead of copies prepacked in oneDNN's blocked layout "
+           "(ops/cpu_linear.py; the packs cost a second copy of the weights, at most 1/8 of RAM).", _not_zero),
     EnvVar("PAGEDLLM_DEFER_GRAMMAR", "bool (0 = off)", True,
            "0: with async scheduling, a step with constrained rows lands before the next is launched, "
            "instead of the next step deferring its sampling until the masks are known (A/B measurements).",

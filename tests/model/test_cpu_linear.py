@@ -48,3 +48,30 @@ def test_cpu_linear_uses_onednn_unless_disabled(monkeypatch):
     monkeypatch.setattr(cpu_linear, "_ENABLED", None)
     assert layers.linear(x.requires_grad_(True), w).requires_grad  # autograd needs F.linear
     assert calls == [1, 1]
+
+
+def test_parameters_are_prepacked_and_repacked_when_their_weights_move(monkeypatch):
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("torch built without oneDNN")
+    monkeypatch.setattr(cpu_linear, "_ENABLED", None)
+    cpu_linear.forget_packed()
+    torch.manual_seed(0)
+    x = torch.randn(32, 96)
+    w = torch.nn.Parameter(torch.randn(200, 96), requires_grad=False)
+    torch.testing.assert_close(layers.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-4)
+    entry = cpu_linear._PACKS[id(w)]
+    assert entry[2] is not None and cpu_linear._PACKED_BYTES == w.numel() * 4
+    layers.linear(x, w)
+    assert cpu_linear._PACKS[id(w)] is entry  # the pack is reused
+    w.data = torch.randn(200, 96)  # new storage (sleep mode's restore): repacked on use
+    torch.testing.assert_close(layers.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-4)
+    assert cpu_linear._PACKED_BYTES == w.numel() * 4
+    with torch.no_grad():
+        w.data.copy_(torch.randn(200, 96))  # in place: the worker forgets the packs after such writes
+    cpu_linear.forget_packed()
+    torch.testing.assert_close(layers.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-4)
+    plain = torch.randn(200, 96)  # not a Parameter (an expert's slice, a dequantized weight): never packed
+    layers.linear(x, plain)
+    assert id(plain) not in cpu_linear._PACKS
+    cpu_linear.forget_packed()
+

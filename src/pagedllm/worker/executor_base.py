@@ -6,6 +6,7 @@ from collections.abc import ItemsView, Iterator, KeysView, ValuesView
 from typing import Any, Callable, Union
 
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.ops.cpu_linear import forget_packed
 from pagedllm.worker.worker import Worker
 
 # A Worker method's name, or a function called as ``f(worker, *args, **kwargs)``.
@@ -27,9 +28,17 @@ def check_worker_method(method: WorkerMethod) -> None:
 
 
 def call_worker(worker: Worker, method: WorkerMethod, args: tuple, kwargs: dict | None) -> Any:
-    if isinstance(method, str):
-        return getattr(worker, method)(*args, **(kwargs or {}))
-    return method(worker, *args, **(kwargs or {}))
+    try:
+        if isinstance(method, str):
+            return getattr(worker, method)(*args, **(kwargs or {}))
+        return method(worker, *args, **(kwargs or {}))
+    finally:
+        if not isinstance(method, str) or method in _WRITES_WEIGHTS:
+            forget_packed()  # CPU linears' packed weight copies (ops/cpu_linear.py) may be stale
+
+
+# Worker methods that may write weights in place (a collective_rpc function may too).
+_WRITES_WEIGHTS = frozenset({"load_weights", "sleep", "wake_up"})
 
 
 def serve_call(worker: Worker, method: WorkerMethod, args: tuple, kwargs: dict | None, is_output_rank: bool) -> Any:
