@@ -7,6 +7,7 @@ model's vocabulary size may be padded past the tokenizer's; those ids are never 
 from __future__ import annotations
 
 import json
+import os
 import re
 import threading
 from collections import OrderedDict
@@ -79,7 +80,10 @@ class XgrammarBackend:
         import xgrammar as xgr
 
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
-        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)  # we cache ourselves
+        # We cache ourselves. A compile's own threads (its rules' masks in parallel) take half
+        # the cores, up to 8: a cold schema's first request waits for its compile.
+        threads = max(1, min(8, (os.cpu_count() or 1) // 2))
+        self._compiler = xgr.GrammarCompiler(info, max_threads=threads, cache_enabled=False)
 
     def compile(self, params: StructuredOutputsParams) -> Any:
         return self._compiler.compile_grammar(xgrammar_grammar(params))
