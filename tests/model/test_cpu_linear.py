@@ -1,6 +1,8 @@
 """The CPU linear path (oneDNN through torch) against F.linear, and its switch."""
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -73,5 +75,9 @@ def test_parameters_are_prepacked_and_repacked_when_their_weights_move(monkeypat
     plain = torch.randn(200, 96)  # not a Parameter (an expert's slice, a dequantized weight): never packed
     layers.linear(x, plain)
     assert id(plain) not in cpu_linear._PACKS
+    key = id(w)
+    del entry, w  # a weight dropped (its model gone): its pack and its share of the budget go too
+    gc.collect()
+    assert key not in cpu_linear._PACKS and cpu_linear._PACKED_BYTES == 0
     cpu_linear.forget_packed()
 

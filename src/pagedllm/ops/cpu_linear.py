@@ -86,8 +86,20 @@ def _packed(weight: torch.Tensor) -> torch.Tensor | None:
             packed = None
     used = size if packed is not None else 0
     _PACKED_BYTES += used
-    _PACKS[id(weight)] = (weakref.ref(weight), weight.data_ptr(), packed, used)
+    _PACKS[id(weight)] = (weakref.ref(weight, _dead(id(weight))), weight.data_ptr(), packed, used)
     return packed
+
+
+def _dead(key: int):
+    """A weight's pack goes when the weight does (a model dropped in-process): its memory and
+    its share of the budget are freed."""
+    def drop(ref: weakref.ref) -> None:
+        global _PACKED_BYTES
+        entry = _PACKS.get(key)
+        if entry is not None and entry[0] is ref:
+            del _PACKS[key]
+            _PACKED_BYTES -= entry[3]
+    return drop
 
 
 def _pack_budget() -> int:
