@@ -48,19 +48,26 @@ def chain_rules(name: str, lo: int, hi: int) -> list[str]:
 
 def chain_bounded_strings(ebnf: str, budget: int = CHAIN_BUDGET) -> str:
     """The grammar text with each bounded string rule (while the budget lasts) as a chain."""
-    out = ebnf
+    lines = ebnf.splitlines()
+    chains: dict[str, list[str]] = {}  # a bounded rule's line → its chain
+    dropped: set[str] = set()  # the chained rules' character rules
     for m in _BOUNDED.finditer(ebnf):
         name, lo, hi = m["name"], int(m["lo"]), int(m["hi"])
         characters = _CHARACTERS.format(name=name)
         size = (lo if hi < 0 else hi) + 2
-        lines = ebnf.splitlines()
         taken = any(line.startswith(f"{name}_n") for line in lines)  # a chain's names in use
         if size > budget or characters not in lines or taken or 0 <= hi < lo:
             continue
         budget -= size
-        out = out.replace(m.group(0), "\n".join(chain_rules(name, lo, hi)))
-        out = "\n".join(line for line in out.splitlines() if line != characters)
-    return out
+        chains[m.group(0)] = chain_rules(name, lo, hi)
+        dropped.add(characters)
+    if not chains:
+        return ebnf
+    out = []
+    for line in lines:
+        if line not in dropped:
+            out.extend(chains.get(line, [line]))
+    return "\n".join(out)
 
 
 def with_chained_strings(grammar: Any) -> Any:
