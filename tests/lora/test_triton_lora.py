@@ -55,7 +55,10 @@ def test_kernels_match_torch_with_mixed_adapters(triton_lora, m, k, n, r, dtype)
 
 def test_k_split_only_for_steps_of_few_tiles(triton_lora):
     assert triton_lora.default_config(260, 1, 8192, 4096, 4096)["split"] == 1  # a prefill: programs enough
-    assert triton_lora.default_config(5, 1, 1, 6144, 4096)["split"] == 8  # batch-1 decode: K 512 a program
+    assert triton_lora.default_config(5, 1, 1, 6144, 4096)["split"] == 16  # batch-1 decode: K 256 a program,
+    assert triton_lora.default_config(5, 1, 1, 28672, 4096)["split"] == 16  # wide projections too (a GEMV reads
+    assert triton_lora.default_config(5, 1, 8, 28672, 4096)["split"] == 4  # the partials; the expand, re-reading
+    # them per output tile, splits less)
     assert triton_lora.default_config(5, 1, 1, 4096, 14336)["split"] == triton_lora.MAX_SPLIT
     assert triton_lora.default_config(5, 1, 1, 6144, 256)["split"] == 1  # too little K to split
     for k, split, block_k in [(4096, 8, 128), (14336, 8, 128), (1100, 4, 64), (64, 8, 64)]:
@@ -94,7 +97,9 @@ def test_small_row_gemm_adds_the_expand_in_its_epilogue(triton_lora, triton_gemv
     slots = np.array([(2 - i) % 4 - 1 if m > 1 else 1 for i in range(m)])  # 1, 0, -1, 2, ...
     ids, tiles = triton_lora.sort_by_slot(slots)
     delta = triton_lora.lora_shrink(x, a, b, torch.from_numpy(ids).to(DEVICE), torch.from_numpy(tiles).to(DEVICE),
-                                    torch.from_numpy(slots).to(DEVICE), {"split": split, "block_k": 64, "block_n": 64})
+                                    torch.from_numpy(slots).to(DEVICE), {"split": split, "block_k": 64, "block_n": 64},
+                                    pdl=triton_lora.pdl_supported(torch.device(DEVICE)))  # on a GPU: the GEMM
+    # launched while the shrink runs (programmatic dependent launch) where the device has it
     assert delta.split == split
     if kernel.startswith("linear"):  # the engine's dispatch: F.linear for a weight this small (6 rows), and
         # the expand its own launch there and for an adapter of another dtype than the weight

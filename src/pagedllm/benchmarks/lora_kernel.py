@@ -1,8 +1,9 @@
 """The multi-LoRA kernels (``ops/triton_lora.py``) on one layer's projections of a shape, timed
 in CUDA graphs (no launch gaps) against the projection's own GEMM (the engine's dispatch,
 ``triton_ops.linear``): per token count, the projection with its adapters as the engine runs it
-(up to 32 tokens: the shrink, then the GEMM with the expand in its epilogue; beyond: the GEMM,
-then shrink and expand), and the separate shrink + expand with the default launch config and,
+(up to 32 tokens: the shrink, then the GEMM with the expand in its epilogue, launched while the
+shrink runs unless ``PAGEDLLM_LORA_PDL=0``; beyond: the GEMM, then shrink and expand), and the
+separate shrink + expand with the default launch config and,
 with ``--sweep``, the best of a sweep (K split, block sizes). Tokens spread evenly over
 ``--num-adapters`` adapters; decode-sized counts are padded to a CUDA graph's fixed grid.
 
@@ -52,6 +53,7 @@ def main(argv: list[str] | None = None) -> None:
         ids = torch.from_numpy(np.concatenate([ids, np.full(pad * tl_lora.BLOCK_M, -1)])).to(dev)
         tiles = torch.from_numpy(np.concatenate([tiles, np.full(pad, -1)])).to(dev)
         token_slots = torch.from_numpy(slots).to(dev) if m <= 32 else None
+        pdl = m <= 32 and tl_lora.pdl_supported(torch.device(dev))
         for name, (k, n, r) in projections(cfg, args.rank).items():
             x = torch.randn(m, k, device=dev, dtype=dt)
             y = torch.zeros(m, n, device=dev, dtype=dt)
@@ -60,7 +62,7 @@ def main(argv: list[str] | None = None) -> None:
             b = torch.randn(args.num_adapters, n, r, device=dev, dtype=dt) * 0.01
             base_us = 1e3 * do_bench_cudagraph(lambda: triton_ops.linear(x, w), rep=20)
             engine_us = 1e3 * do_bench_cudagraph(lambda: triton_ops.linear(
-                x, w, lora=tl_lora.lora_shrink(x, a, b, ids, tiles, token_slots)), rep=20)
+                x, w, lora=tl_lora.lora_shrink(x, a, b, ids, tiles, token_slots, pdl=pdl)), rep=20)
 
             def run(config):
                 return 1e3 * do_bench_cudagraph(lambda: tl_lora.lora_apply(x, y, a, b, ids, tiles, config), rep=20)

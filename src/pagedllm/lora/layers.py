@@ -95,10 +95,11 @@ class LoRASlots:
         (``ops.triton_ops.linear(..., lora=)``); None elsewhere (``apply`` after the GEMM)."""
         if MAPPING.tile_slots is None or not x.is_cuda:
             return None
-        from pagedllm.ops.triton_lora import lora_shrink
+        from pagedllm.ops.triton_lora import lora_shrink, pdl_supported
 
+        fused = x.shape[0] <= FUSED_ROWS
         return lora_shrink(x.contiguous(), self.A, self.B, MAPPING.sorted_ids, MAPPING.tile_slots,
-                           MAPPING.token_slots if x.shape[0] <= FUSED_ROWS else None)
+                           MAPPING.token_slots if fused else None, pdl=fused and pdl_supported(x.device))
 
     def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         delta = self.shrink(x)  # two launches for any mix of adapters

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.ops.triton_lora import block_r_for, partial_sums
+from pagedllm.ops.triton_lora import block_r_for, gdc_wait, partial_sums
 
 MAX_ROWS = 32  # the dot's padded row count at most
 
@@ -28,7 +28,7 @@ def _small_m_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_
                          t_ptr, lb_ptr, ls_ptr, R, NUM_SLOTS, stride_ts, stride_tm, stride_lbs, stride_lbn,
                          HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr, HAS_LORA: tl.constexpr, SPLIT: tl.constexpr,
-                         BLOCK_R: tl.constexpr):
+                         BLOCK_R: tl.constexpr, PDL: tl.constexpr):
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, BLOCK_M)
     kk = tl.arange(0, BLOCK_K)
@@ -46,6 +46,8 @@ def _small_m_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
     if HAS_LORA:  # acc[:, rows of slot s] += B[s] t[rows]^T, slot by slot (a handful of adapters)
+        if PDL:  # launched while the shrink runs: its t complete and visible from here on
+            gdc_wait()
         row_slot = tl.load(ls_ptr + m, mask=m_ok, other=-1)
         for r0 in range(0, R, BLOCK_R):
             r = r0 + tl.arange(0, BLOCK_R)
@@ -65,7 +67,7 @@ def _small_m_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn,
                  t_ptr, lb_ptr, ls_ptr, R, stride_ts, stride_lbs, stride_lbn,
                  HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_LORA: tl.constexpr,
-                 SPLIT: tl.constexpr, BLOCK_R: tl.constexpr):
+                 SPLIT: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr):
     """One row: products accumulated elementwise in fp32, reduced once at the end."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     kk = tl.arange(0, BLOCK_K)
@@ -83,6 +85,8 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn,
     if HAS_BIAS:
         y += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
     if HAS_LORA:
+        if PDL:
+            gdc_wait()
         slot = tl.load(ls_ptr).to(tl.int64)
         if slot >= 0:
             for r0 in range(0, R, BLOCK_R):
@@ -135,9 +139,10 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     else:
         t = lb = ls = y
         r, lora_strides, block_r = 0, (0, 0, 0, 0), 16
+    pdl = lora is not None and lora.pdl
     common = dict(HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, HAS_LORA=lora is not None,
-                  SPLIT=lora.split if lora is not None else 1, BLOCK_R=block_r, num_warps=num_warps,
-                  num_stages=num_stages)
+                  SPLIT=lora.split if lora is not None else 1, BLOCK_R=block_r, PDL=pdl, num_warps=num_warps,
+                  num_stages=num_stages, **({"launch_pdl": True} if pdl else {}))
     if kernel == "gemv" and m == 1:
         ts, _, lbs, lbn = lora_strides
         _gemv_kernel[grid](x, weight, b, y, n, k, weight.stride(0), t, lb, ls, r, ts, lbs, lbn, **common)
