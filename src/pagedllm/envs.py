@@ -76,8 +76,9 @@ _VARS = [
            "0 keeps xgrammar's own form of length-bounded JSON strings instead of chaining them "
            "(structured_output/xgrammar_strings.py; A/B measurements).", _not_zero),
     EnvVar("PAGEDLLM_LORA_PDL", "bool (0 = off)", True,
-           "0: a decode step's projection GEMM waits for its LoRA shrink to end before it starts, instead of "
-           "starting while the shrink runs (programmatic dependent launch, ops/triton_lora.py; A/B measurements).",
+           "0: a decode step's LoRA shrink and the projection GEMM after it wait for the kernel before them to "
+           "end before they start, instead of launching while it runs (programmatic dependent launch, "
+           "ops/triton_lora.py; A/B measurements).",
            _not_zero),
     EnvVar("PAGEDLLM_SPEC_FORCE_ACCEPT", "bool (1 = on)", False,
            "Benchmarks only: speculative decoding accepts every draft (the machinery's ceiling; outputs are the "

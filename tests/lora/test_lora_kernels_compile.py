@@ -1,7 +1,8 @@
-"""The LoRA shrink and the small-row GEMMs that carry its expand compile for an H100 (sm_90:
-TTIR -> PTX -> cubin) with programmatic dependent launch: the shrink lets its GEMM launch early
-(griddepcontrol.launch_dependents) and the GEMM waits for the shrink's output in its epilogue
-(griddepcontrol.wait). What Triton's interpreter cannot run fails here, not in the GPU pass. One
+"""The LoRA shrink, the small-row GEMMs that carry its expand and the kernels before a shrink
+compile for an H100 (sm_90: TTIR -> PTX -> cubin) with programmatic dependent launch: the norm
+and SiLU-and-mul kernels let the shrink launch early, the shrink waits for their output and lets
+its GEMM launch early (griddepcontrol.launch_dependents), and the GEMM waits for the shrink's
+output in its epilogue (griddepcontrol.wait). What Triton's interpreter cannot run fails here, not in the GPU pass. One
 fresh process, a fresh Triton cache."""
 from __future__ import annotations
 
@@ -53,6 +54,15 @@ compile_("small-row dot with the expand", triton_gemv._small_m_gemm_kernel,
           "BLOCK_K": c, "HAS_LORA": c, "SPLIT": c, "BLOCK_R": c, "PDL": c},
          {"HAS_BIAS": True, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "HAS_LORA": True, "SPLIT": 2, "BLOCK_R": 32,
           "PDL": True}, "griddepcontrol.wait")
+from pagedllm.ops import triton_ops
+compile_("rms norm letting the shrink launch", triton_ops._rms_norm_kernel,
+         {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "res_out_ptr": "*bf16",
+          "n_inner": "i32", "x_stride0": "i32", "x_stride1": "i32", "res_stride0": "i32", "res_stride1": "i32",
+          "N": "i32", "eps": "fp32", "HAS_RESIDUAL": c, "BLOCK": c, "TRIGGER": c},
+         {"HAS_RESIDUAL": True, "BLOCK": 4096, "TRIGGER": True}, "griddepcontrol.launch_dependents")
+compile_("silu-and-mul letting the shrink launch", triton_ops._silu_and_mul_kernel,
+         {"x_ptr": "*bf16", "out_ptr": "*bf16", "x_stride0": "i32", "inter_size": "i32", "BLOCK": c, "TRIGGER": c},
+         {"BLOCK": 1024, "TRIGGER": True}, "griddepcontrol.launch_dependents")
 print(json.dumps(results))
 """
 
@@ -64,4 +74,5 @@ def test_lora_kernels_compile_for_sm90_with_programmatic_dependent_launch(tmp_pa
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     results = json.loads(lines[-1])
-    assert results == {"shrink": True, "gemv with the expand": True, "small-row dot with the expand": True}
+    assert results == {"shrink": True, "gemv with the expand": True, "small-row dot with the expand": True,
+                       "rms norm letting the shrink launch": True, "silu-and-mul letting the shrink launch": True}

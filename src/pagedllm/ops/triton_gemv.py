@@ -70,6 +70,8 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn,
                  SPLIT: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr):
     """One row: products accumulated elementwise in fp32, reduced once at the end."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    if HAS_LORA:  # the row's adapter slot, in flight while the weight streams in
+        slot = tl.load(ls_ptr).to(tl.int64)
     kk = tl.arange(0, BLOCK_K)
     n_ok = n < N
     w_ptrs = w_ptr + n.to(tl.int64)[:, None] * stride_wn + kk[None, :]
@@ -87,7 +89,6 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn,
     if HAS_LORA:
         if PDL:
             gdc_wait()
-        slot = tl.load(ls_ptr).to(tl.int64)
         if slot >= 0:
             for r0 in range(0, R, BLOCK_R):
                 r = r0 + tl.arange(0, BLOCK_R)

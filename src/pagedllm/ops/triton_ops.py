@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from pagedllm.ops.triton_gemv import block_k_for, small_m_linear
+from pagedllm.ops.triton_lora import gdc_launch_dependents, pdl_supported
 
 # One program holds a whole row: hidden sizes of the supported models are far below this.
 MAX_ROW_SIZE = 65536
@@ -22,7 +23,10 @@ MAX_ROW_SIZE = 65536
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_inner, x_stride0, x_stride1, res_stride0,
-                     res_stride1, N, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                     res_stride1, N, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+                     TRIGGER: tl.constexpr = False):
+    if TRIGGER:  # a LoRA shrink after this may launch now (it waits for this kernel's output itself)
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     outer, inner = row // n_inner, row % n_inner
     offs = tl.arange(0, BLOCK)
@@ -41,7 +45,9 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_inner, x_str
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, x_stride0, inter_size, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, x_stride0, inter_size, BLOCK: tl.constexpr, TRIGGER: tl.constexpr = False):
+    if TRIGGER:
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < inter_size
@@ -134,7 +140,8 @@ def _rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tens
     rr, _, rs0, rs1 = _rows(residual) if residual is not None else (xr, n_inner, xs0, xs1)
     block, num_warps = _row_launch(n)
     _rms_norm_kernel[(num_rows,)](xr, rr, weight, out, res_out, n_inner, xs0, xs1, rs0, rs1, n, eps,
-                                  HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=num_warps)
+                                  HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=num_warps,
+                                  TRIGGER=pdl_supported(x.device))
     return out, res_out
 
 
@@ -165,6 +172,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return out
     block = min(triton.next_power_of_2(inter), 1024)
     _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(inter, block))](x2, out, x2.stride(0), inter, BLOCK=block,
+                                                                   TRIGGER=pdl_supported(x.device),
                                                                     num_warps=4)
     return out
 
