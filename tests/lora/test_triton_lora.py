@@ -27,7 +27,8 @@ def test_sort_by_slot_pads_each_adapter_to_whole_tiles(triton_lora):
 
 @pytest.mark.parametrize("m, k, n, r, dtype", [(5, 96, 200, 8, torch.float32), (40, 130, 64, 24, torch.float32),
                                                (7, 64, 150, 16, torch.bfloat16),
-                                               (3, 1100, 72, 16, torch.float32)])  # K split over programs
+                                               (3, 1100, 72, 16, torch.float32),  # K split over programs
+                                               (1, 4096, 512, 48, torch.bfloat16)])  # batch 1: a 16-way split
 def test_kernels_match_torch_with_mixed_adapters(triton_lora, m, k, n, r, dtype):
     g = torch.Generator().manual_seed(m * 7 + r)
     slots_n = 3
@@ -41,9 +42,13 @@ def test_kernels_match_torch_with_mixed_adapters(triton_lora, m, k, n, r, dtype)
     want = _reference(x, y, a, b, torch.from_numpy(slots))
     base = y.clone()
     config = None
-    if k > 256:  # K split over programs whose K is not a multiple of the block
+    if k > 256 and m > 1:  # K split over programs whose K is not a multiple of the block
         config = {"split": 4, "block_k": 64, "block_n": 64}
         assert triton_lora.split_k(k, 4, 64) == (4, 320)
+    if m == 1:  # the default config of a batch-1 step, with the expand on its own (a float32 adapter's way)
+        assert triton_lora.default_config(1, 1, m, n, k)["split"] == 16
+        slots[:] = 1
+        want = _reference(x, y, a, b, torch.from_numpy(slots))
     ids, tiles = triton_lora.sort_by_slot(slots)
     got = triton_lora.lora_apply(x, y, a, b, torch.from_numpy(ids).to(DEVICE), torch.from_numpy(tiles).to(DEVICE),
                                  config)

@@ -179,7 +179,10 @@ class LoRADelta:
         _expand_kernel[(self.tile_slots.shape[0], triton.cdiv(n, self.block_n))](
             self.t, self.b, self.sorted_ids, self.tile_slots, y, n, r, self.t.stride(0), self.t.stride(1),
             self.b.stride(0), self.b.stride(1), y.stride(0), IEEE=self.b.dtype == torch.float32, SPLIT=self.split,
-            BLOCK_M=BLOCK_M, BLOCK_N=self.block_n, BLOCK_R=block_r)
+            BLOCK_M=BLOCK_M, BLOCK_N=self.block_n, BLOCK_R=block_r,
+            # a batch-1 shrink's 16 partial sums, buffered for a pipelined rank loop, outgrow shared
+            # memory (320 KB at BLOCK_N 256): the loop has a few rank blocks at most, so no pipelining
+            num_stages=1 if self.split > 4 else 3)
         return y
 
 
