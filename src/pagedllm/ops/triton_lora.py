@@ -227,9 +227,9 @@ _PDL: dict[int, bool] = {}
 
 
 def pdl_supported(device: torch.device) -> bool:
-    """Programmatic dependent launch for the LoRA shrink and its GEMM: a CUDA device of compute
+    """Programmatic dependent launch for the LoRA shrink and its GEMM: an NVIDIA device of compute
     capability 9.0 or later, a Triton that has it, and ``PAGEDLLM_LORA_PDL`` not 0."""
-    if device.type != "cuda":
+    if device.type != "cuda" or torch.version.hip is not None:  # griddepcontrol is NVIDIA's
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _PDL:
