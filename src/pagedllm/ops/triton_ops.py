@@ -172,8 +172,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return out
     block = min(triton.next_power_of_2(inter), 1024)
     _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(inter, block))](x2, out, x2.stride(0), inter, BLOCK=block,
-                                                                   TRIGGER=pdl_supported(x.device),
-                                                                    num_warps=4)
+                                                                   TRIGGER=pdl_supported(x.device), num_warps=4)
     return out
 
 
