@@ -24,7 +24,7 @@ MAX_ROW_SIZE = 65536
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_inner, x_stride0, x_stride1, res_stride0,
                      res_stride1, N, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
-                     TRIGGER: tl.constexpr = False):
+                     TRIGGER: tl.constexpr):
     if TRIGGER:  # a LoRA shrink after this may launch now (it waits for this kernel's output itself)
         gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
@@ -45,7 +45,7 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_inner, x_str
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, x_stride0, inter_size, BLOCK: tl.constexpr, TRIGGER: tl.constexpr = False):
+def _silu_and_mul_kernel(x_ptr, out_ptr, x_stride0, inter_size, BLOCK: tl.constexpr, TRIGGER: tl.constexpr):
     if TRIGGER:
         gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
