@@ -24,7 +24,8 @@ def bench(fn, n=40) -> float:
 def main() -> None:
     m = int(sys.argv[1]) if len(sys.argv) > 1 else 32
     torch.manual_seed(0)
-    for dt in (torch.float32, torch.bfloat16):
+    bf16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    for dt in (torch.float32, torch.bfloat16) if bf16 else (torch.float32,):  # oneDNN bf16: AVX-512 or AMX
         per_step: dict[str, float] = {}
         for k, n in SHAPES:
             x, w = torch.randn(m, k, dtype=dt), torch.randn(n, k, dtype=dt)
