@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -120,3 +123,36 @@ def _bf16_like_the_gpu(monkeypatch) -> None:
     monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
     monkeypatch.setattr(interpreter.InterpreterBuilder, "cast_impl", cast_impl)
     monkeypatch.setattr(interpreter.InterpreterBuilder, "create_fp_to_fp", create_fp_to_fp)
+
+
+# The head of a child script that compiles kernels for an H100 (sm_90: TTIR -> PTX -> cubin with
+# the ptxas Triton ships) without a GPU; the script fills ``results`` (name -> True or the error).
+_SM90_PRELUDE = r"""
+import json, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+target = GPUTarget("cuda", 90, 32)
+results = {}
+c = "constexpr"
+
+def compile_(name, fn, signature, constexprs, num_warps=4, options=None, want_ptx=None):
+    try:
+        kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=target,
+                                options={"num_warps": num_warps, "num_stages": 3, **(options or {})})
+        results[name] = "cubin" in kernel.asm and (want_ptx is None or want_ptx in kernel.asm["ptx"])
+    except Exception as e:  # the test prints what the compiler said
+        results[name] = f"{type(e).__name__}: {str(e)[:800]}"
+"""
+
+
+def compile_for_sm90(body: str, cache_dir) -> dict:
+    """Runs ``body`` (calls of ``compile_(name, fn, signature, constexprs, ...)``) in a fresh
+    process: the test's own holds the kernel modules as imported for the interpreter, which
+    have no compiled form. Triton's cache is ``cache_dir``. Returns ``results``."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(cache_dir)}
+    script = _SM90_PRELUDE + body + "\nprint(json.dumps(results))\n"
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    return json.loads(lines[-1])

@@ -2,77 +2,53 @@
 compile for an H100 (sm_90: TTIR -> PTX -> cubin) with programmatic dependent launch: the norm
 and SiLU-and-mul kernels let the shrink launch early, the shrink waits for their output and lets
 its GEMM launch early (griddepcontrol.launch_dependents), and the GEMM waits for the shrink's
-output in its epilogue (griddepcontrol.wait). What Triton's interpreter cannot run fails here, not in the GPU pass. One
-fresh process, a fresh Triton cache."""
+output in its epilogue (griddepcontrol.wait). What Triton's interpreter cannot run fails here,
+not in the GPU pass (tests/triton_env.compile_for_sm90: one fresh process, a fresh cache)."""
 from __future__ import annotations
-
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-from tests.triton_env import HAS_TRITON
+from tests.triton_env import HAS_TRITON, compile_for_sm90
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 
-_CHILD = r"""
-import json, triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from pagedllm.ops import triton_gemv, triton_lora
+_BODY = r"""
+from pagedllm.ops import triton_gemv, triton_lora, triton_ops
 
-target = GPUTarget("cuda", 90, 32)
-results = {}
-c = "constexpr"
-
-def compile_(name, fn, signature, constexprs, want):
-    try:
-        kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=target,
-                                options={"num_warps": 4, "num_stages": 3, "launch_pdl": True})
-        results[name] = "cubin" in kernel.asm and want in kernel.asm["ptx"]
-    except Exception as e:
-        results[name] = f"{type(e).__name__}: {str(e)[:800]}"
-
+pdl = {"launch_pdl": True}
 compile_("shrink", triton_lora._shrink_kernel,
          {"x_ptr": "*bf16", "a_ptr": "*bf16", "ids_ptr": "*i64", "tile_slot_ptr": "*i64", "t_ptr": "*fp32", "K": "i32",
           "R": "i32", "K_PER_SPLIT": "i32", "stride_xm": "i32", "stride_as": "i32", "stride_ar": "i32",
           "stride_ts": "i32", "stride_tm": "i32", "IEEE": c, "BLOCK_M": c, "BLOCK_R": c, "BLOCK_K": c, "PDL": c},
-         {"IEEE": False, "BLOCK_M": 32, "BLOCK_R": 64, "BLOCK_K": 128, "PDL": True}, "griddepcontrol.launch_dependents")
+         {"IEEE": False, "BLOCK_M": 32, "BLOCK_R": 64, "BLOCK_K": 128, "PDL": True}, options=pdl,
+         want_ptx="griddepcontrol.launch_dependents")
 lora = {"t_ptr": "*fp32", "lb_ptr": "*bf16", "ls_ptr": "*i64", "R": "i32"}
 compile_("gemv with the expand", triton_gemv._gemv_kernel,
          {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "N": "i32", "K": "i32",
           "stride_wn": "i32", **lora, "stride_ts": "i32", "stride_lbs": "i32", "stride_lbn": "i32", "HAS_BIAS": c,
           "BLOCK_N": c, "BLOCK_K": c, "HAS_LORA": c, "SPLIT": c, "BLOCK_R": c, "PDL": c},
          {"HAS_BIAS": False, "BLOCK_N": 8, "BLOCK_K": 512, "HAS_LORA": True, "SPLIT": 4, "BLOCK_R": 64, "PDL": True},
-         "griddepcontrol.wait")
+         options=pdl, want_ptx="griddepcontrol.wait")
 compile_("small-row dot with the expand", triton_gemv._small_m_gemm_kernel,
          {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32",
           "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32", **lora, "NUM_SLOTS": "i32", "stride_ts": "i32",
           "stride_tm": "i32", "stride_lbs": "i32", "stride_lbn": "i32", "HAS_BIAS": c, "BLOCK_M": c, "BLOCK_N": c,
           "BLOCK_K": c, "HAS_LORA": c, "SPLIT": c, "BLOCK_R": c, "PDL": c},
          {"HAS_BIAS": True, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "HAS_LORA": True, "SPLIT": 2, "BLOCK_R": 32,
-          "PDL": True}, "griddepcontrol.wait")
-from pagedllm.ops import triton_ops
+          "PDL": True}, options=pdl, want_ptx="griddepcontrol.wait")
 compile_("rms norm letting the shrink launch", triton_ops._rms_norm_kernel,
          {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "res_out_ptr": "*bf16",
           "n_inner": "i32", "x_stride0": "i32", "x_stride1": "i32", "res_stride0": "i32", "res_stride1": "i32",
           "N": "i32", "eps": "fp32", "HAS_RESIDUAL": c, "BLOCK": c, "TRIGGER": c},
-         {"HAS_RESIDUAL": True, "BLOCK": 4096, "TRIGGER": True}, "griddepcontrol.launch_dependents")
+         {"HAS_RESIDUAL": True, "BLOCK": 4096, "TRIGGER": True}, options=pdl,
+         want_ptx="griddepcontrol.launch_dependents")
 compile_("silu-and-mul letting the shrink launch", triton_ops._silu_and_mul_kernel,
          {"x_ptr": "*bf16", "out_ptr": "*bf16", "x_stride0": "i32", "inter_size": "i32", "BLOCK": c, "TRIGGER": c},
-         {"BLOCK": 1024, "TRIGGER": True}, "griddepcontrol.launch_dependents")
-print(json.dumps(results))
+         {"BLOCK": 1024, "TRIGGER": True}, options=pdl, want_ptx="griddepcontrol.launch_dependents")
 """
 
 
 def test_lora_kernels_compile_for_sm90_with_programmatic_dependent_launch(tmp_path):
-    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path)}
-    env.pop("TRITON_INTERPRET", None)
-    proc = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True, timeout=600)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    results = json.loads(lines[-1])
+    results = compile_for_sm90(_BODY, tmp_path)
     assert results == {"shrink": True, "gemv with the expand": True, "small-row dot with the expand": True,
                        "rms norm letting the shrink launch": True, "silu-and-mul letting the shrink launch": True}

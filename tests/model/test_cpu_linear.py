@@ -80,4 +80,3 @@ def test_parameters_are_prepacked_and_repacked_when_their_weights_move(monkeypat
     gc.collect()
     assert key not in cpu_linear._PACKS and cpu_linear._PACKED_BYTES == 0
     cpu_linear.forget_packed()
-

@@ -1,39 +1,18 @@
 """The quantization kernels compile for an H100 (sm_90: TTIR -> PTX -> cubin with the ptxas Triton
 ships) without a GPU: what Triton's interpreter accepts but the compiler refuses (globals read
 as non-constexprs, fp8 dots of unsupported shapes, layout conversions of the packed-load reshape)
-fails here, not in the GPU pass. One fresh process (this one holds the kernel modules as imported
-for the interpreter) compiling into a fresh Triton cache."""
+fails here, not in the GPU pass (tests/triton_env.compile_for_sm90: one fresh process, a fresh
+Triton cache)."""
 from __future__ import annotations
-
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-from tests.triton_env import HAS_TRITON
+from tests.triton_env import HAS_TRITON, compile_for_sm90
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 
-_CHILD = r"""
-import json, triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+_BODY = r"""
 from pagedllm.ops import triton_fp8, triton_int4
-
-target = GPUTarget("cuda", 90, 32)
-results = {}
-
-def compile_(name, fn, signature, constexprs, num_warps=4):
-    try:
-        kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=target,
-                                options={"num_warps": num_warps, "num_stages": 3})
-        results[name] = "cubin" in kernel.asm
-    except Exception as e:  # the test prints what the compiler said
-        results[name] = f"{type(e).__name__}: {str(e)[:800]}"
-
-c = "constexpr"
 w4 = {"x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*i32", "b_ptr": "*bf16", "y_ptr": "*bf16",
       "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_ym": "i32", "GROUP": c, "HAS_ZP": c,
       "HAS_BIAS": c, "BLOCK_M": c, "BLOCK_N": c, "BLOCK_K": c, "PACKED_LOAD": c, "HAS_MIN": c}
@@ -85,16 +64,10 @@ compile_("fp8 small-row", triton_fp8._fp8_small_m_kernel,
           "y_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32",
           "stride_ym": "i32", "HAS_BIAS": c, "BLOCK_M": c, "BLOCK_N": c, "BLOCK_K": c},
          {"HAS_BIAS": True, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256})
-print(json.dumps(results))
 """
 
 
 def test_quantization_kernels_compile_for_sm90(tmp_path):
-    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path), "TRITON_INTERPRET": "0"}
-    env.pop("TRITON_INTERPRET")
-    proc = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True, timeout=600)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    results = json.loads(lines[-1])
+    results = compile_for_sm90(_BODY, tmp_path)
     assert len(results) == 19
     assert {name: ok for name, ok in results.items() if ok is not True} == {}

@@ -10,8 +10,9 @@ float32 math mode is left strict).
 A model's weights (``nn.Parameter``s, float32 or bfloat16) are also prepacked into oneDNN's
 blocked layout on first use (``_reorder_linear_weight``, what inductor's freezing pass does):
 another ~28% off a float32 decode step's projections at 32 rows on 2 cores in isolation
-(scripts/cpu_linear_bench.py, weights staying in cache), ~10% inside the engine. A pack is a second copy of its weight, so packs stop at an
-eighth of the machine's memory, and one is remade when its weight's storage moved. The worker
+(scripts/cpu_linear_bench.py, weights staying in cache), ~10% inside the engine. A pack is a
+second copy of its weight, so packs stop at an eighth of the machine's memory, and one is
+remade when its weight's storage moved. The worker
 calls ``forget_packed()`` after anything that may write weights in place (load_weights, sleep,
 wake_up, a collective_rpc function); ``PAGEDLLM_CPU_PACKED_WEIGHTS=0`` turns packing off.
 """
