@@ -2,7 +2,7 @@
 per projection shape, timed as in a decode graph: 32 calls over rotating weight copies (more
 bytes than L2) captured in one CUDA graph, time per call = replay time / 32.
 
-python scripts/bench_gemv.py [--rows 1,8]
+python scripts/bench_gemv.py [--rows 1,8] [--shapes "8b o,30b-a3b qkv"]
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from pagedllm.ops.triton_gemv import small_m_linear
 SHAPES = {  # name: (N, K)
     "8b qkv": (6144, 4096), "8b o": (4096, 4096), "8b gate_up": (28672, 4096), "8b down": (4096, 14336),
     "8b lm_head": (128256, 4096), "0.6b qkv": (4096, 1024), "0.6b o": (1024, 2048), "0.6b gate_up": (6144, 1024),
-    "0.6b down": (1024, 3072),
+    "0.6b down": (1024, 3072), "30b-a3b qkv": (5120, 2048), "30b-a3b o": (2048, 4096),
 }
 
 
@@ -49,10 +49,12 @@ def time_per_call(fn, xs, ws, calls=32, reps=20):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--rows", default="1,8,16,32")
+    p.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated names of SHAPES")
     args = p.parse_args()
+    shapes = {name: SHAPES[name] for name in args.shapes.split(",")}
     rows_list = [int(r) for r in args.rows.split(",")]
     configs = [dict(kernel="dot", block_n=bn, block_k=bk, num_warps=4, num_stages=st)
-               for bn, bk, st in itertools.product((32, 64), (128, 256), (3, 4))]
+               for bn, bk, st in itertools.product((16, 32, 64), (128, 256), (3, 4, 5))]
     configs += [dict(kernel="gemv", block_n=bn, block_k=512, num_warps=4, num_stages=st)
                 for bn, st in itertools.product((8, 16), (2, 3))]
     src = torch.empty(2 * 2**30, dtype=torch.uint8, device="cuda")
@@ -69,7 +71,7 @@ def main():
     copy_bw = sorted(bw)[2]
     print(f"copy bandwidth {copy_bw / 1e12:.2f} TB/s")
     best_cfgs = {}
-    for name, (n, k) in SHAPES.items():
+    for name, (n, k) in shapes.items():
         nbytes = n * k * 2
         copies = max(2, min(8, (400 << 20) // nbytes + 1))
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5 for _ in range(copies)]

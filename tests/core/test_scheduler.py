@@ -87,6 +87,26 @@ def test_preemption_frees_blocks_and_request_resumes():
     assert s.kv.num_free_blocks == 4
 
 
+@pytest.mark.parametrize("preempted_before", [False, True])
+def test_a_preempted_request_comes_back_with_a_block_for_each_running_one(preempted_before):
+    """In the last free block, a request is preempted as soon as the running one grows; a
+    request preempted before (recomputed each time: the thrash of a full cache) waits instead
+    until a block is free beyond its own for each running request."""
+    s = make_scheduler(num_blocks=3, block_size=4, max_model_len=12)
+    s.add_request(make_request("a", 7, max_tokens=4))
+    run_step(s)  # a holds 2 blocks: 1 free
+    b = make_request("b", 3, max_tokens=2)
+    b.num_preemptions = int(preempted_before)
+    s.add_request(b)
+    out, _ = run_step(s)
+    assert ("b" in out.num_scheduled_tokens) is not preempted_before
+    run_step(s)  # a's 9th token needs a third block
+    assert s.num_preemptions == (0 if preempted_before else 1)
+    while s.has_unfinished_requests():
+        run_step(s)
+    assert s.kv.num_free_blocks == 3
+
+
 def test_priority_policy_runs_lower_value_first_and_preempts_highest():
     s = make_scheduler(policy="priority", max_num_seqs=1)
     s.add_request(make_request("low", 4, t=0.0, priority=5))

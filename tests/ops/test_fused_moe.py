@@ -129,6 +129,33 @@ def test_tile_config_table_lookup(triton_fused_moe, tmp_path, monkeypatch):
         triton_fused_moe.reload_config_table()
 
 
+def test_warm_up_runs_each_batch_sizes_tiles_once(triton_fused_moe, monkeypatch):
+    """Start-up runs the kernels once per distinct (tiles, alignment) of the batch buckets that
+    forwards of up to max_tokens reach, so no size compiles a kernel in the middle of a run."""
+    small, mid, large = ({"BLOCK_M": m, "BLOCK_N": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 2}
+                         for m in (16, 32, 64))
+    buckets = triton_fused_moe.BATCH_BUCKETS
+    table = {f"E={NUM_EXPERTS},H={HIDDEN},I={INTER}": {
+        str(b): small if b <= 16 else mid if b <= 256 else large for b in buckets}}
+    monkeypatch.setattr(triton_fused_moe, "_config_table", lambda: table)
+    calls = []
+    monkeypatch.setattr(triton_fused_moe, "fused_experts_triton",
+                        lambda x, w13, w2, weights, ids, expert_map=None: calls.append((x.shape[0], ids)))
+    _, w13, w2, _, _ = _inputs(1, 2, torch.float32)
+    triton_fused_moe.warm_up(w13, w2, 2, None, max_tokens=3000)
+    # 1: small tiles; 32: mid; 512: large; 3000 (the 4096 bucket): large, the torch alignment (> 4096 pairs).
+    assert [t for t, _ in calls] == [1, 32, 512, 3000]
+    assert all(ids.shape == (t, 2) and 0 <= ids.min() and ids.max() < NUM_EXPERTS for t, ids in calls)
+    calls.clear()
+    triton_fused_moe.warm_up(w13, w2, 2, None, max_tokens=100)  # nothing past the 128 bucket
+    assert [t for t, _ in calls] == [1, 32]
+
+
+def test_warm_up_runs_the_kernels(triton_fused_moe):
+    _, w13, w2, _, _ = _inputs(1, 2, torch.float32)
+    triton_fused_moe.warm_up(w13, w2, 2, None, max_tokens=20)  # the default tiles: one run of 20 tokens
+
+
 @pytest.mark.parametrize("scoring,renormalize,round_to,num_experts,top_k,dtype", [
     ("softmax", True, None, 6, 2, torch.float32), ("softmax", False, torch.bfloat16, 60, 8, torch.bfloat16),
     ("sigmoid", True, torch.bfloat16, 128, 8, torch.bfloat16), ("sigmoid", False, None, 5, 1, torch.float32)])

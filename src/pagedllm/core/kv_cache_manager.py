@@ -149,11 +149,12 @@ class KVCacheManager:
     # ---- allocation --------------------------------------------------------------------------
     def allocate_slots(
         self, request: Request, num_new_tokens: int, new_computed_blocks: GroupBlocks = (),
-        num_lookahead_tokens: int = 0,
+        num_lookahead_tokens: int = 0, reserve_blocks: int = 0,
     ) -> GroupBlocks | None:
         """Make room for ``num_new_tokens`` more tokens (and ``num_lookahead_tokens`` past them, where
         a draft model writes its guesses) in every group; returns the new blocks per group, or None
-        (and no change) if out of blocks. ``new_computed_blocks``: ``get_computed_blocks``' hits."""
+        (and no change) if out of blocks. ``new_computed_blocks``: ``get_computed_blocks``' hits.
+        ``reserve_blocks``: free blocks that must remain afterwards (None if they would not)."""
         req_id = request.request_id
         groups = self.req_to_blocks.get(req_id)
         num_hit = len(new_computed_blocks[0]) if new_computed_blocks else 0
@@ -168,7 +169,7 @@ class KVCacheManager:
         # Hits sitting in the free queue stop being free once touched.
         num_evictable_hits = sum(1 for hits in new_computed_blocks for b in hits
                                  if b.ref_cnt == 0 and b is not NULL_BLOCK)
-        if num_new_blocks * self.num_groups > self.pool.num_free_blocks - num_evictable_hits:
+        if num_new_blocks * self.num_groups > self.pool.num_free_blocks - num_evictable_hits - reserve_blocks:
             return None
         if groups is None:
             groups = self.req_to_blocks[req_id] = tuple([] for _ in range(self.num_groups))

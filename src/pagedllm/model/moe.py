@@ -95,6 +95,21 @@ class FusedMoE(nn.Module):
         else:
             default_weight_loader(param.data[local, part * inter:(part + 1) * inter], self._slice_inter(loaded_weight, 0))
 
+    def kernel_shape(self) -> tuple:
+        """What the fused kernels' compiled variants depend on: layers alike share them."""
+        return tuple(self.gate_up_proj.shape), tuple(self.down_proj.shape), self.top_k, self.gate_up_proj.dtype, \
+            self.expert_map is not None
+
+    def warm_up_kernels(self, max_tokens: int) -> None:
+        """Start-up: compile the fused kernels' variants for the tiles of every batch size up to
+        ``max_tokens`` (CUDA only)."""
+        from pagedllm.ops import triton_ops_for
+
+        if triton_ops_for(self.gate_up_proj) is not None:
+            from pagedllm.ops.triton_fused_moe import warm_up
+
+            warm_up(self.gate_up_proj, self.down_proj, self.top_k, self.expert_map, max_tokens)
+
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         weights, ids = route(router_logits, self.top_k, self.scoring, self.renormalize,
                              round_to=x.dtype if self.round_weights else None)

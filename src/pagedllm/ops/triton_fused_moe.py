@@ -27,7 +27,9 @@ CHUNK_TOKENS = 8192
 ALIGN_ONE_LAUNCH_MAX_PAIRS = 4096  # (token, slot) pairs up to which align_pairs_triton lays them out
 
 
-@triton.jit
+# The pair count only bounds masks: one compiled variant for every count (Triton would otherwise
+# compile again for counts that are, or are not, multiples of 16).
+@triton.jit(do_not_specialize=["num_pairs"])
 def _moe_gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr, num_pairs, top_k, N, K,
                         stride_xm, stride_we, stride_wn, stride_om,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
@@ -72,7 +74,7 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_pairs_ptr, block_expert_pt
     tl.store(out_ptrs, out.to(dtype), mask=row_ok[:, None] & n_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _moe_down_kernel(a_ptr, w_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr, weights_ptr, num_pairs, N, K,
                      stride_am, stride_we, stride_wn, stride_om,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
@@ -109,7 +111,7 @@ def _moe_down_kernel(a_ptr, w_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr, 
     tl.store(out_ptrs, y.to(dtype), mask=row_ok[:, None] & n_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "max_blocks"])
 def _moe_align_kernel(ids_ptr, sorted_pairs_ptr, block_expert_ptr, cursor_ptr, num_pairs, num_experts, max_blocks,
                       BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr, CHUNK_B: tl.constexpr):
     """align_pairs in one program: count each expert's pairs (atomics), pad the counts to BLOCK_M
@@ -303,6 +305,30 @@ def get_config(num_experts: int, hidden: int, inter: int, num_tokens: int, top_k
     """Tile config for this rank's expert shape and batch: the table's entry, else the default."""
     entry = _config_table().get(config_key(num_experts, hidden, inter), {})
     return dict(entry.get(str(batch_bucket(num_tokens))) or default_config(num_tokens, top_k, num_experts))
+
+
+def warm_up(w13: torch.Tensor, w2: torch.Tensor, top_k: int, expert_map: torch.Tensor | None,
+            max_tokens: int) -> None:
+    """Run the kernels once for each distinct tile config of the batch buckets that forwards of
+    up to ``max_tokens`` reach (with the alignment each size takes), so that start-up compiles
+    them (the precompile pool, in parallel) and none compiles in the middle of a run, where the
+    first prefill of a size stalls the host for a second or more (workload 1 on qwen3-30b-a3b:
+    15 compiles in the timed run)."""
+    num_experts, two_inter, hidden = w13.shape
+    num_global = num_experts if expert_map is None else expert_map.numel()
+    largest = batch_bucket(min(max_tokens, CHUNK_TOKENS))
+    seen = set()
+    for bucket in (b for b in BATCH_BUCKETS if b <= largest):
+        tokens = min(bucket, max_tokens)
+        cfg = get_config(num_experts, hidden, two_inter // 2, tokens, top_k)
+        key = (tuple(sorted(cfg.items())), tokens * top_k <= ALIGN_ONE_LAUNCH_MAX_PAIRS)
+        if key in seen:
+            continue
+        seen.add(key)
+        ids = torch.arange(tokens * top_k, device=w13.device).view(tokens, top_k) % num_global
+        weights = torch.zeros(tokens, top_k, dtype=torch.float32, device=w13.device)
+        x = torch.zeros(tokens, hidden, dtype=w13.dtype, device=w13.device)
+        fused_experts_triton(x, w13, w2, weights, ids, expert_map)
 
 
 def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,

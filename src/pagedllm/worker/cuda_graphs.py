@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from pagedllm.attention.backend import AttentionMetadata
+from pagedllm.model.moe import FusedMoE
 from pagedllm.sample.sampler import SamplingMetadata
 from pagedllm.worker.device_buffers import DeviceBuffers
 
@@ -222,8 +223,8 @@ def warm_up_kernels(runner) -> None:
     """Compile, at start-up, the kernel variants that neither the profiling forward (one
     long prefill) nor graph capture (pure decodes) reach: a mixed step of a decode and a
     two-token chunk, the one-pass sampler, and the LM head's small-row GEMMs. Otherwise
-    the first such step of a run pays Triton's compile time. Nothing is written to the KV
-    cache (slots are -1)."""
+    the first such step of a run pays Triton's compile time; and the fused-MoE kernels at the
+    tiles of every batch size. Nothing is written to the KV cache (slots are -1)."""
     dev, model = runner.device, runner.model
     md = AttentionMetadata(
         num_actual_tokens=3, slot_mapping=torch.full((3,), -1, dtype=torch.int64, device=dev),
@@ -234,6 +235,11 @@ def warm_up_kernels(runner) -> None:
     )
     hidden = model(torch.zeros(3, dtype=torch.long, device=dev), torch.tensor([0, 0, 1], device=dev), md,
                    runner.dummy_intermediate(3))
+    kernel_shapes = set()  # the fused-MoE kernels at every batch bucket's tiles: prefill sizes too
+    for module in model.modules():
+        if isinstance(module, FusedMoE) and module.kernel_shape() not in kernel_shapes:
+            kernel_shapes.add(module.kernel_shape())
+            module.warm_up_kernels(runner.config.scheduler_config.max_num_batched_tokens)
     if runner.is_last_stage and runner.pooling is not None:
         if runner.pooling.pooler.kind != "embed":
             model.classify(hidden[1:])
