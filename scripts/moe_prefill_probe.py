@@ -11,6 +11,7 @@ import argparse
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from pagedllm.benchmarks.moe_kernel import _time_ms
 from pagedllm.ops import triton_fused_moe as tfm
 from pagedllm.ops.fused_moe import route
 
@@ -19,18 +20,8 @@ CANDIDATES = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=s
     (128, 256, 64, 8, 3), (128, 128, 128, 8, 3), (64, 256, 64, 8, 3)]]
 
 
-def time_ms(fn, iters=10):
-    fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    return sorted(ts)[len(ts) // 2]
+def time_ms(fn) -> float:
+    return _time_ms(fn, 10, "cuda")
 
 
 def main() -> None:
