@@ -17,7 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm import envs
 from pagedllm.ops.precompile import in_dry_run
+from pagedllm.ops.triton_lora import gdc_launch_dependents, gdc_wait, pdl_capable
 from pagedllm.ops.tile_tables import read_table
 
 CONFIG_FILE = os.path.join(os.path.dirname(__file__), "fused_moe_configs.json")
@@ -27,14 +29,33 @@ CHUNK_TOKENS = 8192
 ALIGN_ONE_LAUNCH_MAX_PAIRS = 4096  # (token, slot) pairs up to which align_pairs_triton lays them out
 
 
+@triton.jit
+def _pdl_enter(PDL: tl.constexpr):
+    """A kernel's first step under programmatic dependent launch (``_pdl``)."""
+    if PDL:
+        gdc_wait()  # the kernel before has ended and its writes are visible
+        gdc_launch_dependents()  # the kernel after may launch: it waits likewise
+
+
+def _pdl(device: torch.device) -> dict:
+    """The launch arguments of a fused-MoE kernel: programmatic dependent launch where the device
+    has it and ``PAGEDLLM_MOE_PDL`` is not 0 (a decode step's MoE is a chain of five short
+    launches). A kernel launched so may start while the one before it runs; each waits for that
+    one's writes before it touches memory (``gdc_wait``), then lets the one after it launch."""
+    on = bool(envs.PAGEDLLM_MOE_PDL) and pdl_capable(device)
+    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
+
+
 # The pair count only bounds masks: one compiled variant for every count (Triton would otherwise
 # compile again for counts that are, or are not, multiples of 16).
 @triton.jit(do_not_specialize=["num_pairs"])
 def _moe_gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr, num_pairs, top_k, N, K,
                         stride_xm, stride_we, stride_wn, stride_om,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+                        PDL: tl.constexpr):
     """out[row] = silu(x[token] @ gate_e^T) * (x[token] @ up_e^T) for the BLOCK_M sorted rows of
     this program's block (expert e), over its BLOCK_N columns of the intermediate size N."""
+    _pdl_enter(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
@@ -77,9 +98,11 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_pairs_ptr, block_expert_pt
 @triton.jit(do_not_specialize=["num_pairs"])
 def _moe_down_kernel(a_ptr, w_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr, weights_ptr, num_pairs, N, K,
                      stride_am, stride_we, stride_wn, stride_om,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+                     PDL: tl.constexpr):
     """out[pair] = weight[pair] * (a[row] @ down_e^T) for this block's sorted rows, over BLOCK_N
     of the hidden size N; a holds the gate/up kernel's rows in sorted order."""
+    _pdl_enter(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
@@ -113,11 +136,13 @@ def _moe_down_kernel(a_ptr, w_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr, 
 
 @triton.jit(do_not_specialize=["num_pairs", "max_blocks"])
 def _moe_align_kernel(ids_ptr, sorted_pairs_ptr, block_expert_ptr, cursor_ptr, num_pairs, num_experts, max_blocks,
-                      BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr, CHUNK_B: tl.constexpr):
+                      BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr, CHUNK_B: tl.constexpr,
+                      PDL: tl.constexpr):
     """align_pairs in one program: count each expert's pairs (atomics), pad the counts to BLOCK_M
     and prefix-sum them into each expert's first row, give every block its expert, then place each
     pair at its expert's next free row. The order of pairs within an expert's rows is whatever the
     atomics give: each row is computed on its own, so results do not depend on it."""
+    _pdl_enter(PDL)
     e_offs = tl.arange(0, E_PAD)
     e_ok = e_offs < num_experts
     tl.store(cursor_ptr + e_offs, tl.zeros([E_PAD], dtype=tl.int32))
@@ -152,9 +177,10 @@ def _moe_align_kernel(ids_ptr, sorted_pairs_ptr, block_expert_ptr, cursor_ptr, n
 @triton.jit
 def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
                   E_PAD: tl.constexpr, SIGMOID: tl.constexpr, RENORMALIZE: tl.constexpr, ROUND_BF16: tl.constexpr,
-                  ROUND_FP16: tl.constexpr):
+                  ROUND_FP16: tl.constexpr, PDL: tl.constexpr):
     """One token's routing: scores (softmax or sigmoid, float32), its TOP_K best experts (the
     lowest id first among equal scores), the weights renormalised and rounded as asked."""
+    _pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, E_PAD)
     ok = offs < num_experts
@@ -200,13 +226,15 @@ def route_triton(router_logits: torch.Tensor, top_k: int, scoring: str = "softma
         _route_kernel[(num_tokens,)](logits, weights, ids, num_experts, logits.stride(0), TOP_K=top_k,
                                      K_PAD=triton.next_power_of_2(top_k), E_PAD=e_pad, SIGMOID=scoring == "sigmoid",
                                      RENORMALIZE=renormalize, ROUND_BF16=round_to == torch.bfloat16,
-                                     ROUND_FP16=round_to == torch.float16, num_warps=1 if e_pad <= 256 else 4)
+                                     ROUND_FP16=round_to == torch.float16, num_warps=1 if e_pad <= 256 else 4,
+                                     **_pdl(logits.device))
     return weights, ids
 
 
 @triton.jit
-def _sum_pairs_kernel(per_pair_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+def _sum_pairs_kernel(per_pair_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """out[t] = sum over the token's TOP_K rows of per_pair, in float32, rounded once."""
+    _pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < H
@@ -222,7 +250,7 @@ def sum_pairs(per_pair: torch.Tensor, num_tokens: int, top_k: int) -> torch.Tens
     out = torch.empty(num_tokens, hidden, dtype=per_pair.dtype, device=per_pair.device)
     block = min(1024, triton.next_power_of_2(hidden))
     _sum_pairs_kernel[(num_tokens, triton.cdiv(hidden, block))](per_pair, out, hidden, TOP_K=top_k, BLOCK=block,
-                                                                num_warps=4)
+                                                                num_warps=4, **_pdl(per_pair.device))
     return out
 
 
@@ -241,7 +269,7 @@ def align_pairs_triton(local_ids: torch.Tensor, num_experts: int, block_m: int) 
     cursor = torch.empty(e_pad, dtype=torch.int32, device=local_ids.device)
     _moe_align_kernel[(1,)](local_ids.reshape(-1), sorted_pairs, block_expert, cursor, num_pairs, num_experts,
                             max_blocks, BLOCK_M=block_m, E_PAD=e_pad, CHUNK=1024,
-                            CHUNK_B=max(16, min(64, 8192 // e_pad)), num_warps=4)
+                            CHUNK_B=max(16, min(64, 8192 // e_pad)), num_warps=4, **_pdl(local_ids.device))
     return sorted_pairs, block_expert
 
 
@@ -352,18 +380,20 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w
     # large prefills, whose pairs would queue on a few atomics, take the torch sort.
     align = align_pairs_triton if local_ids.numel() <= ALIGN_ONE_LAUNCH_MAX_PAIRS else align_pairs
     sorted_pairs, block_expert = align(local_ids, num_experts, block_m)
+    pdl = _pdl(x.device)
     num_pairs = ids.numel()
     ieee = x.dtype == torch.float32
     act = torch.empty(sorted_pairs.numel(), inter, dtype=x.dtype, device=x.device)
     grid = (block_expert.numel(), triton.cdiv(inter, cfg["BLOCK_N"]))
     _moe_gate_up_kernel[grid](x, w13, act, sorted_pairs, block_expert, num_pairs, top_k, inter, hidden,
                               x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), BLOCK_M=block_m,
-                              BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], IEEE=ieee, **launch)
+                              BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], IEEE=ieee, **launch, **pdl)
     # Pairs routed to another rank's experts are never written: they must read as zero.
     alloc = torch.empty if expert_map is None else torch.zeros
     per_pair = alloc(num_pairs, hidden, dtype=x.dtype, device=x.device)
     grid = (block_expert.numel(), triton.cdiv(hidden, cfg["BLOCK_N"]))
     _moe_down_kernel[grid](act, w2, per_pair, sorted_pairs, block_expert, weights.reshape(-1).float().contiguous(),
                            num_pairs, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1), per_pair.stride(0),
-                           BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], IEEE=ieee, **launch)
+                           BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], IEEE=ieee, **launch,
+                           **pdl)
     return sum_pairs(per_pair, num_tokens, top_k)  # accumulated in float32, rounded once

@@ -226,18 +226,23 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, sorted_ids: t
 _PDL: dict[int, bool] = {}
 
 
-def pdl_supported(device: torch.device) -> bool:
-    """Programmatic dependent launch for the LoRA shrink and its GEMM: an NVIDIA device of compute
-    capability 9.0 or later, a Triton that has it, and ``PAGEDLLM_LORA_PDL`` not 0."""
+def pdl_capable(device: torch.device) -> bool:
+    """Whether kernels on ``device`` can use programmatic dependent launch: an NVIDIA device of
+    compute capability 9.0 or later and a Triton that has it."""
     if device.type != "cuda" or torch.version.hip is not None:  # griddepcontrol is NVIDIA's
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _PDL:
-        from pagedllm import envs
-
-        _PDL[index] = (gdc_wait is not None and envs.PAGEDLLM_LORA_PDL
-                       and torch.cuda.get_device_capability(index) >= (9, 0))
+        _PDL[index] = gdc_wait is not None and torch.cuda.get_device_capability(index) >= (9, 0)
     return _PDL[index]
+
+
+def pdl_supported(device: torch.device) -> bool:
+    """Programmatic dependent launch for the LoRA shrink and its GEMM: ``pdl_capable`` and
+    ``PAGEDLLM_LORA_PDL`` not 0."""
+    from pagedllm import envs
+
+    return pdl_capable(device) and envs.PAGEDLLM_LORA_PDL
 
 
 def lora_apply(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, sorted_ids: torch.Tensor,

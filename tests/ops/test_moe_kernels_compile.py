@@ -1,0 +1,55 @@
+"""The fused-MoE chain (routing, pair alignment, the two expert GEMMs, the top-k sum) compiles
+for an H100 (sm_90: TTIR -> PTX -> cubin) with programmatic dependent launch: each kernel
+waits for the one before it (griddepcontrol.wait) before it touches memory, and lets the one
+after it launch (griddepcontrol.launch_dependents). What Triton's interpreter cannot run fails
+here, not in the GPU pass (tests/triton_env.compile_for_sm90: one fresh process, a fresh cache)."""
+from __future__ import annotations
+
+import pytest
+
+from tests.triton_env import HAS_TRITON, compile_for_sm90
+
+pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+
+_BODY = r"""
+from pagedllm.ops import triton_fused_moe as m
+
+pdl = {"launch_pdl": True}
+both = ("griddepcontrol.wait", "griddepcontrol.launch_dependents")
+
+
+def compile_both(name, fn, signature, constexprs, **kw):
+    for ptx in both:
+        compile_(f"{name}: {ptx}", fn, signature, {**constexprs, "PDL": True}, options=pdl, want_ptx=ptx, **kw)
+
+
+compile_both("route", m._route_kernel,
+             {"logits_ptr": "*bf16", "weights_ptr": "*fp32", "ids_ptr": "*i64", "num_experts": "i32", "stride_l": "i32",
+              "TOP_K": c, "K_PAD": c, "E_PAD": c, "SIGMOID": c, "RENORMALIZE": c, "ROUND_BF16": c, "ROUND_FP16": c,
+              "PDL": c},
+             {"TOP_K": 8, "K_PAD": 8, "E_PAD": 128, "SIGMOID": False, "RENORMALIZE": True, "ROUND_BF16": True,
+              "ROUND_FP16": False}, num_warps=1)
+compile_both("align", m._moe_align_kernel,
+             {"ids_ptr": "*i64", "sorted_pairs_ptr": "*i32", "block_expert_ptr": "*i32", "cursor_ptr": "*i32",
+              "num_pairs": "i32", "num_experts": "i32", "max_blocks": "i32", "BLOCK_M": c, "E_PAD": c, "CHUNK": c,
+              "CHUNK_B": c, "PDL": c},
+             {"BLOCK_M": 16, "E_PAD": 128, "CHUNK": 1024, "CHUNK_B": 64})
+gemm = {"sorted_pairs_ptr": "*i32", "block_expert_ptr": "*i32", "num_pairs": "i32", "N": "i32", "K": "i32",
+        "stride_we": "i32", "stride_wn": "i32", "stride_om": "i32", "BLOCK_M": c, "BLOCK_N": c, "BLOCK_K": c,
+        "IEEE": c, "PDL": c}
+tiles = {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "IEEE": False}
+compile_both("gate/up", m._moe_gate_up_kernel,
+             {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "top_k": "i32", "stride_xm": "i32", **gemm},
+             tiles, num_warps=8)
+compile_both("down", m._moe_down_kernel,
+             {"a_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "weights_ptr": "*fp32", "stride_am": "i32",
+              **gemm}, tiles, num_warps=8)
+compile_both("top-k sum", m._sum_pairs_kernel,
+             {"per_pair_ptr": "*bf16", "out_ptr": "*bf16", "H": "i32", "TOP_K": c, "BLOCK": c, "PDL": c},
+             {"TOP_K": 8, "BLOCK": 1024})
+"""
+
+
+def test_moe_kernels_compile_for_sm90_with_programmatic_dependent_launch(tmp_path):
+    results = compile_for_sm90(_BODY, tmp_path)
+    assert len(results) == 10 and all(v is True for v in results.values()), results
