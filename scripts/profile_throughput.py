@@ -6,13 +6,13 @@ python scripts/profile_throughput.py [--num-prompts 256] [--shape qwen3-0.6b]
 from __future__ import annotations
 
 import argparse
-import random
 import time
 
 import torch
 
 from pagedllm import LLM, SamplingParams, TokensPrompt
 from pagedllm.benchmarks.common import write_shape
+from pagedllm.benchmarks.throughput import draw_workload
 
 p = argparse.ArgumentParser()
 p.add_argument("--shape", default="qwen3-0.6b")
@@ -25,9 +25,7 @@ extra = {}
 for kv in filter(None, args.engine_args.split(",")):
     k, v = kv.split("=")
     extra[k] = int(v) if v.lstrip("-").isdigit() else (v == "true" if v in ("true", "false") else v)
-random.seed(0)
-prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, args.max_len))] for _ in range(args.num_prompts)]
-max_tokens = [random.randint(100, args.max_len) for _ in range(args.num_prompts)]
+prompts, max_tokens = draw_workload(args.num_prompts, args.max_len, args.max_len)
 llm = LLM(write_shape(args.shape), load_format="dummy", skip_tokenizer_init=True, max_model_len=4096, **extra)
 params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m, detokenize=False) for m in max_tokens]
 llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3])], SamplingParams(max_tokens=4, detokenize=False), use_tqdm=False)

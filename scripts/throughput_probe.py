@@ -7,7 +7,6 @@ python scripts/throughput_probe.py [--shape qwen3-30b-a3b] [--num-prompts 256] [
 from __future__ import annotations
 
 import argparse
-import random
 import time
 from collections import defaultdict
 
@@ -15,6 +14,7 @@ import torch
 
 from pagedllm import LLM, SamplingParams, TokensPrompt
 from pagedllm.benchmarks.common import parse_engine_args, write_shape
+from pagedllm.benchmarks.throughput import draw_workload
 
 
 def main() -> None:
@@ -23,9 +23,7 @@ def main() -> None:
     p.add_argument("--num-prompts", type=int, default=256)
     p.add_argument("--engine-args", default="")
     args = p.parse_args()
-    random.seed(0)
-    prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, 1024))] for _ in range(args.num_prompts)]
-    max_tokens = [random.randint(100, 1024) for _ in range(args.num_prompts)]
+    prompts, max_tokens = draw_workload(args.num_prompts)
     llm = LLM(write_shape(args.shape), load_format="dummy", skip_tokenizer_init=True, max_model_len=4096,
               **parse_engine_args(args.engine_args))
     core = llm.llm_engine.engine_core

@@ -140,7 +140,8 @@ def compile_(name, fn, signature, constexprs, num_warps=4, options=None, want_pt
     try:
         kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=target,
                                 options={"num_warps": num_warps, "num_stages": 3, **(options or {})})
-        results[name] = "cubin" in kernel.asm and (want_ptx is None or want_ptx in kernel.asm["ptx"])
+        wanted = [want_ptx] if isinstance(want_ptx, str) else want_ptx or []  # a string or several
+        results[name] = "cubin" in kernel.asm and all(w in kernel.asm["ptx"] for w in wanted)
     except Exception as e:  # the test prints what the compiler said
         results[name] = f"{type(e).__name__}: {str(e)[:800]}"
 """

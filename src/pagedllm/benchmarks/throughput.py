@@ -13,6 +13,17 @@ import time
 from pagedllm.benchmarks.common import QUANTIZATIONS, SHAPES, emit, parse_engine_args, quantization_setup, write_shape
 
 
+def draw_workload(num_prompts: int = 256, max_input_len: int = 1024,
+                  max_output_len: int = 1024) -> tuple[list[list[int]], list[int]]:
+    """Workload 1's requests: (prompt token ids, max_tokens), drawn as docs/benchmarks.md says
+    (``random.seed(0)``; every prompt first, then every max_tokens)."""
+    random.seed(0)
+    lo_in, lo_out = min(100, max_input_len), min(100, max_output_len)
+    prompts = [[random.randint(0, 10000) for _ in range(random.randint(lo_in, max_input_len))]
+               for _ in range(num_prompts)]
+    return prompts, [random.randint(lo_out, max_output_len) for _ in range(num_prompts)]
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b")
@@ -32,11 +43,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from pagedllm import LLM, SamplingParams, TokensPrompt
 
-    random.seed(0)
-    lo_in, lo_out = min(100, args.max_input_len), min(100, args.max_output_len)
-    prompts = [[random.randint(0, 10000) for _ in range(random.randint(lo_in, args.max_input_len))]
-               for _ in range(args.num_prompts)]
-    max_tokens = [random.randint(lo_out, args.max_output_len) for _ in range(args.num_prompts)]
+    prompts, max_tokens = draw_workload(args.num_prompts, args.max_input_len, args.max_output_len)
 
     extra = parse_engine_args(args.engine_args)
     shape_overrides, quantization = quantization_setup(args.quantization)

@@ -19,7 +19,7 @@ import triton.language as tl
 
 from pagedllm import envs
 from pagedllm.ops.precompile import in_dry_run
-from pagedllm.ops.triton_lora import gdc_launch_dependents, gdc_wait, pdl_capable
+from pagedllm.ops.triton_pdl import launch_args, pdl_capable, pdl_enter
 from pagedllm.ops.tile_tables import read_table
 
 CONFIG_FILE = os.path.join(os.path.dirname(__file__), "fused_moe_configs.json")
@@ -29,21 +29,11 @@ CHUNK_TOKENS = 8192
 ALIGN_ONE_LAUNCH_MAX_PAIRS = 4096  # (token, slot) pairs up to which align_pairs_triton lays them out
 
 
-@triton.jit
-def _pdl_enter(PDL: tl.constexpr):
-    """A kernel's first step under programmatic dependent launch (``_pdl``)."""
-    if PDL:
-        gdc_wait()  # the kernel before has ended and its writes are visible
-        gdc_launch_dependents()  # the kernel after may launch: it waits likewise
-
-
 def _pdl(device: torch.device) -> dict:
-    """The launch arguments of a fused-MoE kernel: programmatic dependent launch where the device
-    has it and ``PAGEDLLM_MOE_PDL`` is not 0 (a decode step's MoE is a chain of five short
-    launches). A kernel launched so may start while the one before it runs; each waits for that
-    one's writes before it touches memory (``gdc_wait``), then lets the one after it launch."""
-    on = bool(envs.PAGEDLLM_MOE_PDL) and pdl_capable(device)
-    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
+    """The launch arguments of a fused-MoE kernel: launched early (``triton_pdl``) where the
+    device can and ``PAGEDLLM_MOE_PDL`` is not 0 (a decode step's MoE is a chain of five short
+    launches, each waiting for the one before it in ``pdl_enter``)."""
+    return launch_args(bool(envs.PAGEDLLM_MOE_PDL) and pdl_capable(device))
 
 
 # The pair count only bounds masks: one compiled variant for every count (Triton would otherwise
@@ -55,7 +45,7 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_pairs_ptr, block_expert_pt
                         PDL: tl.constexpr):
     """out[row] = silu(x[token] @ gate_e^T) * (x[token] @ up_e^T) for the BLOCK_M sorted rows of
     this program's block (expert e), over its BLOCK_N columns of the intermediate size N."""
-    _pdl_enter(PDL)
+    pdl_enter(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
@@ -102,7 +92,7 @@ def _moe_down_kernel(a_ptr, w_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr, 
                      PDL: tl.constexpr):
     """out[pair] = weight[pair] * (a[row] @ down_e^T) for this block's sorted rows, over BLOCK_N
     of the hidden size N; a holds the gate/up kernel's rows in sorted order."""
-    _pdl_enter(PDL)
+    pdl_enter(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
@@ -142,7 +132,7 @@ def _moe_align_kernel(ids_ptr, sorted_pairs_ptr, block_expert_ptr, cursor_ptr, n
     and prefix-sum them into each expert's first row, give every block its expert, then place each
     pair at its expert's next free row. The order of pairs within an expert's rows is whatever the
     atomics give: each row is computed on its own, so results do not depend on it."""
-    _pdl_enter(PDL)
+    pdl_enter(PDL)
     e_offs = tl.arange(0, E_PAD)
     e_ok = e_offs < num_experts
     tl.store(cursor_ptr + e_offs, tl.zeros([E_PAD], dtype=tl.int32))
@@ -180,7 +170,7 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l, TOP_K
                   ROUND_FP16: tl.constexpr, PDL: tl.constexpr):
     """One token's routing: scores (softmax or sigmoid, float32), its TOP_K best experts (the
     lowest id first among equal scores), the weights renormalised and rounded as asked."""
-    _pdl_enter(PDL)
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, E_PAD)
     ok = offs < num_experts
@@ -234,7 +224,7 @@ def route_triton(router_logits: torch.Tensor, top_k: int, scoring: str = "softma
 @triton.jit
 def _sum_pairs_kernel(per_pair_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """out[t] = sum over the token's TOP_K rows of per_pair, in float32, rounded once."""
-    _pdl_enter(PDL)
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < H

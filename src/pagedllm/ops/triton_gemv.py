@@ -18,7 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.ops.triton_lora import block_r_for, gdc_wait, partial_sums
+from pagedllm.ops.triton_lora import block_r_for, partial_sums
+from pagedllm.ops.triton_pdl import gdc_wait, launch_args
 
 MAX_ROWS = 32  # the dot's padded row count at most
 
@@ -142,8 +143,8 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         r, lora_strides, block_r = 0, (0, 0, 0, 0), 16
     pdl = lora is not None and lora.pdl
     common = dict(HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, HAS_LORA=lora is not None,
-                  SPLIT=lora.split if lora is not None else 1, BLOCK_R=block_r, PDL=pdl, num_warps=num_warps,
-                  num_stages=num_stages, **({"launch_pdl": True} if pdl else {}))
+                  SPLIT=lora.split if lora is not None else 1, BLOCK_R=block_r, num_warps=num_warps,
+                  num_stages=num_stages, **launch_args(pdl))
     if kernel == "gemv" and m == 1:
         ts, _, lbs, lbn = lora_strides
         _gemv_kernel[grid](x, weight, b, y, n, k, weight.stride(0), t, lb, ls, r, ts, lbs, lbn, **common)

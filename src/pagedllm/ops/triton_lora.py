@@ -20,10 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-try:  # programmatic dependent launch: Hopper and later, Triton >= 3.4
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # pragma: no cover - older Triton
-    gdc_launch_dependents = gdc_wait = None
+from pagedllm.ops.triton_pdl import launch_args, pdl_capable, pdl_enter
 
 BLOCK_M = 32
 
@@ -48,9 +45,9 @@ def sort_by_slot(token_slots: np.ndarray, block_m: int = BLOCK_M) -> tuple[np.nd
 def _shrink_kernel(x_ptr, a_ptr, ids_ptr, tile_slot_ptr, t_ptr, K, R, K_PER_SPLIT, stride_xm, stride_as, stride_ar,
                    stride_ts, stride_tm, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
                    PDL: tl.constexpr):
-    if PDL:  # launched while the kernel that wrote x runs (RMSNorm, SiLU-and-mul): x complete from here;
-        gdc_wait()  # then the projection's GEMM may start streaming its weight (it waits for t in its epilogue)
-        gdc_launch_dependents()
+    # Launched while the kernel that wrote x runs (RMSNorm, SiLU-and-mul): x complete after this;
+    # then the projection's GEMM may start streaming its weight (it waits for t in its epilogue).
+    pdl_enter(PDL)
     tile = tl.program_id(0)
     slot = tl.load(tile_slot_ptr + tile).to(tl.int64)
     ids = tl.load(ids_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M))
@@ -218,23 +215,8 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, sorted_ids: t
     t = torch.empty(split, m, r, dtype=torch.float32, device=x.device)
     _shrink_kernel[(num_tiles, r_blocks, split)](
         x, a, sorted_ids, tile_slots, t, k, r, per, x.stride(0), a.stride(0), a.stride(1), t.stride(0), t.stride(1),
-        IEEE=a.dtype == torch.float32, BLOCK_M=BLOCK_M, BLOCK_R=block_r, BLOCK_K=cfg["block_k"], PDL=pdl,
-        **({"launch_pdl": True} if pdl else {}))
+        IEEE=a.dtype == torch.float32, BLOCK_M=BLOCK_M, BLOCK_R=block_r, BLOCK_K=cfg["block_k"], **launch_args(pdl))
     return LoRADelta(t, b, sorted_ids, tile_slots, token_slots, cfg["block_n"], pdl)
-
-
-_PDL: dict[int, bool] = {}
-
-
-def pdl_capable(device: torch.device) -> bool:
-    """Whether kernels on ``device`` can use programmatic dependent launch: an NVIDIA device of
-    compute capability 9.0 or later and a Triton that has it."""
-    if device.type != "cuda" or torch.version.hip is not None:  # griddepcontrol is NVIDIA's
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _PDL:
-        _PDL[index] = gdc_wait is not None and torch.cuda.get_device_capability(index) >= (9, 0)
-    return _PDL[index]
 
 
 def pdl_supported(device: torch.device) -> bool:

@@ -15,7 +15,8 @@ import triton
 import triton.language as tl
 
 from pagedllm.ops.triton_gemv import block_k_for, small_m_linear
-from pagedllm.ops.triton_lora import gdc_launch_dependents, pdl_supported
+from pagedllm.ops.triton_lora import pdl_supported
+from pagedllm.ops.triton_pdl import gdc_launch_dependents
 
 # One program holds a whole row: hidden sizes of the supported models are far below this.
 MAX_ROW_SIZE = 65536

@@ -1,0 +1,46 @@
+"""Programmatic dependent launch (Hopper's ``griddepcontrol``), shared by the kernels that use it.
+
+A kernel launched with ``launch_pdl=True`` may start while the kernel before it in the stream
+still runs, once that kernel's programs have all called ``gdc_launch_dependents`` (or ended). It
+must call ``gdc_wait`` before it reads what that kernel wrote (and before it writes memory the
+other may still read); ``gdc_wait`` returns when the kernel before has ended and its writes are
+visible. Used by the LoRA shrink and its GEMM (``triton_lora``, ``triton_gemv``, the norms in
+``triton_ops`` that let a shrink launch) and by the fused-MoE chain (``triton_fused_moe``).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+try:  # Hopper and later, Triton >= 3.4
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - older Triton
+    gdc_launch_dependents = gdc_wait = None
+
+_CAPABLE: dict[int, bool] = {}
+
+
+def pdl_capable(device: torch.device) -> bool:
+    """Whether kernels on ``device`` can use programmatic dependent launch: an NVIDIA device of
+    compute capability 9.0 or later and a Triton that has it."""
+    if device.type != "cuda" or torch.version.hip is not None:  # griddepcontrol is NVIDIA's
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _CAPABLE:
+        _CAPABLE[index] = gdc_wait is not None and torch.cuda.get_device_capability(index) >= (9, 0)
+    return _CAPABLE[index]
+
+
+def launch_args(pdl: bool) -> dict:
+    """A kernel's launch arguments for its ``PDL`` constexpr: with it, launched early."""
+    return {"PDL": True, "launch_pdl": True} if pdl else {"PDL": False}
+
+
+@triton.jit
+def pdl_enter(PDL: tl.constexpr):
+    """A kernel's first step when launched early: wait for the kernel before (its writes are
+    complete and visible), then let the kernel after launch (it waits likewise)."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
