@@ -41,6 +41,22 @@ def test_weight_bytes_equals_the_parameter_bytes_of_the_model(shape):
     assert common.weight_bytes(common.SHAPES[shape], itemsize=2) == sum(p.numel() * 2 for p in params)
 
 
+def test_a_moe_steps_roofline_counts_the_experts_its_batch_is_expected_to_pick():
+    """A batch of T tokens reads each expert some token picked, once: under uniform routing
+    E * (1 - (1 - k/E) ** T) experts a layer (one token: its k), which a Monte Carlo draw of
+    random top-k picks matches; the step's bytes grow by those experts' weights."""
+    g = torch.Generator().manual_seed(0)
+    for experts, top_k, tokens in [(128, 8, 1), (128, 8, 32), (8, 2, 5)]:
+        draws = [len(set(torch.rand(tokens, experts, generator=g).topk(top_k).indices.flatten().tolist()))
+                 for _ in range(400)]
+        assert common.expected_experts(experts, top_k, tokens) == pytest.approx(sum(draws) / len(draws), rel=0.01)
+    assert common.expected_experts(128, 8, 1) == 8
+    cfg = common.SHAPES["qwen3-30b-a3b"]
+    expert_bytes = 3 * cfg["hidden_size"] * cfg["moe_intermediate_size"] * 2 * cfg["num_hidden_layers"]
+    extra = common.step_read_bytes(cfg, 2, 32, 0) - common.step_read_bytes(cfg, 2, 1, 0) - 31 * cfg["hidden_size"] * 2
+    assert extra == pytest.approx((common.expected_experts(128, 8, 32) - 8) * expert_bytes, rel=1e-6)
+
+
 def test_throughput_counts_every_drawn_output_token(capsys):
     throughput.main(["--shape", "tiny-llama", "--num-prompts", "3", "--max-input-len", "16", "--max-output-len", "4",
                      "--dtype", "float32", "--engine-args", KV])

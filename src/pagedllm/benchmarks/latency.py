@@ -14,8 +14,10 @@ only its top-k experts) over the device's measured copy bandwidth ((bytes read +
 / time of copying a --copy-mib tensor, median of repeats, timed with CUDA events):
 roofline_fraction = roofline_ms / ms_per_step. The step roofline (every batch size) counts every
 byte a step reads instead (common.step_read_bytes: the weights as held, quantized ones packed with
-their scales; of the embedding only the rows looked up; each request's K/V at its mean context
-over the decode, input_len + output_len / 2; --kv-cache-dtype fp8: one byte per value):
+their scales; of a MoE layer the experts the batch is expected to pick under uniform routing, as
+dummy weights route, common.expected_experts; of the embedding only the rows looked up; each
+request's K/V at its mean context over the decode, input_len + output_len / 2; --kv-cache-dtype
+fp8: one byte per value):
 step_roofline_fraction = step_roofline_ms / ms_per_step. The batch-1 roofline adds the K/V of
 that mean context to the weights too (kv_bytes).
 """
