@@ -447,6 +447,37 @@ def test_gguf_q4_blocks_golden_and_as_gguf_dequantizes_them():
         assert [float(w[0]), float(w[16])] == first and torch.equal(w, torch.from_numpy(want))
 
 
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "Q6_K"])
+def test_gguf_dequantize_is_ggufs_own_bit_for_bit(qtype, smollm2_gguf):
+    """gguf_cache.dequantize (torch on the whole tensor for Q4_0, Q4_1, Q8_0; gguf's code for the
+    rest, Q6_K here) equals gguf.quants.dequantize bit for bit: random blocks with scales of
+    either sign, zero and subnormal among them, then every tensor of the embedded SmolLM2 GGUF."""
+    import gguf
+    import numpy as np
+
+    from pagedllm.model.gguf_cache import _tensor_index, dequantize
+
+    kind = gguf.GGMLQuantizationType[qtype]
+    block_size, type_size = gguf.GGML_QUANT_SIZES[kind]
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, size=(6, 3 * type_size), dtype=np.uint8)
+    if qtype != "Q6_K":  # finite float16 scales (random bytes would make NaNs): d, and Q4_1's m
+        for lo in (0, 2) if qtype == "Q4_1" else (0,):
+            halves = np.array([1.5, -0.25, 0.0, 6e-8, -3.0, 1e-3] * 3, dtype=np.float16).reshape(6, 3)
+            for b in range(3):
+                raw[:, b * type_size + lo:b * type_size + lo + 2] = halves[:, b:b + 1].view(np.uint8)
+    want = gguf.quants.dequantize(raw, kind)
+    got = dequantize(raw, int(kind))
+    assert got.shape == want.shape == (6, 3 * block_size) and got.dtype == np.float32
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    for t in _tensor_index(smollm2_gguf)["tensors"]:
+        if t["qtype"] == int(kind):
+            data = np.memmap(smollm2_gguf, dtype=np.dtype(t["dtype"]), mode="r", offset=t["offset"],
+                             shape=tuple(t["shape"]))
+            assert np.array_equal(dequantize(data, t["qtype"]).view(np.uint32),
+                                  gguf.quants.dequantize(data, kind).view(np.uint32)), t["name"]
+
+
 def test_gguf_q4_1_model_runs_quantized_and_matches_the_dequantized_path(smollm2_gguf):
     """The embedded SmolLM2 GGUF (projections Q4_1, embedding Q8_0): quantization="gguf" keeps the
     projections packed and gives the dequantize-at-load path's tokens and logprobs (1e-4)."""
