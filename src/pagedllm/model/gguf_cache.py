@@ -83,8 +83,8 @@ def gguf_architecture(gguf_file: str) -> str:
 def dequantize(raw: np.ndarray, qtype: int) -> np.ndarray:
     """``gguf.quants.dequantize(raw, qtype)``, bit for bit. Q4_0, Q4_1 and Q8_0, what small GGUF
     checkpoints such as the embedded SmolLM2 ship, go through torch on the whole tensor at once:
-    gguf's numpy code runs over groups of 16 rows, 1.85 s of the embedded model's start-up on a
-    2-core VM against 0.2 s here. Other types: gguf's own code."""
+    gguf's numpy code runs over groups of 16 rows: 1.6-1.9 s for the embedded model's tensors on
+    a 2-core VM, against 0.5 s here. Other types: gguf's own code."""
     import gguf
 
     kind = gguf.GGMLQuantizationType(qtype)
