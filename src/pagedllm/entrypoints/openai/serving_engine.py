@@ -56,7 +56,17 @@ def _sse(obj: Any) -> str:
 
 async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """The outputs of several requests as they come, tagged with their stream's index.
-    Closing this closes (and so aborts) every stream still running."""
+    Closing this closes (and so aborts) every stream still running. One stream (the usual
+    request: one prompt, n=1) is read directly, without a task and a queue in between: per
+    streamed token that hop was ~14% of the API process's work."""
+    if len(streams) == 1:
+        try:
+            async for out in streams[0]:
+                yield 0, out
+        finally:
+            with contextlib.suppress(Exception):
+                await streams[0].aclose()
+        return
     q: asyncio.Queue = asyncio.Queue()
     done = object()
 
