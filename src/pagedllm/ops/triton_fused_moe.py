@@ -17,9 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm import envs
 from pagedllm.ops.precompile import in_dry_run
-from pagedllm.ops.triton_pdl import launch_args, pdl_capable, pdl_enter
+from pagedllm.ops.triton_pdl import launch_args, pdl_enabled, pdl_enter
 from pagedllm.ops.tile_tables import read_table
 
 CONFIG_FILE = os.path.join(os.path.dirname(__file__), "fused_moe_configs.json")
@@ -33,7 +32,7 @@ def _pdl(device: torch.device) -> dict:
     """The launch arguments of a fused-MoE kernel: launched early (``triton_pdl``) where the
     device can and ``PAGEDLLM_MOE_PDL`` is not 0 (a decode step's MoE is a chain of five short
     launches, each waiting for the one before it in ``pdl_enter``)."""
-    return launch_args(bool(envs.PAGEDLLM_MOE_PDL) and pdl_capable(device))
+    return launch_args(pdl_enabled(device, "PAGEDLLM_MOE_PDL"))
 
 
 # The pair count only bounds masks: one compiled variant for every count (Triton would otherwise

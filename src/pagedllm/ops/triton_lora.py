@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.ops.triton_pdl import launch_args, pdl_capable, pdl_enter
+from pagedllm.ops.triton_pdl import launch_args, pdl_enabled, pdl_enter
 
 BLOCK_M = 32
 
@@ -220,11 +220,9 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, sorted_ids: t
 
 
 def pdl_supported(device: torch.device) -> bool:
-    """Programmatic dependent launch for the LoRA shrink and its GEMM: ``pdl_capable`` and
-    ``PAGEDLLM_LORA_PDL`` not 0."""
-    from pagedllm import envs
-
-    return pdl_capable(device) and envs.PAGEDLLM_LORA_PDL
+    """Programmatic dependent launch for the LoRA shrink and its GEMM (and the norms before it):
+    ``pdl_capable`` and ``PAGEDLLM_LORA_PDL`` not 0."""
+    return pdl_enabled(device, "PAGEDLLM_LORA_PDL")
 
 
 def lora_apply(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, sorted_ids: torch.Tensor,

@@ -32,6 +32,22 @@ def pdl_capable(device: torch.device) -> bool:
     return _CAPABLE[index]
 
 
+_ENABLED: dict[tuple[int, str], bool] = {}
+
+
+def pdl_enabled(device: torch.device, switch: str) -> bool:
+    """``pdl_capable`` and the environment switch ``switch`` (``PAGEDLLM_LORA_PDL``,
+    ``PAGEDLLM_MOE_PDL``) not 0, read once per device and switch: asked at every launch."""
+    if not pdl_capable(device):
+        return False
+    key = (device.index if device.index is not None else torch.cuda.current_device(), switch)
+    if key not in _ENABLED:
+        from pagedllm import envs
+
+        _ENABLED[key] = bool(getattr(envs, switch))
+    return _ENABLED[key]
+
+
 def launch_args(pdl: bool) -> dict:
     """A kernel's launch arguments for its ``PDL`` constexpr: with it, launched early."""
     return {"PDL": True, "launch_pdl": True} if pdl else {"PDL": False}
