@@ -48,10 +48,13 @@ compile_("w4a16 split-K GGUF Q4_1 mins", triton_int4._w4a16_splitk_kernel, {**sp
          {"GROUP": 32, "HAS_ZP": False, "HAS_BIAS": False, "HAS_MIN": True, "BLOCK_M": 2, "BLOCK_N": 64,
           "BLOCK_K": 32, "USE_SPLIT": True, "USE_DOT": False})
 quant = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "static_s_ptr": "*fp32", "K": "i32",
-         "stride_xm": "i32", "n_groups": "i32", "GROUP": c, "STATIC": c, "BLOCK": c}
-compile_("fp8 quantize per token", triton_fp8._quant_fp8_kernel, quant, {"GROUP": 4096, "STATIC": False, "BLOCK": 4096})
-compile_("fp8 quantize static", triton_fp8._quant_fp8_kernel, quant, {"GROUP": 4096, "STATIC": True, "BLOCK": 4096})
-compile_("fp8 quantize per group", triton_fp8._quant_fp8_kernel, quant, {"GROUP": 128, "STATIC": False, "BLOCK": 128})
+         "stride_xm": "i32", "n_groups": "i32", "GROUP": c, "STATIC": c, "BLOCK": c, "PDL": c}
+compile_("fp8 quantize per token", triton_fp8._quant_fp8_kernel, quant,
+         {"GROUP": 4096, "STATIC": False, "BLOCK": 4096, "PDL": True})
+compile_("fp8 quantize static", triton_fp8._quant_fp8_kernel, quant,
+         {"GROUP": 4096, "STATIC": True, "BLOCK": 4096, "PDL": False})
+compile_("fp8 quantize per group", triton_fp8._quant_fp8_kernel, quant,
+         {"GROUP": 128, "STATIC": False, "BLOCK": 128, "PDL": False})
 block = {"a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "b_ptr": "*fp8e4nv", "bs_ptr": "*fp32", "c_ptr": "*bf16", "M": "i32",
          "N": "i32", "K": "i32", "stride_am": "i32", "stride_asm": "i32", "stride_bn": "i32", "stride_bsn": "i32",
          "stride_cm": "i32", "GROUP_N": c, "BLOCK_M": c, "BLOCK_N": c, "BLOCK_K": c}
@@ -59,15 +62,18 @@ compile_("fp8 block gemm prefill", triton_fp8._fp8_block_gemm_kernel, block,
          {"GROUP_N": 128, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128})
 compile_("fp8 block gemm decode", triton_fp8._fp8_block_gemm_kernel, block,
          {"GROUP_N": 128, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128})
-compile_("fp8 small-row", triton_fp8._fp8_small_m_kernel,
-         {"xq_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "b_ptr": "*bf16",
-          "y_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32",
-          "stride_ym": "i32", "HAS_BIAS": c, "BLOCK_M": c, "BLOCK_N": c, "BLOCK_K": c},
-         {"HAS_BIAS": True, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256})
+small = {"xq_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "b_ptr": "*bf16",
+         "y_ptr": "*bf16", "part_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32",
+         "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32", "K_TILES_PER_SPLIT": "i32", "SPLIT_K": "i32",
+         "HAS_BIAS": c, "BLOCK_M": c, "BLOCK_N": c, "BLOCK_K": c, "USE_SPLIT": c, "PDL": c}
+compile_("fp8 small-row", triton_fp8._fp8_small_m_kernel, small,
+         {"HAS_BIAS": True, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "USE_SPLIT": False, "PDL": False})
+compile_("fp8 small-row, K split, launched early", triton_fp8._fp8_small_m_kernel, small,
+         {"HAS_BIAS": True, "BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 512, "USE_SPLIT": True, "PDL": True}, num_warps=8)
 """
 
 
 def test_quantization_kernels_compile_for_sm90(tmp_path):
     results = compile_for_sm90(_BODY, tmp_path)
-    assert len(results) == 19
+    assert len(results) == 20
     assert {name: ok for name, ok in results.items() if ok is not True} == {}

@@ -75,3 +75,45 @@ def test_fp8_small_m_kernel_matches_float32_products(triton_fp8, m, n, k, bias):
                                       None if b is None else b.to(DEVICE), torch.bfloat16)
     ref = (xq.double() * xs.double()) @ (wq.double() * ws.double()[:, None]).t() + (b.double() if bias else 0)
     assert y.shape == (m, n) and _rel(y.cpu(), ref) < 1e-2
+
+
+@pytest.mark.parametrize("m, n, k, split", [(1, 96, 1024, 4), (5, 200, 1000, 3), (29, 80, 640, 8)])
+def test_fp8_small_m_kernel_split_k_equals_the_whole_k(triton_fp8, m, n, k, split):
+    """K split over programs (the last split's tile partial, splits rounded to whole tiles: 8 on
+    5 tiles runs 5): the float32 products of the whole-K kernel up to summation order, bias
+    added once, run twice (the counters reset), each column tile's counter back at 0."""
+    from pagedllm.model.quantization.fp8 import quantize_per_token
+    from pagedllm.ops import triton_splitk
+
+    g = torch.Generator().manual_seed(m + k)
+    xq, xs = quantize_per_token(torch.randn(m, k, generator=g))
+    wq = torch.randn(n, k, generator=g).mul(100).clamp(-448, 448).to(FP8_DTYPE).to(DEVICE)
+    ws = (torch.rand(n, generator=g) * 0.001 + 1e-4).to(DEVICE)
+    b = torch.randn(n, generator=g).to(DEVICE)
+    args = (xq.to(DEVICE), xs.to(DEVICE), wq, ws, b, torch.float32)
+    whole = triton_fp8.fp8_small_m_linear(*args, block_n=32, block_k=128)
+    parts = triton_fp8.fp8_small_m_linear(*args, block_n=32, block_k=128, split_k=split)
+    assert _rel(parts.cpu(), whole.cpu()) < 1e-6
+    assert torch.equal(triton_fp8.fp8_small_m_linear(*args, block_n=32, block_k=128, split_k=split), parts)
+    assert int(triton_splitk._COUNTERS[parts.device].abs().sum()) == 0
+
+
+def test_fp8_decode_config_reads_the_tuned_table(triton_fp8, tmp_path, monkeypatch):
+    """Row buckets from the table (the next bucket up), ``scaled_mm`` entries to cuBLAS, untuned
+    shapes to the default up to 16 rows, more than 32 rows never to the small-row kernel."""
+    import json
+
+    tuned = {"BLOCK_N": 64, "BLOCK_K": 512, "SPLIT_K": 2, "num_warps": 8, "num_stages": 3}
+    table = tmp_path / "fp8.json"
+    table.write_text(json.dumps({"_doc": "x", "N=4096,K=4096": {"1": {**tuned, "ms": 0.01},
+                                                                "32": {"kernel": "scaled_mm", "ms": 0.02}}}))
+    monkeypatch.setattr(triton_fp8, "CONFIG_FILE", str(table))
+    triton_fp8.reload_config_table()
+    try:
+        assert triton_fp8.decode_config(1, 4096, 4096) == tuned
+        assert triton_fp8.decode_config(2, 4096, 4096) is None and triton_fp8.decode_config(32, 4096, 4096) is None
+        assert triton_fp8.decode_config(16, 1024, 4096) == triton_fp8.default_config(16, 1024)
+        assert triton_fp8.decode_config(17, 1024, 4096) is None and triton_fp8.decode_config(33, 4096, 4096) is None
+    finally:
+        monkeypatch.undo()
+        triton_fp8.reload_config_table()

@@ -9,9 +9,16 @@ the column block's scales (the scales are constant over the step since BLOCK_K =
 """
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 import triton
 import triton.language as tl
+
+from pagedllm.ops.tile_tables import read_table
+from pagedllm.ops.triton_pdl import launch_args, pdl_enter
+from pagedllm.ops.triton_splitk import counters, finish_split, split_for
 
 # Kernels read globals only as constexprs: the e4m3 maximum, and the smallest dynamic scale (as
 # pagedllm.model.quantization.fp8: an all-zero row divides by this).
@@ -21,8 +28,9 @@ MIN_SCALE = tl.constexpr(1.0 / (448.0 * 512.0))
 
 @triton.jit
 def _quant_fp8_kernel(x_ptr, q_ptr, s_ptr, static_s_ptr, K, stride_xm, n_groups, GROUP: tl.constexpr,
-                      STATIC: tl.constexpr, BLOCK: tl.constexpr):
+                      STATIC: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """One (row, K group): absmax / 448 as the scale (or the static one), x / scale in fp8."""
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     offs = g * GROUP + tl.arange(0, BLOCK)
@@ -38,10 +46,10 @@ def _quant_fp8_kernel(x_ptr, q_ptr, s_ptr, static_s_ptr, K, stride_xm, n_groups,
 
 
 def quantize_fp8(x: torch.Tensor, group: int | None = None, static_scale: torch.Tensor | None = None,
-                 fp8_dtype: torch.dtype = torch.float8_e4m3fn) -> tuple[torch.Tensor, torch.Tensor]:
+                 fp8_dtype: torch.dtype = torch.float8_e4m3fn, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` [M, K] -> (fp8 [M, K], float32 scales): per token ([M, 1]) without ``group``, per
     token and ``group`` columns ([M, K / group]) with it; ``static_scale``: that one value
-    (returned as [M, 1])."""
+    (returned as [M, 1]). ``pdl``: launched while the kernel before it runs (``triton_pdl``)."""
     m, k = x.shape
     group = group or k
     n_groups = triton.cdiv(k, group)
@@ -53,7 +61,8 @@ def quantize_fp8(x: torch.Tensor, group: int | None = None, static_scale: torch.
     if m:
         _quant_fp8_kernel[(m, n_groups)](x, q, scales, static_scale if static_scale is not None else scales, k,
                                          x.stride(0), n_groups, GROUP=group, STATIC=static_scale is not None,
-                                         BLOCK=triton.next_power_of_2(group), num_warps=4 if group <= 1024 else 8)
+                                         BLOCK=triton.next_power_of_2(group), num_warps=4 if group <= 1024 else 8,
+                                         **launch_args(pdl))
     return q, scales
 
 
@@ -108,54 +117,121 @@ def fp8_block_matmul(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_
     return c
 
 
-@triton.jit(do_not_specialize=["M"])
-def _fp8_small_m_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                        HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr):
-    """W8A8 for a handful of rows: every program owns BLOCK_N output features for all rows and
-    walks K once (the rows ride in the dot's 16/32-wide side), scales applied once at the end."""
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+@triton.jit(do_not_specialize=["M", "K_TILES_PER_SPLIT", "SPLIT_K"])
+def _fp8_small_m_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K, stride_xm,
+                        stride_wn, stride_ym, K_TILES_PER_SPLIT, SPLIT_K, HAS_BIAS: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        USE_SPLIT: tl.constexpr, PDL: tl.constexpr):
+    """W8A8 for a handful of rows: program (pid_n, pid_k) owns BLOCK_N output features for all rows
+    and walks the ``pid_k``-th slice of K (``K_TILES_PER_SPLIT`` tiles; all of K without the
+    split), the rows riding in the dot's 16/32-wide side, scales applied once at the end.
+    USE_SPLIT: the partials meet in ``triton_splitk.finish_split`` (one launch, deterministic).
+    PDL: launched while the quantize kernel before it runs (its launch and the weight scales' load
+    overlap that kernel; everything else waits for it). A first weight tile loaded before the wait
+    as well needs one more tile of shared memory than the tuned tilings leave (240 KB > 227 KB)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, BLOCK_M)
     kk = tl.arange(0, BLOCK_K)
     n_ok = n < N
     m_ok = m < M
-    w_ptrs = w_ptr + n.to(tl.int64)[:, None] * stride_wn + kk[None, :]
-    x_ptrs = xq_ptr + m[None, :] * stride_xm + kk[:, None]
+    k_lo = pid_k * K_TILES_PER_SPLIT * BLOCK_K
+    k_hi = tl.minimum(k_lo + K_TILES_PER_SPLIT * BLOCK_K, K)
+    w_ptrs = w_ptr + n.to(tl.int64)[:, None] * stride_wn + (k_lo + kk)[None, :]
+    x_ptrs = xq_ptr + m[None, :] * stride_xm + (k_lo + kk)[:, None]
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    w_s = tl.load(ws_ptr + n, mask=n_ok, other=0.0)
+    pdl_enter(PDL)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         k_ok = kk < K - k0
         w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         x = tl.load(x_ptrs, mask=m_ok[None, :] & k_ok[:, None], other=0.0)
         acc = tl.dot(w, x, acc)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
-    w_s = tl.load(ws_ptr + n, mask=n_ok, other=0.0)
     x_s = tl.load(xs_ptr + m, mask=m_ok, other=0.0)
     acc = acc * w_s[:, None] * x_s[None, :]
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-    tl.store(y_ptr + m[None, :] * stride_ym + n[:, None], acc.to(y_ptr.dtype.element_ty),
-             mask=n_ok[:, None] & m_ok[None, :])
+    y_ptrs = y_ptr + m[None, :] * stride_ym + n[:, None]
+    mask = n_ok[:, None] & m_ok[None, :]
+    if not USE_SPLIT:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        finish_split(acc, part_ptr + m[None, :] * N + n[:, None], M * N, y_ptrs, b_ptr + n[:, None] + 0 * m[None, :],
+                     mask, cnt_ptr, pid_n, pid_k, SPLIT_K, HAS_BIAS)
+
+
+# ---- the small-row kernel's configs (written by pagedllm.benchmarks.fp8_kernel --tune) ---------
+
+CONFIG_FILE = os.path.join(os.path.dirname(__file__), "fp8_configs.json")
+M_BUCKETS = (1, 2, 4, 8, 16, 32)  # the table's row buckets (a row count takes the next bucket up)
+DEFAULT_SMALL_M_ROWS = 16  # untuned shapes: up to this many rows the small-row kernel, more _scaled_mm
+
+
+@functools.lru_cache(maxsize=1)
+def _config_table() -> dict:
+    return read_table(CONFIG_FILE)
+
+
+def reload_config_table() -> None:
+    _config_table.cache_clear()
+
+
+def config_key(n: int, k: int) -> str:
+    return f"N={n},K={k}"
+
+
+def default_config(m: int, n: int) -> dict:
+    """Untuned: the widest tile giving about two programs per SM of an H100, all of K each."""
+    return dict(BLOCK_N=next((b for b in (64, 32) if n >= b * 264), 16), BLOCK_K=256, SPLIT_K=1, num_warps=4,
+                num_stages=4)
+
+
+def decode_config(m: int, n: int, k: int) -> dict | None:
+    """The small-row kernel's config for ``m`` rows of an [N, K] weight (per-token dynamic
+    activations): the table's entry for the smallest tuned row bucket holding ``m``, else the
+    default up to ``DEFAULT_SMALL_M_ROWS`` rows. None: ``torch._scaled_mm`` (more than 32 rows, or
+    the table found it faster there)."""
+    if m > M_BUCKETS[-1]:
+        return None
+    tuned = _config_table().get(config_key(n, k), {})
+    entry = next((tuned[str(b)] for b in M_BUCKETS if b >= m and str(b) in tuned), None)
+    if entry is not None:
+        if entry.get("kernel") == "scaled_mm":
+            return None
+        return {key: value for key, value in entry.items() if key not in ("kernel", "ms")}
+    return default_config(m, n) if m <= DEFAULT_SMALL_M_ROWS else None
 
 
 def fp8_small_m_linear(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                        bias: torch.Tensor | None, out_dtype: torch.dtype, *, block_n: int | None = None,
-                       block_k: int = 256, num_warps: int = 4, num_stages: int = 4) -> torch.Tensor:
+                       block_k: int = 256, split_k: int = 1, num_warps: int = 4, num_stages: int = 4,
+                       pdl: bool = False) -> torch.Tensor:
     """``(xq * x_scale) @ (weight * weight_scale)^T (+ bias)`` for at most 32 rows: fp8 ``xq`` [M, K]
-    with float32 per-row scales [M, 1], fp8 ``weight`` [N, K] with float32 per-channel scales [N].
-    ``block_n`` by default: the widest tile giving about two programs per SM of an H100 (untuned)."""
+    with float32 per-row scales [M, 1], fp8 ``weight`` [N, K] with float32 per-channel scales [N];
+    K split ``split_k`` ways (rounded to whole tiles). ``block_n`` by default: the widest tile
+    giving about two programs per SM of an H100 (untuned). ``pdl``: launched while the kernel
+    before it (the activations' quantize launch) runs."""
     m, k = xq.shape
     n = weight.shape[0]
-    block_n = block_n or next((b for b in (64, 32) if n >= b * 264), 16)
-    if m > 32 or weight.shape[1] != k or x_scale.numel() != m or weight_scale.numel() != n:
+    block_n = block_n or default_config(m, n)["BLOCK_N"]
+    if m > 32 or weight.shape[1] != k or x_scale.numel() != m or weight_scale.numel() != n or xq.stride(-1) != 1:
         raise ValueError(f"fp8_small_m_linear: xq {tuple(xq.shape)}, x_scale {tuple(x_scale.shape)}, weight "
                          f"{tuple(weight.shape)}, weight_scale {tuple(weight_scale.shape)}")
     y = torch.empty(m, n, dtype=out_dtype, device=xq.device)
     if m == 0:
         return y
-    x_scale = x_scale.reshape(m).contiguous()
-    _fp8_small_m_kernel[(triton.cdiv(n, block_n),)](
-        xq, x_scale, weight, weight_scale, bias if bias is not None else y, y, m, n, k, xq.stride(0), weight.stride(0),
-        y.stride(0), HAS_BIAS=bias is not None, BLOCK_M=16 if m <= 16 else 32, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=num_warps, num_stages=num_stages)
+    per_split, split = split_for(triton.cdiv(k, block_k), split_k)
+    n_tiles = triton.cdiv(n, block_n)
+    if split > 1:
+        part, cnt = torch.empty(split, m, n, dtype=torch.float32, device=xq.device), counters(xq.device, n_tiles)
+    else:
+        part = cnt = y
+    _fp8_small_m_kernel[(n_tiles, split)](
+        xq, x_scale.reshape(m).contiguous(), weight, weight_scale, bias if bias is not None else y, y, part, cnt, m, n, k,
+        xq.stride(0), weight.stride(0), y.stride(0), per_split, split, HAS_BIAS=bias is not None,
+        BLOCK_M=16 if m <= 16 else 32, BLOCK_N=block_n, BLOCK_K=block_k, USE_SPLIT=split > 1, num_warps=num_warps,
+        num_stages=num_stages, **launch_args(pdl))
     return y

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from pagedllm.ops.tile_tables import read_table
+from pagedllm.ops.triton_splitk import counters, finish_split, split_for
 
 SMALL_ROWS = 32  # at most this many rows take the decode tiling
 DEQUANT_ROWS = 1024  # from this many rows on: dequantize once, then cuBLAS
@@ -185,18 +186,9 @@ def _w4a16_splitk_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, cnt_
             acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
     else:
-        ws_ptrs = ws_ptr + m.to(tl.int64)[:, None] * N + n[None, :]
-        tl.store(ws_ptrs + pid_k.to(tl.int64) * M * N, acc, mask=y_mask)
-        tl.debug_barrier()  # every thread's partial is stored before the (release) count below
-        done = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        if done == SPLIT_K - 1:  # the last program of this column tile: sum the partials in split order
-            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for sk in range(SPLIT_K):
-                total += tl.load(ws_ptrs + sk * M * N, mask=y_mask, other=0.0, cache_modifier=".cg")
-            if HAS_BIAS:
-                total += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=y_mask)
-            tl.atomic_xchg(cnt_ptr + pid_n, 0)  # ready for the next launch (and the next graph replay)
+        finish_split(acc, ws_ptr + m.to(tl.int64)[:, None] * N + n[None, :], M * N, y_ptrs,
+                     b_ptr + n[None, :] + 0 * m[:, None], y_mask, cnt_ptr, pid_n, pid_k, SPLIT_K, HAS_BIAS)
+
 
 @triton.jit
 def _w4a16_dequant_kernel(qw_ptr, s_ptr, z_ptr, w_ptr, N, K, GROUP: tl.constexpr, HAS_ZP: tl.constexpr,
@@ -325,23 +317,6 @@ def decode_config(m: int, n: int, k: int, group: int, device: str = "cuda") -> d
     return config if splitk_eligible(m, group, config) else None
 
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _counters(device: torch.device, size: int) -> torch.Tensor:
-    """The split-K kernel's per-column-tile counters: zeros, and zeros again after every launch (the
-    last program of a tile resets its counter), so one buffer made outside any graph serves every
-    launch and replay. Made during a capture (no buffer yet), a fresh one is captured with the graph.
-    One buffer per device: split-K launches on one device must not run concurrently (the engine
-    runs its forward, eager or graph replay, on one stream)."""
-    buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < size:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return torch.zeros(size, dtype=torch.int32, device=device)
-        buf = _COUNTERS[device] = torch.zeros(max(size, 4096), dtype=torch.int32, device=device)
-    return buf
-
-
 def w4a16_splitk(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor | None,
                  group_size: int, bias: torch.Tensor | None = None, mins: torch.Tensor | None = None,
                  config: dict | None = None) -> torch.Tensor:
@@ -355,13 +330,11 @@ def w4a16_splitk(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, q
     if m == 0:
         return y
     split, block_n, block_k = cfg.pop("SPLIT_K"), cfg["BLOCK_N"], cfg["BLOCK_K"]
-    k_tiles = k // block_k
-    per_split = triton.cdiv(k_tiles, max(1, min(split, k_tiles)))
-    split = triton.cdiv(k_tiles, per_split)
+    per_split, split = split_for(k // block_k, split)
     n_tiles = triton.cdiv(n, block_n)
     if split > 1:
         ws = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
-        cnt = _counters(x.device, n_tiles)
+        cnt = counters(x.device, n_tiles)
     else:
         ws = cnt = y
     second = mins if mins is not None else qzeros if qzeros is not None else qweight

@@ -29,10 +29,6 @@ FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
 MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
 
 ACT_SCHEMES = ("dynamic", "static")
-# Decode batches of up to this many rows take the Triton small-row fp8 kernel (one program per
-# 32 output features walking all of K, so a batch-1 projection spreads over every SM), more rows
-# torch._scaled_mm. Not yet measured against _scaled_mm on an H100: 0 sends every batch to it.
-SMALL_M_ROWS = 16
 
 
 # ---- quantization of activations and weights (the CPU path and the references) ---------------
@@ -92,13 +88,19 @@ def _triton_ok(x: torch.Tensor) -> bool:
     return x.is_cuda and triton_ops_for(x) is not None
 
 
+def _pdl(x: torch.Tensor) -> bool:
+    from pagedllm.ops.triton_pdl import pdl_enabled
+
+    return pdl_enabled(x.device, "PAGEDLLM_QUANT_PDL")
+
+
 def quantize_activations(x: torch.Tensor, act_scheme: str, input_scale: torch.Tensor | None = None,
                          group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(fp8 x, float32 scales [M, 1] or [M, K / group]); one Triton launch on CUDA."""
     if _triton_ok(x):
         from pagedllm.ops.triton_fp8 import quantize_fp8
 
-        return quantize_fp8(x, group, input_scale if act_scheme == "static" else None)
+        return quantize_fp8(x, group, input_scale if act_scheme == "static" else None, pdl=_pdl(x))
     if act_scheme == "static":
         return quantize_static(x, input_scale), input_scale.reshape(1, 1).expand(x.shape[0], 1)
     if group is not None:
@@ -106,20 +108,36 @@ def quantize_activations(x: torch.Tensor, act_scheme: str, input_scale: torch.Te
     return quantize_per_token(x)
 
 
+def _small_row_config(x: torch.Tensor, weight: torch.Tensor, decode: dict | bool | None) -> dict | None:
+    """Decode batches (up to 32 rows) on fp8 tensor cores: the Triton small-row kernel's config
+    (``decode`` a config of its own; None: ``triton_fp8``'s tuning table, which may name
+    ``torch._scaled_mm`` instead; False: never), or None."""
+    if decode is False or x.shape[0] > 32 or not _fp8_mma(x) or not _triton_ok(x):
+        return None
+    from pagedllm.ops import triton_fp8
+
+    return dict(decode) if isinstance(decode, dict) else triton_fp8.decode_config(x.shape[0], *weight.shape)
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
-               act_scheme: str | None, input_scale: torch.Tensor | None = None) -> torch.Tensor:
+               act_scheme: str | None, input_scale: torch.Tensor | None = None,
+               decode: dict | bool | None = None) -> torch.Tensor:
     """``x`` [M, K] times the fp8 ``weight`` [N, K] with per-channel float32 ``weight_scale`` [N].
     ``act_scheme`` "dynamic": per-token activation scales; "static": ``input_scale`` (one value);
-    None: weight-only (the activations stay in their dtype)."""
+    None: weight-only (the activations stay in their dtype). ``decode``: see ``_small_row_config``."""
     if act_scheme is None:
         w = (weight.to(x.dtype) * weight_scale[:, None].to(x.dtype)) if x.is_cuda else \
             (weight.float() * weight_scale[:, None]).to(x.dtype)
         return F.linear(x, w, bias)
-    xq, x_scale = quantize_activations(x, act_scheme, input_scale)
-    if x.shape[0] <= SMALL_M_ROWS and _fp8_mma(x) and _triton_ok(x):
+    config = _small_row_config(x, weight, decode)
+    if config is not None:
         from pagedllm.ops.triton_fp8 import fp8_small_m_linear
 
-        return fp8_small_m_linear(xq, x_scale, weight, weight_scale, bias, x.dtype)
+        xq, x_scale = quantize_activations(x, act_scheme, input_scale)
+        return fp8_small_m_linear(xq, x_scale, weight, weight_scale, bias, x.dtype, block_n=config["BLOCK_N"],
+                                  block_k=config["BLOCK_K"], split_k=config["SPLIT_K"],
+                                  num_warps=config["num_warps"], num_stages=config["num_stages"], pdl=_pdl(x))
+    xq, x_scale = quantize_activations(x, act_scheme, input_scale)
     if _scaled_mm_ok(x, weight):
         # Row-wise scaled fp8 GEMM (fp32 accumulation, both scales applied in its epilogue); the
         # row-wise variant writes bfloat16.

@@ -1,0 +1,54 @@
+"""Split-K for the small-row decode kernels (W4A16, FP8): a projection of few output features
+(a 4096-wide o_proj is 64 tiles of 64) gives too few programs to keep every SM streaming its
+weight, so K is split too. Each program writes its fp32 partial to a workspace; the last of a
+column tile's programs to finish (a counter per tile, which it resets to 0 for the next launch)
+sums the partials in split order, adds the bias and writes the output. One launch, graph-safe,
+and the result does not depend on which program finished last (deterministic)."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def finish_split(acc, ws_ptrs, split_stride, y_ptrs, b_ptrs, mask, cnt_ptr, tile, pid_k, SPLIT_K,
+                 HAS_BIAS: tl.constexpr):
+    """``acc``: this program's partial (scales applied); ``ws_ptrs`` / ``y_ptrs`` / ``b_ptrs``:
+    ``acc``-shaped pointers into the workspace's first split, the output and the bias (broadcast);
+    ``split_stride``: elements between two splits' partials; ``tile``: the column tile's counter."""
+    tl.store(ws_ptrs + pid_k.to(tl.int64) * split_stride, acc, mask=mask)
+    tl.debug_barrier()  # every thread's partial is stored before the (release) count below
+    done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+    if done == SPLIT_K - 1:  # the last program of this column tile: sum the partials in split order
+        total = tl.zeros_like(acc)
+        for sk in range(SPLIT_K):
+            total += tl.load(ws_ptrs + sk * split_stride, mask=mask, other=0.0, cache_modifier=".cg")
+        if HAS_BIAS:
+            total += tl.load(b_ptrs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(y_ptrs, total.to(y_ptrs.dtype.element_ty), mask=mask)
+        tl.atomic_xchg(cnt_ptr + tile, 0)  # ready for the next launch (and the next graph replay)
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def counters(device: torch.device, size: int) -> torch.Tensor:
+    """The per-column-tile counters: zeros, and zeros again after every launch (the last program of
+    a tile resets its counter), so one buffer made outside any graph serves every launch and
+    replay. Made during a capture (no buffer yet), a fresh one is captured with the graph. One
+    buffer per device: split-K launches on one device must not run concurrently (the engine runs
+    its forward, eager or graph replay, on one stream)."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < size:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return torch.zeros(size, dtype=torch.int32, device=device)
+        buf = _COUNTERS[device] = torch.zeros(max(size, 4096), dtype=torch.int32, device=device)
+    return buf
+
+
+def split_for(k_tiles: int, split: int) -> tuple[int, int]:
+    """(K tiles per split, splits): ``split`` rounded so every split has the same tile count but the
+    last (which may have fewer)."""
+    per_split = triton.cdiv(k_tiles, max(1, min(split, k_tiles)))
+    return per_split, triton.cdiv(k_tiles, per_split)
