@@ -84,10 +84,11 @@ _VARS = [
            "0: each fused-MoE kernel of a step (routing, pair alignment, the two expert GEMMs, the top-k sum) waits "
            "for the one before it to end before it launches, instead of launching while it runs (programmatic "
            "dependent launch, ops/triton_fused_moe.py; A/B measurements).", _not_zero),
-    EnvVar("PAGEDLLM_QUANT_PDL", "bool (0 = off)", True,
-           "0: a decode step's FP8 activation quantization and the small-row FP8 GEMM after it wait for the kernel "
-           "before them to end before they start, instead of launching while it runs (programmatic dependent "
-           "launch, ops/triton_fp8.py; A/B measurements).", _not_zero),
+    EnvVar("PAGEDLLM_DECODE_PDL", "bool (0 = off)", True,
+           "0: a decode step's projection kernels (the 16-bit small-row GEMMs, FP8's activation quantization and "
+           "GEMM, the W4A16 split-K GEMM) wait for the kernel before them to end before they launch, instead of "
+           "launching while it runs (programmatic dependent launch, ops/triton_pdl.py; A/B measurements).",
+           _not_zero),
     EnvVar("PAGEDLLM_SPEC_FORCE_ACCEPT", "bool (1 = on)", False,
            "Benchmarks only: speculative decoding accepts every draft (the machinery's ceiling; outputs are the "
            "draft's).", _is_one),

@@ -26,16 +26,22 @@ lora = {"t_ptr": "*fp32", "lb_ptr": "*bf16", "ls_ptr": "*i64", "R": "i32"}
 compile_("gemv with the expand", triton_gemv._gemv_kernel,
          {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "N": "i32", "K": "i32",
           "stride_wn": "i32", **lora, "stride_ts": "i32", "stride_lbs": "i32", "stride_lbn": "i32", "HAS_BIAS": c,
-          "BLOCK_N": c, "BLOCK_K": c, "HAS_LORA": c, "SPLIT": c, "BLOCK_R": c, "PDL": c},
-         {"HAS_BIAS": False, "BLOCK_N": 8, "BLOCK_K": 512, "HAS_LORA": True, "SPLIT": 4, "BLOCK_R": 64, "PDL": True},
-         options=pdl, want_ptx="griddepcontrol.wait")
+          "BLOCK_N": c, "BLOCK_K": c, "HAS_LORA": c, "SPLIT": c, "BLOCK_R": c, "PDL": c, "ENTER": c},
+         {"HAS_BIAS": False, "BLOCK_N": 8, "BLOCK_K": 512, "HAS_LORA": True, "SPLIT": 4, "BLOCK_R": 64, "PDL": True,
+          "ENTER": False}, options=pdl, want_ptx="griddepcontrol.wait")
+compile_("gemv launched early", triton_gemv._gemv_kernel,
+         {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "N": "i32", "K": "i32",
+          "stride_wn": "i32", **lora, "stride_ts": "i32", "stride_lbs": "i32", "stride_lbn": "i32", "HAS_BIAS": c,
+          "BLOCK_N": c, "BLOCK_K": c, "HAS_LORA": c, "SPLIT": c, "BLOCK_R": c, "PDL": c, "ENTER": c},
+         {"HAS_BIAS": False, "BLOCK_N": 8, "BLOCK_K": 512, "HAS_LORA": False, "SPLIT": 1, "BLOCK_R": 16, "PDL": False,
+          "ENTER": True}, options=pdl, want_ptx="griddepcontrol.wait")
 compile_("small-row dot with the expand", triton_gemv._small_m_gemm_kernel,
          {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32",
           "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32", **lora, "NUM_SLOTS": "i32", "stride_ts": "i32",
           "stride_tm": "i32", "stride_lbs": "i32", "stride_lbn": "i32", "HAS_BIAS": c, "BLOCK_M": c, "BLOCK_N": c,
-          "BLOCK_K": c, "HAS_LORA": c, "SPLIT": c, "BLOCK_R": c, "PDL": c},
+          "BLOCK_K": c, "HAS_LORA": c, "SPLIT": c, "BLOCK_R": c, "PDL": c, "ENTER": c},
          {"HAS_BIAS": True, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "HAS_LORA": True, "SPLIT": 2, "BLOCK_R": 32,
-          "PDL": True}, options=pdl, want_ptx="griddepcontrol.wait")
+          "PDL": True, "ENTER": False}, options=pdl, want_ptx="griddepcontrol.wait")
 compile_("rms norm letting the shrink launch", triton_ops._rms_norm_kernel,
          {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "res_out_ptr": "*bf16",
           "n_inner": "i32", "x_stride0": "i32", "x_stride1": "i32", "res_stride0": "i32", "res_stride1": "i32",
@@ -50,5 +56,6 @@ compile_("silu-and-mul letting the shrink launch", triton_ops._silu_and_mul_kern
 
 def test_lora_kernels_compile_for_sm90_with_programmatic_dependent_launch(tmp_path):
     results = compile_for_sm90(_BODY, tmp_path)
-    assert results == {"shrink": True, "gemv with the expand": True, "small-row dot with the expand": True,
+    assert results == {"shrink": True, "gemv with the expand": True, "gemv launched early": True,
+                       "small-row dot with the expand": True,
                        "rms norm letting the shrink launch": True, "silu-and-mul letting the shrink launch": True}

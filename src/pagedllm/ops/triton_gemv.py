@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from pagedllm.ops.triton_lora import block_r_for, partial_sums
-from pagedllm.ops.triton_pdl import gdc_wait, launch_args
+from pagedllm.ops.triton_pdl import gdc_wait, launch_args, pdl_enabled, pdl_enter
 
 MAX_ROWS = 32  # the dot's padded row count at most
 
@@ -29,7 +29,8 @@ def _small_m_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_
                          t_ptr, lb_ptr, ls_ptr, R, NUM_SLOTS, stride_ts, stride_tm, stride_lbs, stride_lbn,
                          HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr, HAS_LORA: tl.constexpr, SPLIT: tl.constexpr,
-                         BLOCK_R: tl.constexpr, PDL: tl.constexpr):
+                         BLOCK_R: tl.constexpr, PDL: tl.constexpr, ENTER: tl.constexpr):
+    pdl_enter(ENTER)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, BLOCK_M)
     kk = tl.arange(0, BLOCK_K)
@@ -68,8 +69,9 @@ def _small_m_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn,
                  t_ptr, lb_ptr, ls_ptr, R, stride_ts, stride_lbs, stride_lbn,
                  HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_LORA: tl.constexpr,
-                 SPLIT: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr):
+                 SPLIT: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr, ENTER: tl.constexpr):
     """One row: products accumulated elementwise in fp32, reduced once at the end."""
+    pdl_enter(ENTER)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     if HAS_LORA:  # the row's adapter slot, in flight while the weight streams in
         slot = tl.load(ls_ptr).to(tl.int64)
@@ -141,10 +143,12 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     else:
         t = lb = ls = y
         r, lora_strides, block_r = 0, (0, 0, 0, 0), 16
-    pdl = lora is not None and lora.pdl
+    pdl = lora is not None and lora.pdl  # launched while the shrink runs: waits before reading its t
+    enter = lora is None and pdl_enabled(x.device, "PAGEDLLM_DECODE_PDL")  # launched early: waits first
     common = dict(HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, HAS_LORA=lora is not None,
                   SPLIT=lora.split if lora is not None else 1, BLOCK_R=block_r, num_warps=num_warps,
-                  num_stages=num_stages, **launch_args(pdl))
+                  num_stages=num_stages, ENTER=enter, **launch_args(pdl or enter))
+    common["PDL"] = pdl
     if kernel == "gemv" and m == 1:
         ts, _, lbs, lbn = lora_strides
         _gemv_kernel[grid](x, weight, b, y, n, k, weight.stride(0), t, lb, ls, r, ts, lbs, lbn, **common)

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from pagedllm.ops.tile_tables import read_table
+from pagedllm.ops.triton_pdl import pdl_enabled, pdl_enter
 from pagedllm.ops.triton_splitk import counters, finish_split, split_for
 
 SMALL_ROWS = 32  # at most this many rows take the decode tiling
@@ -93,7 +94,8 @@ def _nibble_f32(words, i: tl.constexpr):
 def _w4a16_splitk_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_ym,
                          K_TILES_PER_SPLIT, SPLIT_K, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr,
                          HAS_MIN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, USE_SPLIT: tl.constexpr, USE_DOT: tl.constexpr):
+                         BLOCK_K: tl.constexpr, USE_SPLIT: tl.constexpr, USE_DOT: tl.constexpr,
+                         ENTER: tl.constexpr):
     """Decode rows (M <= BLOCK_M <= 32): program (pid_n, pid_k) owns ``BLOCK_N`` output features and
     the ``pid_k``-th slice of K (``K_TILES_PER_SPLIT`` tiles of ``BLOCK_K``, each inside one group),
     and reads each packed word of that slice once: one [BLOCK_K / 8, BLOCK_N] int32 load per tile,
@@ -106,7 +108,9 @@ def _w4a16_splitk_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, cnt_
     every split): each program writes its fp32 partial to ``ws`` [SPLIT_K, M, N]; the last of a
     column tile's programs to finish (a counter per column tile, ``cnt``, which it resets to 0 for
     the next launch) sums the SPLIT_K partials in split order, adds the bias and writes y. One
-    launch, and the result does not depend on which program finished last (deterministic)."""
+    launch, and the result does not depend on which program finished last (deterministic).
+    ENTER: launched while the kernel before it runs (``triton_pdl``), it waits for it first."""
+    pdl_enter(ENTER)
     BKW: tl.constexpr = BLOCK_K // 8
     MAGIC: tl.constexpr = 0x43004300 if x_ptr.dtype.element_ty == tl.bfloat16 else 0x64006400  # 128 | 1024
     BASE: tl.constexpr = 128.0 if x_ptr.dtype.element_ty == tl.bfloat16 else 1024.0
@@ -338,10 +342,11 @@ def w4a16_splitk(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, q
     else:
         ws = cnt = y
     second = mins if mins is not None else qzeros if qzeros is not None else qweight
+    enter = pdl_enabled(x.device, "PAGEDLLM_DECODE_PDL")
     _w4a16_splitk_kernel[(n_tiles, split)](
         x, qweight, scales, second, bias if bias is not None else y, y, ws, cnt, m, n, k, x.stride(0), y.stride(0),
         per_split, split, GROUP=group_size, HAS_ZP=qzeros is not None, HAS_BIAS=bias is not None,
-        HAS_MIN=mins is not None, USE_SPLIT=split > 1, **cfg)
+        HAS_MIN=mins is not None, USE_SPLIT=split > 1, ENTER=enter, **cfg, **({"launch_pdl": True} if enter else {}))
     return y
 
 

@@ -91,7 +91,7 @@ def _triton_ok(x: torch.Tensor) -> bool:
 def _pdl(x: torch.Tensor) -> bool:
     from pagedllm.ops.triton_pdl import pdl_enabled
 
-    return pdl_enabled(x.device, "PAGEDLLM_QUANT_PDL")
+    return pdl_enabled(x.device, "PAGEDLLM_DECODE_PDL")
 
 
 def quantize_activations(x: torch.Tensor, act_scheme: str, input_scale: torch.Tensor | None = None,
