@@ -45,13 +45,11 @@ def _weights(n: int, k: int, copies: int, device: str):
 
 
 def tune(args) -> dict:
-    import json
-    import os
-
     import torch
 
     from pagedllm.model.quantization.fp8 import fp8_linear
     from pagedllm.ops import triton_fp8
+    from pagedllm.ops.tile_tables import write_table
 
     gpu = torch.cuda.get_device_name(0)
     table: dict = {"_doc": f"FP8 W8A8 small-row configs by N,K and row bucket: pagedllm.benchmarks.fp8_kernel --tune "
@@ -93,11 +91,8 @@ def tune(args) -> dict:
                   "best_copy_roofline": round((n * k + 4 * n) / args.bandwidth / (best_ms * 1e-3), 3)})
         del weights
         torch.cuda.empty_cache()
-        out = args.config_out or triton_fp8.CONFIG_FILE  # after each projection: a later crash keeps these
-        with open(out, "w") as f:
-            json.dump(table, f, indent=1, sort_keys=True)
-            f.write("\n")
-        print(f"# wrote {os.path.abspath(out)}", flush=True)
+        # After each projection: a later crash keeps these.
+        write_table(args.config_out or triton_fp8.CONFIG_FILE, table)
     triton_fp8.reload_config_table()
     return table
 

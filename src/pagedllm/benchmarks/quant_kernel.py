@@ -151,12 +151,10 @@ def splitk_candidates(m: int, n: int, k: int, group: int, sm_count: int) -> list
 
 def tune_splitk(args) -> dict:
     """The --tune sweep: JSON lines per (rows, projection), and the table it writes."""
-    import json
-    import os
-
     import torch
 
     from pagedllm.ops import triton_int4
+    from pagedllm.ops.tile_tables import write_table
 
     shape = SHAPES[args.shape]
     group, device = 128, "cuda" if torch.cuda.is_available() else "cpu"
@@ -221,11 +219,8 @@ def tune_splitk(args) -> dict:
         del weights
         if device == "cuda":
             torch.cuda.empty_cache()
-        out = args.config_out or triton_int4.CONFIG_FILE  # after each projection: a later crash keeps these
-        with open(out, "w") as f:
-            json.dump(table, f, indent=1, sort_keys=True)
-            f.write("\n")
-        print(f"# wrote {os.path.abspath(out)}", flush=True)
+        # After each projection: a later crash keeps these.
+        write_table(args.config_out or triton_int4.CONFIG_FILE, table)
     triton_int4.reload_config_table()
     return table
 

@@ -12,3 +12,11 @@ def read_table(path: str) -> dict:
         return {}
     with open(path) as f:
         return {key: value for key, value in json.load(f).items() if not key.startswith("_")}
+
+
+def write_table(path: str, table: dict) -> None:
+    """Writes ``table`` as the tuning runs leave it (sorted keys, one entry per line) and says where."""
+    with open(path, "w") as f:
+        json.dump(table, f, indent=1, sort_keys=True)
+        f.write("\n")
+    print(f"# wrote {os.path.abspath(path)}", flush=True)

@@ -6,6 +6,10 @@ with ``a`` fp8 [M, K] quantized per row and ``block_k`` columns (scales ``a_s`` 
 
 Each K step is one tile of both: an fp8 tensor-core dot accumulated in fp32, times the row's and
 the column block's scales (the scales are constant over the step since BLOCK_K == bk).
+
+And the small-row W8A8 kernel decode batches (1 to 32 rows) take: every program streams its
+output features' fp8 weight once (K split or not), tilings per (N, K, row bucket) from
+``fp8_configs.json``, which ``pagedllm.benchmarks.fp8_kernel --tune`` writes on the GPU.
 """
 from __future__ import annotations
 
@@ -190,8 +194,7 @@ def default_config(m: int, n: int) -> dict:
 
 
 def decode_config(m: int, n: int, k: int) -> dict | None:
-    """The small-row kernel's config for ``m`` rows of an [N, K] weight (per-token dynamic
-    activations): the table's entry for the smallest tuned row bucket holding ``m``, else the
+    """The small-row kernel's config for ``m`` rows of an [N, K] weight: the table's entry for the smallest tuned row bucket holding ``m``, else the
     default up to ``DEFAULT_SMALL_M_ROWS`` rows. None: ``torch._scaled_mm`` (more than 32 rows, or
     the table found it faster there)."""
     if m > M_BUCKETS[-1]:
@@ -230,8 +233,8 @@ def fp8_small_m_linear(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Te
     else:
         part = cnt = y
     _fp8_small_m_kernel[(n_tiles, split)](
-        xq, x_scale.reshape(m).contiguous(), weight, weight_scale, bias if bias is not None else y, y, part, cnt, m, n, k,
-        xq.stride(0), weight.stride(0), y.stride(0), per_split, split, HAS_BIAS=bias is not None,
+        xq, x_scale.reshape(m).contiguous(), weight, weight_scale, bias if bias is not None else y, y, part, cnt,
+        m, n, k, xq.stride(0), weight.stride(0), y.stride(0), per_split, split, HAS_BIAS=bias is not None,
         BLOCK_M=16 if m <= 16 else 32, BLOCK_N=block_n, BLOCK_K=block_k, USE_SPLIT=split > 1, num_warps=num_warps,
         num_stages=num_stages, **launch_args(pdl))
     return y
