@@ -28,17 +28,26 @@ def _json_lines(capsys) -> list[dict]:
     return rows
 
 
-@pytest.mark.parametrize("shape", sorted(common.SHAPES))
-def test_weight_bytes_equals_the_parameter_bytes_of_the_model(shape):
+@pytest.mark.parametrize("shape, tp", [(shape, tp) for shape in sorted(common.SHAPES) for tp in (1, 2, 4)]
+                         + [("llama3-8b", 16)])
+def test_weight_bytes_equals_the_parameter_bytes_of_the_model(shape, tp, monkeypatch):
+    """The roofline's weights and K/V are the model's; at TP > 1 those of one rank (the model built
+    as rank 0 of ``tp``: sharded projections, experts and vocabulary, whole norms; at 16 ranks
+    llama3-8b's 8 K/V heads are one per rank, replicated)."""
     import transformers
 
+    from pagedllm.distributed import parallel_state
     from pagedllm.model.registry import get_model_class
 
+    monkeypatch.setattr(parallel_state, "_TP_SIZE", tp)
+    monkeypatch.setattr(parallel_state, "_TP_RANK", 0)
     config = transformers.AutoConfig.from_pretrained(common.write_shape(shape))
     with torch.device("meta"):
         model = get_model_class(config.architectures)(config)
     params = {id(p): p for p in model.parameters()}.values()  # a tied head counts once
-    assert common.weight_bytes(common.SHAPES[shape], itemsize=2) == sum(p.numel() * 2 for p in params)
+    assert common.weight_bytes(common.SHAPES[shape], itemsize=2, tp=tp) == sum(p.numel() * 2 for p in params)
+    attn = model.model.layers[0].self_attn
+    assert common.kv_bytes_per_token(common.SHAPES[shape], 2, tp) == 2 * config.num_hidden_layers * attn.kv_size * 2
 
 
 def test_a_moe_steps_roofline_counts_the_experts_its_batch_is_expected_to_pick():

@@ -123,57 +123,64 @@ def _linear_bytes(n: int, k: int, itemsize: int, quant: dict | None) -> int:
     return n * k // 2 + (k // group) * n * scale_size + zeros  # packed int4, scales, packed zero points
 
 
+def _rank_heads(config: dict, tp: int) -> tuple[int, int, int]:
+    """(query heads, K/V heads, head dim) one of ``tp`` tensor-parallel ranks holds: K/V heads
+    split while there are at least ``tp`` of them, else one replicated per rank."""
+    heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    return heads // tp, max(1, kv_heads // tp), head_dim
+
+
 def weight_bytes(config: dict, itemsize: int = 2, active_only: bool = False, quantization: str | None = None,
-                 tokens: int = 1) -> int:
+                 tokens: int = 1, tp: int = 1) -> int:
     """Parameter bytes of a Llama-family or Qwen3-MoE shape: embeddings, layers, final norm, lm_head
     if untied. ``active_only``: what ``tokens`` tokens read (of each MoE layer only the experts
     they pick: ``expected_experts``).
     Quantized projections (``config["quantization_config"]``, or ``quantization="fp8"`` online)
     count their packed weights, scales and zero points; embeddings, norms and the LM head stay
-    in the model dtype."""
+    in the model dtype. ``tp`` > 1: what one tensor-parallel rank holds (projections, experts,
+    vocabulary split ``tp`` ways; norms and the MoE router whole; ``_rank_heads``)."""
     hidden, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
-    heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
-    head_dim = config.get("head_dim") or hidden // heads
+    heads, kv_heads, head_dim = _rank_heads(config, tp)
     quant = config.get("quantization_config") or (
         {"quant_method": "fp8", "activation_scheme": "dynamic"} if quantization == "fp8" else None)
     attn = (_linear_bytes((heads + 2 * kv_heads) * head_dim, hidden, itemsize, quant)
             + _linear_bytes(hidden, heads * head_dim, itemsize, quant))
     norms = 2 * hidden + (2 * head_dim if config["model_type"] in ("qwen3", "qwen3_moe") else 0)
-    params = vocab * hidden * (1 if config.get("tie_word_embeddings") else 2) + hidden
+    params = -(-vocab // tp) * hidden * (1 if config.get("tie_word_embeddings") else 2) + hidden
     total = 0  # bytes of the projections
     for layer in range(config["num_hidden_layers"]):
         params += norms
         total += attn
         if quant is not None:
-            total += _linear_bytes(2 * inter, hidden, itemsize, quant) + _linear_bytes(hidden, inter, itemsize, quant)
+            total += (_linear_bytes(2 * inter // tp, hidden, itemsize, quant)
+                      + _linear_bytes(hidden, inter // tp, itemsize, quant))
         else:
-            params += _mlp_params(config, layer, active_only, tokens)
+            params += _mlp_params(config, layer, active_only, tokens, tp)
     return params * itemsize + total
 
 
 def step_read_bytes(config: dict, itemsize: int, batch: int, context_len: float, kv_itemsize: int | None = None,
-                    quantization: str | None = None) -> int:
+                    quantization: str | None = None, tp: int = 1) -> int:
     """Every byte one decode step of ``batch`` requests reads: the weights (quantized ones packed,
     with their scales and zero points; of each MoE layer the experts ``batch`` tokens are expected
     to pick, ``expected_experts``), of the embedding table only the ``batch`` rows looked up, and each
     request's K/V over ``context_len`` tokens (``kv_itemsize``: the cache's bytes per value, the
-    model's by default)."""
+    model's by default). ``tp`` > 1: what one of the tensor-parallel ranks reads (they read at once)."""
     hidden, vocab = config["hidden_size"], config["vocab_size"]
-    heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
-    head_dim = config.get("head_dim") or hidden // heads
-    table = vocab * hidden * itemsize  # the embedding (tied: also the LM head, read whole)
-    weights = weight_bytes(config, itemsize, active_only=True, quantization=quantization, tokens=batch)
+    _, kv_heads, head_dim = _rank_heads(config, tp)
+    table = -(-vocab // tp) * hidden * itemsize  # the embedding (tied: also the LM head, read whole)
+    weights = weight_bytes(config, itemsize, active_only=True, quantization=quantization, tokens=batch, tp=tp)
     if not config.get("tie_word_embeddings"):
         weights -= table
     kv = config["num_hidden_layers"] * 2 * kv_heads * head_dim * (kv_itemsize or itemsize) * context_len
     return int(weights + batch * hidden * itemsize + batch * kv)
 
 
-def kv_bytes_per_token(config: dict, kv_itemsize: int) -> int:
-    """K and V bytes one token of context holds over all layers (what each decode step re-reads)."""
-    heads = config["num_attention_heads"]
-    kv_heads = config.get("num_key_value_heads") or heads
-    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+def kv_bytes_per_token(config: dict, kv_itemsize: int, tp: int = 1) -> int:
+    """K and V bytes one token of context holds over all layers (what each decode step re-reads);
+    ``tp`` > 1: on one tensor-parallel rank."""
+    _, kv_heads, head_dim = _rank_heads(config, tp)
     return 2 * config["num_hidden_layers"] * kv_heads * head_dim * kv_itemsize
 
 
@@ -189,12 +196,14 @@ def expected_experts(num_experts: int, top_k: int, tokens: int) -> float:
     return num_experts * (1 - (1 - top_k / num_experts) ** tokens)
 
 
-def _mlp_params(config: dict, layer: int, active_only: bool, tokens: int = 1) -> int:
+def _mlp_params(config: dict, layer: int, active_only: bool, tokens: int = 1, tp: int = 1) -> int:
     hidden, experts = config["hidden_size"], config.get("num_experts", 0)
     if not experts or layer in config.get("mlp_only_layers", []) or (layer + 1) % config["decoder_sparse_step"]:
-        return 3 * hidden * config["intermediate_size"]
+        return 3 * hidden * (config["intermediate_size"] // tp)
     used = expected_experts(experts, config["num_experts_per_tok"], tokens) if active_only else experts
-    return round(used * 3 * hidden * config["moe_intermediate_size"]) + experts * hidden  # experts + router
+    # Each rank holds 1/tp of every expert (or, with expert parallelism, 1/tp of the experts whole:
+    # the same bytes in expectation), and the router whole.
+    return round(used * 3 * hidden * config["moe_intermediate_size"] / tp) + experts * hidden
 
 
 def release_engines() -> None:

@@ -19,7 +19,9 @@ dummy weights route, common.expected_experts; of the embedding only the rows loo
 request's K/V at its mean context over the decode, input_len + output_len / 2; --kv-cache-dtype
 fp8: one byte per value):
 step_roofline_fraction = step_roofline_ms / ms_per_step. The batch-1 roofline adds the K/V of
-that mean context to the weights too (kv_bytes).
+that mean context to the weights too (kv_bytes). Under tensor parallelism (--engine-args
+tensor_parallel_size=N) both count what one rank reads (its shards of the projections, experts,
+vocabulary and K/V heads; the ranks read at once), over one device's bandwidth.
 """
 from __future__ import annotations
 
@@ -129,6 +131,7 @@ def main(argv: list[str] | None = None) -> None:
               enforce_eager=args.enforce_eager, max_model_len=args.max_model_len, quantization=quantization,
               **{"kv_cache_dtype": args.kv_cache_dtype, **extra})
     kv_cache_dtype = extra.get("kv_cache_dtype", args.kv_cache_dtype)
+    tp = int(extra.get("tensor_parallel_size", 1))  # the roofline counts what one rank reads
     kv_size = kv_itemsize(kv_cache_dtype, itemsize)
     rng = random.Random(0)
     results = []
@@ -144,19 +147,20 @@ def main(argv: list[str] | None = None) -> None:
         step_ms = (total_s - ttft_s) * 1e3 / (args.output_len - 1)
         result = {"benchmark": "latency", "engine": "pagedllm", "shape": args.model or args.shape, "dtype": dtype,
                   "quantization": args.quantization, "kv_cache_dtype": kv_cache_dtype,
-                  "enforce_eager": args.enforce_eager, "batch_size": batch, "input_len": args.input_len,
-                  "output_len": args.output_len, "num_iters": args.num_iters, "ttft_ms": round(ttft_s * 1e3, 2),
+                  "enforce_eager": args.enforce_eager, "tensor_parallel_size": tp, "batch_size": batch,
+                  "input_len": args.input_len, "output_len": args.output_len, "num_iters": args.num_iters,
+                  "ttft_ms": round(ttft_s * 1e3, 2),
                   "e2e_s": round(total_s, 4), "ms_per_step": round(step_ms, 3),
                   "decode_tok_s": round(batch * 1e3 / step_ms, 1)}
         step_bytes = step_read_bytes(config, itemsize, batch, args.input_len + args.output_len / 2, kv_size,
-                                     quantization)
+                                     quantization, tp)
         step_roofline_ms = step_bytes / bandwidth * 1e3
         result.update(step_bytes=step_bytes, step_roofline_ms=round(step_roofline_ms, 3),
                       step_roofline_fraction=round(step_roofline_ms / step_ms, 3))
         if batch == 1:
             # MoE: one token reads its top-k experts; quantized projections: packed weights, scales, zeros.
-            wbytes = weight_bytes(config, itemsize, active_only=True, quantization=quantization)
-            kv_bytes = round((args.input_len + args.output_len / 2) * kv_bytes_per_token(config, kv_size))
+            wbytes = weight_bytes(config, itemsize, active_only=True, quantization=quantization, tp=tp)
+            kv_bytes = round((args.input_len + args.output_len / 2) * kv_bytes_per_token(config, kv_size, tp))
             roofline_ms = (wbytes + kv_bytes) / bandwidth * 1e3
             result.update(weight_bytes=wbytes, kv_bytes=kv_bytes, copy_bandwidth_gb_s=round(bandwidth / 1e9, 1),
                           roofline_ms=round(roofline_ms, 3), roofline_fraction=round(roofline_ms / step_ms, 3))
