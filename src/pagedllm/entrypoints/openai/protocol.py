@@ -350,6 +350,32 @@ class ChatCompletionChunk(OpenAIModel):
     usage: Optional[UsageInfo] = None
 
 
+def completion_chunk(request_id: str, created: int, model: str, index: int, text: str,
+                     logprobs: Optional[CompletionLogprobs], finish_reason: Optional[str],
+                     stop_reason: Optional[Union[int, str]]) -> dict:
+    """One streamed completion choice as ``CompletionResponse(...).model_dump()`` has it, built as
+    a dict: a stream makes one per token, and the models' validation was a tenth of the API
+    process's work per token."""
+    return {"id": request_id, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": index, "text": text, "logprobs": None if logprobs is None else logprobs.model_dump(),
+                         "finish_reason": finish_reason, "stop_reason": stop_reason}], "usage": None}
+
+
+def chat_chunk(request_id: str, created: int, model: str, choices: list[dict], usage: Optional[UsageInfo] = None) -> dict:
+    """A ``ChatCompletionChunk(...).model_dump()`` built as a dict (see ``completion_chunk``);
+    ``choices`` from ``chat_stream_choice``."""
+    return {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": choices, "usage": None if usage is None else usage.model_dump()}
+
+
+def chat_stream_choice(index: int, delta: DeltaMessage, logprobs: Optional[ChatLogprobs] = None,
+                       finish_reason: Optional[str] = None, stop_reason: Optional[Union[int, str]] = None) -> dict:
+    """A ``ChatStreamChoice``'s dump whose delta carries only the fields it sets."""
+    return {"index": index, "delta": {k: v for k, v in delta.model_dump().items() if v is not None},
+            "logprobs": None if logprobs is None else logprobs.model_dump(), "finish_reason": finish_reason,
+            "stop_reason": stop_reason}
+
+
 class LoadLoRAAdapterRequest(OpenAIModel):
     lora_name: str = Field(min_length=1, max_length=256)
     lora_path: str = Field(min_length=1, max_length=4096)

@@ -9,8 +9,8 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from pagedllm.entrypoints.openai.protocol import (
-    BadParam, ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs,
-    ChatResponseMessage, ChatStreamChoice, ChatTokenLogprob, ChatTopLogprob, DeltaMessage, UsageInfo,
+    BadParam, ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs, ChatResponseMessage,
+    ChatTokenLogprob, ChatTopLogprob, DeltaMessage, UsageInfo, chat_chunk, chat_stream_choice,
 )
 from pagedllm.reasoning import ReasoningParser, ReasoningParserManager
 from pagedllm.entrypoints.openai.serving_engine import OpenAIServing, _MIN_LOGPROB, _merge, _sse
@@ -162,18 +162,14 @@ class OpenAIServingChat(OpenAIServing):
         created = int(time.time())
         prompt_tokens = completion_tokens = cached_tokens = 0
 
-        def chunk(choices: list[ChatStreamChoice], usage_info: Optional[UsageInfo] = None) -> str:
-            body = ChatCompletionChunk(id=request_id, created=created, model=model, choices=choices,
-                                       usage=usage_info).model_dump()
-            for choice in body["choices"]:  # a delta carries only what it sets
-                choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
-            return _sse(body)
+        def chunk(choices: list[dict], usage_info: Optional[UsageInfo] = None) -> str:
+            return _sse(chat_chunk(request_id, created, model, choices, usage_info))
 
         role = self.response_role_of(req)
         parsers = [self.parsers(req) for _ in range(req.n)]
         texts = [""] * req.n
         for i in range(req.n):  # the role comes first, once per choice
-            yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role=role, content=""))])
+            yield chunk([chat_stream_choice(i, DeltaMessage(role=role, content=""))])
         async for _, ro in _merge(streams):
             prompt_tokens, cached_tokens = len(ro.prompt_token_ids), ro.num_cached_tokens
             for out in ro.outputs:
@@ -185,7 +181,6 @@ class OpenAIServingChat(OpenAIServing):
                 delta = choice.delta(texts[out.index], out.text, final=out.finish_reason is not None)
                 finish_reason = choice.finish_reason(out.finish_reason)
                 logprobs = self._chat_logprobs(out, req.top_logprobs or 0) if req.logprobs else None
-                yield chunk([ChatStreamChoice(index=out.index, delta=delta, logprobs=logprobs,
-                                              finish_reason=finish_reason, stop_reason=out.stop_reason)])
+                yield chunk([chat_stream_choice(out.index, delta, logprobs, finish_reason, out.stop_reason)])
         if req.stream_options and req.stream_options.include_usage:
             yield chunk([], self.usage(prompt_tokens, completion_tokens, cached_tokens))

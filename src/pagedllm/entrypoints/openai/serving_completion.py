@@ -10,7 +10,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from pagedllm.engine.detokenizer import decode_token
 from pagedllm.entrypoints.openai.protocol import (
-    CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
+    CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, completion_chunk,
 )
 from pagedllm.entrypoints.openai.serving_engine import APIError, OpenAIServing, _MIN_LOGPROB, _merge, _sse
 from pagedllm.outputs import Logprob, RequestOutput
@@ -126,10 +126,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 logprobs = None
                 if req.logprobs is not None:
                     logprobs, offsets[index] = self._completion_logprobs(token_ids, lps, offsets.get(index, 0))
-                chunk = CompletionResponse(id=request_id, created=created, model=model, choices=[
-                    CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=out.finish_reason,
-                                     stop_reason=out.stop_reason)])
-                yield _sse(chunk)
+                yield _sse(completion_chunk(request_id, created, model, index, text, logprobs, out.finish_reason,
+                                            out.stop_reason))
         if req.stream_options and req.stream_options.include_usage:
             usage = self.usage(sum(prompt_tokens.values()), completion_tokens, sum(cached_tokens.values()))
             yield _sse(CompletionResponse(id=request_id, created=created, model=model, choices=[], usage=usage))
