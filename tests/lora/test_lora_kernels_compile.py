@@ -23,16 +23,13 @@ compile_("shrink", triton_lora._shrink_kernel,
          {"IEEE": False, "BLOCK_M": 32, "BLOCK_R": 64, "BLOCK_K": 128, "PDL": True}, options=pdl,
          want_ptx="griddepcontrol.launch_dependents")
 lora = {"t_ptr": "*fp32", "lb_ptr": "*bf16", "ls_ptr": "*i64", "R": "i32"}
-compile_("gemv with the expand", triton_gemv._gemv_kernel,
-         {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "N": "i32", "K": "i32",
-          "stride_wn": "i32", **lora, "stride_ts": "i32", "stride_lbs": "i32", "stride_lbn": "i32", "HAS_BIAS": c,
-          "BLOCK_N": c, "BLOCK_K": c, "HAS_LORA": c, "SPLIT": c, "BLOCK_R": c, "PDL": c, "ENTER": c},
+gemv = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "N": "i32", "K": "i32",
+        "stride_wn": "i32", **lora, "stride_ts": "i32", "stride_lbs": "i32", "stride_lbn": "i32", "HAS_BIAS": c,
+        "BLOCK_N": c, "BLOCK_K": c, "HAS_LORA": c, "SPLIT": c, "BLOCK_R": c, "PDL": c, "ENTER": c}
+compile_("gemv with the expand", triton_gemv._gemv_kernel, gemv,
          {"HAS_BIAS": False, "BLOCK_N": 8, "BLOCK_K": 512, "HAS_LORA": True, "SPLIT": 4, "BLOCK_R": 64, "PDL": True,
           "ENTER": False}, options=pdl, want_ptx="griddepcontrol.wait")
-compile_("gemv launched early", triton_gemv._gemv_kernel,
-         {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "N": "i32", "K": "i32",
-          "stride_wn": "i32", **lora, "stride_ts": "i32", "stride_lbs": "i32", "stride_lbn": "i32", "HAS_BIAS": c,
-          "BLOCK_N": c, "BLOCK_K": c, "HAS_LORA": c, "SPLIT": c, "BLOCK_R": c, "PDL": c, "ENTER": c},
+compile_("gemv launched early", triton_gemv._gemv_kernel, gemv,
          {"HAS_BIAS": False, "BLOCK_N": 8, "BLOCK_K": 512, "HAS_LORA": False, "SPLIT": 1, "BLOCK_R": 16, "PDL": False,
           "ENTER": True}, options=pdl, want_ptx="griddepcontrol.wait")
 compile_("small-row dot with the expand", triton_gemv._small_m_gemm_kernel,

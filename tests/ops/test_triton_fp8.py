@@ -112,7 +112,7 @@ def test_fp8_decode_config_reads_the_tuned_table(triton_fp8, tmp_path, monkeypat
     try:
         assert triton_fp8.decode_config(1, 4096, 4096) == tuned
         assert triton_fp8.decode_config(2, 4096, 4096) is None and triton_fp8.decode_config(32, 4096, 4096) is None
-        assert triton_fp8.decode_config(16, 1024, 4096) == triton_fp8.default_config(16, 1024)
+        assert triton_fp8.decode_config(16, 1024, 4096) == triton_fp8.default_config(1024)
         assert triton_fp8.decode_config(17, 1024, 4096) is None and triton_fp8.decode_config(33, 4096, 4096) is None
     finally:
         monkeypatch.undo()

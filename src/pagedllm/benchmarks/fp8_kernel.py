@@ -78,7 +78,7 @@ def tune(args) -> dict:
                 except Exception as e:  # noqa: BLE001 - a tile the GPU cannot hold is no candidate
                     print(f"# {name} m={m} {config}: {type(e).__name__}: {str(e)[:160]}", flush=True)
             kind, best, best_ms = min(results, key=lambda r: r[2])
-            default = triton_fp8.default_config(m, n)
+            default = triton_fp8.default_config(n)
             default_ms = next((r[2] for r in results if r[1] == default), None)
             entry[str(m)] = {"kernel": "scaled_mm", "ms": round(best_ms, 5)} if kind == "scaled_mm" else \
                 {**best, "ms": round(best_ms, 5)}
@@ -126,7 +126,7 @@ def graph_chain(args) -> list[dict]:
                     triton_fp8.quantize_fp8(xs[k])
 
         paths = {"table": step(None),
-                 "default": step(lambda n: triton_fp8.default_config(m, n) if m <= 16 else False),
+                 "default": step(lambda n: triton_fp8.default_config(n) if m <= 16 else False),
                  "scaled_mm": step(False), "quantize_only": quant_only}
         for path, launch in paths.items():
             ms = _graph_ms(launch, args.replays)

@@ -113,10 +113,8 @@ def dequantize(raw: np.ndarray, qtype: int) -> np.ndarray:
 
 def iterate_gguf_tensors(gguf_file: str) -> Iterator[tuple[str, np.ndarray]]:
     """(GGUF tensor name, float32 array in numpy/HF order) for every tensor, dequantized."""
-    for t in _tensor_index(gguf_file)["tensors"]:
-        raw = np.memmap(gguf_file, dtype=np.dtype(t["dtype"]), mode="r", offset=t["offset"],
-                        shape=tuple(t["shape"]))
-        yield t["name"], dequantize(raw, t["qtype"])
+    for name, array, _ in iterate_gguf_tensors_raw(gguf_file, lambda name, qtype: False):
+        yield name, array
 
 
 def gguf_tensor_types(gguf_file: str) -> dict[str, int]:

@@ -187,7 +187,7 @@ def config_key(n: int, k: int) -> str:
     return f"N={n},K={k}"
 
 
-def default_config(m: int, n: int) -> dict:
+def default_config(n: int) -> dict:
     """Untuned: the widest tile giving about two programs per SM of an H100, all of K each."""
     return dict(BLOCK_N=next((b for b in (64, 32) if n >= b * 264), 16), BLOCK_K=256, SPLIT_K=1, num_warps=4,
                 num_stages=4)
@@ -205,7 +205,7 @@ def decode_config(m: int, n: int, k: int) -> dict | None:
         if entry.get("kernel") == "scaled_mm":
             return None
         return {key: value for key, value in entry.items() if key not in ("kernel", "ms")}
-    return default_config(m, n) if m <= DEFAULT_SMALL_M_ROWS else None
+    return default_config(n) if m <= DEFAULT_SMALL_M_ROWS else None
 
 
 def fp8_small_m_linear(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -219,7 +219,7 @@ def fp8_small_m_linear(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Te
     before it (the activations' quantize launch) runs."""
     m, k = xq.shape
     n = weight.shape[0]
-    block_n = block_n or default_config(m, n)["BLOCK_N"]
+    block_n = block_n or default_config(n)["BLOCK_N"]
     if m > 32 or weight.shape[1] != k or x_scale.numel() != m or weight_scale.numel() != n or xq.stride(-1) != 1:
         raise ValueError(f"fp8_small_m_linear: xq {tuple(xq.shape)}, x_scale {tuple(x_scale.shape)}, weight "
                          f"{tuple(weight.shape)}, weight_scale {tuple(weight_scale.shape)}")

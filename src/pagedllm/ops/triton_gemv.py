@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from pagedllm.ops.triton_lora import block_r_for, partial_sums
-from pagedllm.ops.triton_pdl import gdc_wait, launch_args, pdl_enabled, pdl_enter
+from pagedllm.ops.triton_pdl import decode_pdl, gdc_wait, launch_early, pdl_enter
 
 MAX_ROWS = 32  # the dot's padded row count at most
 
@@ -144,11 +144,10 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         t = lb = ls = y
         r, lora_strides, block_r = 0, (0, 0, 0, 0), 16
     pdl = lora is not None and lora.pdl  # launched while the shrink runs: waits before reading its t
-    enter = lora is None and pdl_enabled(x.device, "PAGEDLLM_DECODE_PDL")  # launched early: waits first
+    enter = lora is None and decode_pdl(x.device)  # launched early: waits first
     common = dict(HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, HAS_LORA=lora is not None,
                   SPLIT=lora.split if lora is not None else 1, BLOCK_R=block_r, num_warps=num_warps,
-                  num_stages=num_stages, ENTER=enter, **launch_args(pdl or enter))
-    common["PDL"] = pdl
+                  num_stages=num_stages, PDL=pdl, ENTER=enter, **launch_early(pdl or enter))
     if kernel == "gemv" and m == 1:
         ts, _, lbs, lbn = lora_strides
         _gemv_kernel[grid](x, weight, b, y, n, k, weight.stride(0), t, lb, ls, r, ts, lbs, lbn, **common)

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from pagedllm.ops.tile_tables import read_table
-from pagedllm.ops.triton_pdl import pdl_enabled, pdl_enter
+from pagedllm.ops.triton_pdl import decode_pdl, launch_early, pdl_enter
 from pagedllm.ops.triton_splitk import counters, finish_split, split_for
 
 SMALL_ROWS = 32  # at most this many rows take the decode tiling
@@ -342,11 +342,11 @@ def w4a16_splitk(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, q
     else:
         ws = cnt = y
     second = mins if mins is not None else qzeros if qzeros is not None else qweight
-    enter = pdl_enabled(x.device, "PAGEDLLM_DECODE_PDL")
+    enter = decode_pdl(x.device)
     _w4a16_splitk_kernel[(n_tiles, split)](
         x, qweight, scales, second, bias if bias is not None else y, y, ws, cnt, m, n, k, x.stride(0), y.stride(0),
         per_split, split, GROUP=group_size, HAS_ZP=qzeros is not None, HAS_BIAS=bias is not None,
-        HAS_MIN=mins is not None, USE_SPLIT=split > 1, ENTER=enter, **cfg, **({"launch_pdl": True} if enter else {}))
+        HAS_MIN=mins is not None, USE_SPLIT=split > 1, ENTER=enter, **cfg, **launch_early(enter))
     return y
 
 

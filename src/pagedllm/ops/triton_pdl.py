@@ -37,7 +37,8 @@ _ENABLED: dict[tuple[int, str], bool] = {}
 
 def pdl_enabled(device: torch.device, switch: str) -> bool:
     """``pdl_capable`` and the environment switch ``switch`` (``PAGEDLLM_LORA_PDL``,
-    ``PAGEDLLM_MOE_PDL``) not 0, read once per device and switch: asked at every launch."""
+    ``PAGEDLLM_MOE_PDL``, ``PAGEDLLM_DECODE_PDL``) not 0, read once per device and switch: asked
+    at every launch."""
     if not pdl_capable(device):
         return False
     key = (device.index if device.index is not None else torch.cuda.current_device(), switch)
@@ -48,9 +49,20 @@ def pdl_enabled(device: torch.device, switch: str) -> bool:
     return _ENABLED[key]
 
 
+def decode_pdl(device: torch.device) -> bool:
+    """Whether a decode step's projection kernels (16-bit small-row GEMMs, FP8's quantize launch
+    and GEMM, the W4A16 split-K GEMM) launch early and wait in-kernel: ``PAGEDLLM_DECODE_PDL``."""
+    return pdl_enabled(device, "PAGEDLLM_DECODE_PDL")
+
+
+def launch_early(early: bool) -> dict:
+    """The launch argument that lets a kernel start while the one before it runs."""
+    return {"launch_pdl": True} if early else {}
+
+
 def launch_args(pdl: bool) -> dict:
     """A kernel's launch arguments for its ``PDL`` constexpr: with it, launched early."""
-    return {"PDL": True, "launch_pdl": True} if pdl else {"PDL": False}
+    return {"PDL": pdl, **launch_early(pdl)}
 
 
 @triton.jit

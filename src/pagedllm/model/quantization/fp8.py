@@ -88,19 +88,15 @@ def _triton_ok(x: torch.Tensor) -> bool:
     return x.is_cuda and triton_ops_for(x) is not None
 
 
-def _pdl(x: torch.Tensor) -> bool:
-    from pagedllm.ops.triton_pdl import pdl_enabled
-
-    return pdl_enabled(x.device, "PAGEDLLM_DECODE_PDL")
-
-
 def quantize_activations(x: torch.Tensor, act_scheme: str, input_scale: torch.Tensor | None = None,
                          group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(fp8 x, float32 scales [M, 1] or [M, K / group]); one Triton launch on CUDA."""
     if _triton_ok(x):
         from pagedllm.ops.triton_fp8 import quantize_fp8
 
-        return quantize_fp8(x, group, input_scale if act_scheme == "static" else None, pdl=_pdl(x))
+        from pagedllm.ops.triton_pdl import decode_pdl
+
+        return quantize_fp8(x, group, input_scale if act_scheme == "static" else None, pdl=decode_pdl(x.device))
     if act_scheme == "static":
         return quantize_static(x, input_scale), input_scale.reshape(1, 1).expand(x.shape[0], 1)
     if group is not None:
@@ -130,14 +126,15 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
             (weight.float() * weight_scale[:, None]).to(x.dtype)
         return F.linear(x, w, bias)
     config = _small_row_config(x, weight, decode)
+    xq, x_scale = quantize_activations(x, act_scheme, input_scale)
     if config is not None:
         from pagedllm.ops.triton_fp8 import fp8_small_m_linear
+        from pagedllm.ops.triton_pdl import decode_pdl
 
-        xq, x_scale = quantize_activations(x, act_scheme, input_scale)
         return fp8_small_m_linear(xq, x_scale, weight, weight_scale, bias, x.dtype, block_n=config["BLOCK_N"],
                                   block_k=config["BLOCK_K"], split_k=config["SPLIT_K"],
-                                  num_warps=config["num_warps"], num_stages=config["num_stages"], pdl=_pdl(x))
-    xq, x_scale = quantize_activations(x, act_scheme, input_scale)
+                                  num_warps=config["num_warps"], num_stages=config["num_stages"],
+                                  pdl=decode_pdl(x.device))
     if _scaled_mm_ok(x, weight):
         # Row-wise scaled fp8 GEMM (fp32 accumulation, both scales applied in its epilogue); the
         # row-wise variant writes bfloat16.
