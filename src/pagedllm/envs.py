@@ -89,6 +89,10 @@ _VARS = [
            "GEMM, the W4A16 split-K GEMM) wait for the kernel before them to end before they launch, instead of "
            "launching while it runs (programmatic dependent launch, ops/triton_pdl.py; A/B measurements).",
            _not_zero),
+    EnvVar("PAGEDLLM_FP8_NORM_QUANT", "bool (0 = off)", True,
+           "0: an fp8 W8A8 projection with per-token activations quantizes its input with a launch of its own, "
+           "instead of taking the rows the RMSNorm before it quantized (model/loader.py; A/B measurements).",
+           _not_zero),
     EnvVar("PAGEDLLM_SPEC_FORCE_ACCEPT", "bool (1 = on)", False,
            "Benchmarks only: speculative decoding accepts every draft (the machinery's ceiling; outputs are the "
            "draft's).", _is_one),

@@ -39,12 +39,15 @@ compile_("small-row dot with the expand", triton_gemv._small_m_gemm_kernel,
           "BLOCK_K": c, "HAS_LORA": c, "SPLIT": c, "BLOCK_R": c, "PDL": c, "ENTER": c},
          {"HAS_BIAS": True, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "HAS_LORA": True, "SPLIT": 2, "BLOCK_R": 32,
           "PDL": True, "ENTER": False}, options=pdl, want_ptx="griddepcontrol.wait")
-compile_("rms norm letting the shrink launch", triton_ops._rms_norm_kernel,
-         {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "res_out_ptr": "*bf16",
-          "n_inner": "i32", "x_stride0": "i32", "x_stride1": "i32", "res_stride0": "i32", "res_stride1": "i32",
-          "N": "i32", "eps": "fp32", "HAS_RESIDUAL": c, "BLOCK": c, "TRIGGER": c},
-         {"HAS_RESIDUAL": True, "BLOCK": 4096, "TRIGGER": True}, options=pdl,
+norm = {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "res_out_ptr": "*bf16",
+        "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "n_inner": "i32", "x_stride0": "i32", "x_stride1": "i32",
+        "res_stride0": "i32", "res_stride1": "i32", "N": "i32", "eps": "fp32", "HAS_RESIDUAL": c, "BLOCK": c,
+        "TRIGGER": c, "FP8_OUT": c}
+compile_("rms norm letting the shrink launch", triton_ops._rms_norm_kernel, norm,
+         {"HAS_RESIDUAL": True, "BLOCK": 4096, "TRIGGER": True, "FP8_OUT": False}, options=pdl,
          want_ptx="griddepcontrol.launch_dependents")
+compile_("rms norm quantizing its rows to fp8", triton_ops._rms_norm_kernel, norm,
+         {"HAS_RESIDUAL": False, "BLOCK": 4096, "TRIGGER": True, "FP8_OUT": True}, options=pdl)
 compile_("silu-and-mul letting the shrink launch", triton_ops._silu_and_mul_kernel,
          {"x_ptr": "*bf16", "out_ptr": "*bf16", "x_stride0": "i32", "inter_size": "i32", "BLOCK": c, "TRIGGER": c},
          {"BLOCK": 1024, "TRIGGER": True}, options=pdl, want_ptx="griddepcontrol.launch_dependents")
@@ -55,4 +58,5 @@ def test_lora_kernels_compile_for_sm90_with_programmatic_dependent_launch(tmp_pa
     results = compile_for_sm90(_BODY, tmp_path)
     assert results == {"shrink": True, "gemv with the expand": True, "gemv launched early": True,
                        "small-row dot with the expand": True,
-                       "rms norm letting the shrink launch": True, "silu-and-mul letting the shrink launch": True}
+                       "rms norm letting the shrink launch": True, "rms norm quantizing its rows to fp8": True,
+                       "silu-and-mul letting the shrink launch": True}

@@ -89,6 +89,32 @@ def test_rms_norm_matches_the_torch_layer(ops, dtype, shape):
     _check(out, norm(x), _rms_norm64(x, norm.weight, norm.eps))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_quantizes_its_rows_as_the_fp8_quantize_kernel_does(ops, triton_fp8, dtype, with_residual):
+    """fp8_out (an fp8 W8A8 projection next): the norm's output unchanged, and attached to it the
+    per-token fp8 rows and scales ``quantize_fp8`` makes of that output, bit for bit (a zero row
+    takes the floor scale); stale once the output changes in place; none for float32."""
+    norm = _norm_layer(300, dtype)
+    x = _rand(5, 300, dtype=dtype, scale=3.0)
+    x[2] = 0
+    if with_residual:
+        residual = _rand(5, 300, dtype=dtype)
+        residual[2] = 0
+        out, _ = ops.fused_add_rms_norm(x, residual, norm.weight, norm.eps, fp8_out=True)
+        plain, _ = ops.fused_add_rms_norm(x, residual, norm.weight, norm.eps)
+    else:
+        out, plain = ops.rms_norm(x, norm.weight, norm.eps, fp8_out=True), ops.rms_norm(x, norm.weight, norm.eps)
+    assert torch.equal(out, plain) and ops.attached_fp8(plain) is None
+    q, scales = ops.attached_fp8(out)
+    want_q, want_scales = triton_fp8.quantize_fp8(out)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(scales, want_scales)
+    assert float(scales[2]) == pytest.approx(1.0 / (448.0 * 512.0))
+    out.mul_(2)
+    assert ops.attached_fp8(out) is None
+    assert ops.attached_fp8(ops.rms_norm(x.float(), norm.weight.float(), norm.eps, fp8_out=True)) is None
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fused_add_rms_norm_adds_in_the_model_dtype_then_norms(ops, dtype):
     norm = _norm_layer(257, dtype, eps=1e-6)

@@ -87,6 +87,9 @@ class RMSNorm(nn.Module):
     On CUDA one Triton kernel does either (pagedllm.ops); the torch code is the reference."""
 
     dummy_value = 1.0  # what dummy weights fill the weight with
+    # Set by the loader where the projection after this norm is fp8 W8A8 with per-token activations:
+    # the Triton kernel then also quantizes its output rows, and that projection skips its own launch.
+    fp8_out = False
 
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
@@ -102,8 +105,8 @@ class RMSNorm(nn.Module):
         ops = triton_ops_for(x)
         if ops is not None and (residual is None or residual.dtype == x.dtype):
             if residual is None:
-                return ops.rms_norm(x, self.weight, self.eps)
-            return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+                return ops.rms_norm(x, self.weight, self.eps, self.fp8_out)
+            return ops.fused_add_rms_norm(x, residual, self.weight, self.eps, self.fp8_out)
         if residual is None:
             return self._norm(x)
         x = x + residual  # in the model dtype, like HF's `residual + hidden_states`

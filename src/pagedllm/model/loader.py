@@ -334,12 +334,33 @@ def load_model(
             for module in model.modules():
                 if getattr(module, "quant_method", None) is not None:
                     module.quant_method.process_after_loading(module)
+        _norms_feed_fp8(model)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # tied weights once
     logger.info("Loaded %s (%s weights, %s, %s%s) in %.1f s: %.2f GiB", model_cls.__name__, load_format,
                 str(dtype).removeprefix("torch."), device,
                 f", {quant_config.name} quantized" if quant_config is not None else "", time.perf_counter() - start,
                 weight_bytes / 2**30)
     return model.eval()
+
+
+# (norm, module, projection) of a decoder layer where the norm's output is the projection's input.
+_NORM_FEEDS = (("input_layernorm", "self_attn", "qkv_proj"), ("post_attention_layernorm", "mlp", "gate_up_proj"))
+
+
+def _norms_feed_fp8(model: nn.Module) -> None:
+    """Where an fp8 W8A8 projection with per-token activations reads a (Llama-style) RMSNorm's
+    output, the norm's kernel quantizes that output too (``RMSNorm.fp8_out``)."""
+    from pagedllm import envs
+    from pagedllm.model.layers import RMSNorm
+
+    if not envs.PAGEDLLM_FP8_NORM_QUANT:
+        return
+    for module in model.modules():
+        for norm_name, owner_name, proj_name in _NORM_FEEDS:
+            norm = getattr(module, norm_name, None)
+            proj = getattr(getattr(module, owner_name, None), proj_name, None)
+            if type(norm) is RMSNorm and getattr(getattr(proj, "quant_method", None), "takes_fp8_rows", False):
+                norm.fp8_out = True
 
 
 def _attach_quant_methods(model: nn.Module, quant_config) -> None:

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from pagedllm.ops.triton_fp8 import FP8_MAX, MIN_SCALE
 from pagedllm.ops.triton_gemv import block_k_for, small_m_linear
 from pagedllm.ops.triton_lora import pdl_supported
 from pagedllm.ops.triton_pdl import gdc_launch_dependents
@@ -23,9 +24,11 @@ MAX_ROW_SIZE = 65536
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_inner, x_stride0, x_stride1, res_stride0,
-                     res_stride1, N, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
-                     TRIGGER: tl.constexpr):
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, n_inner, x_stride0, x_stride1,
+                     res_stride0, res_stride1, N, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+                     TRIGGER: tl.constexpr, FP8_OUT: tl.constexpr):
+    """FP8_OUT: the output row also quantized to fp8 per token (``q_ptr``, its scale at ``s_ptr``)
+    exactly as ``triton_fp8.quantize_fp8`` quantizes the stored row: for an fp8 projection next."""
     if TRIGGER:  # a LoRA shrink after this may launch now (it waits for this kernel's output itself)
         gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
@@ -41,8 +44,14 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_inner, x_str
     rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / N + eps)
     normed = (xf * rstd).to(x_ptr.dtype.element_ty)  # cast to x's dtype before the weight, like HF
     w = tl.load(w_ptr + offs, mask=mask, other=0.0)
-    out = normed.to(tl.float32) * w.to(tl.float32)
-    tl.store(out_ptr + row * N + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+    out = (normed.to(tl.float32) * w.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * N + offs, out, mask=mask)
+    if FP8_OUT:
+        o = out.to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(o), axis=0) / FP8_MAX, MIN_SCALE)
+        tl.store(s_ptr + row, scale)
+        q = tl.minimum(tl.maximum(o / scale, -FP8_MAX), FP8_MAX)
+        tl.store(q_ptr + row * N + offs, q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
 
 
 @triton.jit
@@ -127,37 +136,62 @@ def _row_launch(n: int) -> tuple[int, int]:
     return block, min(max(block // 256, 1), 16)
 
 
-def _rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+def _rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+              fp8_out: bool = False):
     n = x.shape[-1]
     if weight.shape != (n,):
         raise ValueError(f"weight has shape {tuple(weight.shape)}, expected ({n},)")
     out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
     res_out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else out
     num_rows = x.numel() // n if n else 0
+    fp8_out = fp8_out and out.dtype in (torch.bfloat16, torch.float16) and num_rows > 0
+    if fp8_out:
+        q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+        scales = torch.empty(num_rows, 1, dtype=torch.float32, device=x.device)
+    else:
+        q = scales = out
     if num_rows == 0:
         return out, res_out
     xr, n_inner, xs0, xs1 = _rows(x)
     # residual has x's shape, so it comes out of _rows with the same rows per outer index.
     rr, _, rs0, rs1 = _rows(residual) if residual is not None else (xr, n_inner, xs0, xs1)
     block, num_warps = _row_launch(n)
-    _rms_norm_kernel[(num_rows,)](xr, rr, weight, out, res_out, n_inner, xs0, xs1, rs0, rs1, n, eps,
+    _rms_norm_kernel[(num_rows,)](xr, rr, weight, out, res_out, q, scales, n_inner, xs0, xs1, rs0, rs1, n, eps,
                                   HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=num_warps,
-                                  TRIGGER=pdl_supported(x.device))
+                                  TRIGGER=pdl_supported(x.device), FP8_OUT=fp8_out)
+    if fp8_out:
+        attach_fp8(out, q, scales)
     return out, res_out
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``weight * (x.float() * rsqrt(mean(x.float()**2) + eps)).to(x.dtype)`` over the last dim."""
-    return _rms_norm(x, None, weight, eps)[0]
+def attach_fp8(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> None:
+    """Hands ``x``'s per-token fp8 quantization (made by the kernel that made ``x``) to the fp8
+    projection that reads ``x`` next (``model.quantization.fp8.fp8_linear``), which then skips its
+    own quantize launch. Valid while ``x`` is unchanged: ``attached_fp8`` checks its version."""
+    x._pagedllm_fp8 = (q, scales, x._version)
+
+
+def attached_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(fp8 rows [M, K], float32 scales [M, 1]) that ``attach_fp8`` gave ``x``, or None."""
+    held = getattr(x, "_pagedllm_fp8", None)
+    if held is None or held[2] != x._version:
+        return None
+    return held[0].view(-1, x.shape[-1]), held[1]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, fp8_out: bool = False) -> torch.Tensor:
+    """``weight * (x.float() * rsqrt(mean(x.float()**2) + eps)).to(x.dtype)`` over the last dim;
+    ``fp8_out``: also its per-token fp8 quantization, attached (``attach_fp8``) for half types."""
+    return _rms_norm(x, None, weight, eps, fp8_out)[0]
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                       eps: float, fp8_out: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual), the add in x's dtype; one read of each input."""
     if residual.shape != x.shape or residual.dtype != x.dtype:
         raise ValueError(f"residual must match x: got {tuple(residual.shape)} {residual.dtype}, "
                          f"x is {tuple(x.shape)} {x.dtype}")
-    return _rms_norm(x, residual, weight, eps)
+    return _rms_norm(x, residual, weight, eps, fp8_out)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

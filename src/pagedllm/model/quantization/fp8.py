@@ -117,16 +117,18 @@ def _small_row_config(x: torch.Tensor, weight: torch.Tensor, decode: dict | bool
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
                act_scheme: str | None, input_scale: torch.Tensor | None = None,
-               decode: dict | bool | None = None) -> torch.Tensor:
+               decode: dict | bool | None = None, quantized: tuple | None = None) -> torch.Tensor:
     """``x`` [M, K] times the fp8 ``weight`` [N, K] with per-channel float32 ``weight_scale`` [N].
     ``act_scheme`` "dynamic": per-token activation scales; "static": ``input_scale`` (one value);
-    None: weight-only (the activations stay in their dtype). ``decode``: see ``_small_row_config``."""
+    None: weight-only (the activations stay in their dtype). ``decode``: see ``_small_row_config``.
+    ``quantized``: ``x``'s per-token (fp8, scales) as the kernel that made ``x`` quantized it
+    (dynamic activations; ``triton_ops.attached_fp8``), used instead of a quantize launch."""
     if act_scheme is None:
         w = (weight.to(x.dtype) * weight_scale[:, None].to(x.dtype)) if x.is_cuda else \
             (weight.float() * weight_scale[:, None]).to(x.dtype)
         return F.linear(x, w, bias)
     config = _small_row_config(x, weight, decode)
-    xq, x_scale = quantize_activations(x, act_scheme, input_scale)
+    xq, x_scale = quantized or quantize_activations(x, act_scheme, input_scale)
     if config is not None:
         from pagedllm.ops.triton_fp8 import fp8_small_m_linear
         from pagedllm.ops.triton_pdl import decode_pdl
@@ -212,9 +214,19 @@ class Fp8LinearMethod(QuantizationMethod):
             # One input, one scale: the largest of the fused projections' (none clips).
             layer.input_scale = nn.Parameter(layer.input_scale.data.max().reshape(()).float(), requires_grad=False)
 
+    @property
+    def takes_fp8_rows(self) -> bool:
+        """Whether this projection takes its input's per-token fp8 quantization from the norm before."""
+        return self.act_scheme == "dynamic"
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        quantized = None
+        if self.act_scheme == "dynamic" and x.is_cuda:
+            from pagedllm.ops.triton_ops import attached_fp8
+
+            quantized = attached_fp8(x)
         y = fp8_linear(_flat(x), layer.weight, layer.weight_scale, bias, self.act_scheme,
-                       getattr(layer, "input_scale", None))
+                       getattr(layer, "input_scale", None), quantized=quantized)
         return y.view(*x.shape[:-1], -1)
 
 
