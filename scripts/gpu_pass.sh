@@ -3,7 +3,7 @@
 # short table. Usage (on the device machine, repo root): scripts/gpu_pass.sh [STAGES]
 # STAGES is a comma list of: tests, throughput, throughput8b, latency, long, startup, structured, lora,
 # moetune, moe, quant, quanttune, pooling, embed, embedprof, moedebug, fp8kv, fp8kvbench, structuredab,
-# prefill, structuredub, structuredoverlap, structuredchain, w4tune, fp8tune, spec, loratests, lorakernel, loraprof (default: startup,tests,throughput,throughput8b,latency).
+# prefill, structuredub, structuredoverlap, structuredchain, w4tune, fp8tune, fp8norm, spec, loratests, lorakernel, loraprof (default: startup,tests,throughput,throughput8b,latency).
 # Needs the SmolLM2 tokenizer saved under .gpu/tokenizer (carried with the call), and wheels carried in .whl
 # for what the device lacks: xgrammar with apache-tvm-ffi, llguidance, pydantic (+ pydantic-core,
 # annotated-types, typing-inspection), jsonschema (+ jsonschema-specifications, referencing, rpds-py),
@@ -155,6 +155,14 @@ stage quant && bench quant_throughput_w4a16 python -m pagedllm.benchmarks.throug
 # projections in one graph (the table, the untuned default, _scaled_mm, the quantize launches alone).
 stage fp8tune && bench fp8_tune python -m pagedllm.benchmarks.fp8_kernel --tune --rows 1,8,16,32
 stage fp8tune && bench fp8_graph_chain python -m pagedllm.benchmarks.fp8_kernel --graph-chain --rows 1,16,32
+# Issue 17 (branch fp8-norm-quant): the RMSNorm quantizing for the fp8 projection after it, on and off.
+if stage fp8norm; then
+  python -m pytest -q -rfE -p no:cacheprovider tests/ops/test_triton_ops.py tests/gpu/test_gpu_quantization.py > "$OUT/fp8norm_tests.log" 2>&1
+  echo "   fp8norm tests rc=$?"; tail -3 "$OUT/fp8norm_tests.log" | cut -c1-300
+  for on in 1 0 1; do
+    bench fp8norm_lat_$on env PAGEDLLM_FP8_NORM_QUANT=$on python -m pagedllm.benchmarks.latency --shape llama3-8b --batch-sizes 1,32 --quantization fp8
+  done
+fi
 stage quanttune && bench quant_tune python -m pagedllm.benchmarks.quant_kernel --shape llama3-8b --tune-tiled --rows 1,16,32,256 --iters 20
 # W4A16 decode (issue 17): the int4 kernel tests, the split-K kernel's sweep (writes the table the
 # dispatcher reads into src/pagedllm/ops/w4a16_configs.json, a copy to $OUT: commit it), llama3-8b's
