@@ -94,7 +94,7 @@ def test_rms_norm_matches_the_torch_layer(ops, dtype, shape):
 def test_rms_norm_quantizes_its_rows_as_the_fp8_quantize_kernel_does(ops, triton_fp8, dtype, with_residual):
     """fp8_out (an fp8 W8A8 projection next): the norm's output unchanged, and attached to it the
     per-token fp8 rows and scales ``quantize_fp8`` makes of that output, bit for bit (a zero row
-    takes the floor scale); stale once the output changes in place; none for float32."""
+    takes the floor scale); taken once, stale once the output changes in place; none for float32."""
     norm = _norm_layer(300, dtype)
     x = _rand(5, 300, dtype=dtype, scale=3.0)
     x[2] = 0
@@ -110,8 +110,12 @@ def test_rms_norm_quantizes_its_rows_as_the_fp8_quantize_kernel_does(ops, triton
     want_q, want_scales = triton_fp8.quantize_fp8(out)
     assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(scales, want_scales)
     assert float(scales[2]) == pytest.approx(1.0 / (448.0 * 512.0))
-    out.mul_(2)
-    assert ops.attached_fp8(out) is None
+    assert ops.attached_fp8(out) is None  # taken once
+    stale = ops.rms_norm(x, norm.weight, norm.eps, fp8_out=True)
+    stale.mul_(2)
+    assert ops.attached_fp8(stale) is None
+    with torch.inference_mode():  # as the engine runs: no version counter, still handed over
+        assert ops.attached_fp8(ops.rms_norm(x, norm.weight, norm.eps, fp8_out=True)) is not None
     assert ops.attached_fp8(ops.rms_norm(x.float(), norm.weight.float(), norm.eps, fp8_out=True)) is None
 
 

@@ -167,14 +167,16 @@ def _rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tens
 def attach_fp8(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> None:
     """Hands ``x``'s per-token fp8 quantization (made by the kernel that made ``x``) to the fp8
     projection that reads ``x`` next (``model.quantization.fp8.fp8_linear``), which then skips its
-    own quantize launch. Valid while ``x`` is unchanged: ``attached_fp8`` checks its version."""
-    x._pagedllm_fp8 = (q, scales, x._version)
+    own quantize launch. Taken once (``attached_fp8``), and only while ``x`` is unchanged where
+    ``x`` counts its versions (inference tensors do not: nothing writes a norm's output in place)."""
+    x._pagedllm_fp8 = (q, scales, None if x.is_inference() else x._version)
 
 
 def attached_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(fp8 rows [M, K], float32 scales [M, 1]) that ``attach_fp8`` gave ``x``, or None."""
-    held = getattr(x, "_pagedllm_fp8", None)
-    if held is None or held[2] != x._version:
+    """(fp8 rows [M, K], float32 scales [M, 1]) that ``attach_fp8`` gave ``x``, or None; taken
+    off ``x`` (a second reader quantizes for itself)."""
+    held = x.__dict__.pop("_pagedllm_fp8", None)
+    if held is None or (held[2] is not None and held[2] != x._version):
         return None
     return held[0].view(-1, x.shape[-1]), held[1]
 
