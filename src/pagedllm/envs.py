@@ -91,7 +91,8 @@ _VARS = [
            _not_zero),
     EnvVar("PAGEDLLM_FP8_NORM_QUANT", "bool (0 = off)", True,
            "0: an fp8 W8A8 projection with per-token activations quantizes its input with a launch of its own, "
-           "instead of taking the rows the RMSNorm before it quantized (model/loader.py; A/B measurements).",
+           "instead of taking the rows the RMSNorm or SiLU-and-mul kernel before it quantized (model/loader.py; "
+           "A/B measurements).",
            _not_zero),
     EnvVar("PAGEDLLM_SPEC_FORCE_ACCEPT", "bool (1 = on)", False,
            "Benchmarks only: speculative decoding accepts every draft (the machinery's ceiling; outputs are the "

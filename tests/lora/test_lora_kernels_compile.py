@@ -48,9 +48,12 @@ compile_("rms norm letting the shrink launch", triton_ops._rms_norm_kernel, norm
          want_ptx="griddepcontrol.launch_dependents")
 compile_("rms norm quantizing its rows to fp8", triton_ops._rms_norm_kernel, norm,
          {"HAS_RESIDUAL": False, "BLOCK": 4096, "TRIGGER": True, "FP8_OUT": True}, options=pdl)
-compile_("silu-and-mul letting the shrink launch", triton_ops._silu_and_mul_kernel,
-         {"x_ptr": "*bf16", "out_ptr": "*bf16", "x_stride0": "i32", "inter_size": "i32", "BLOCK": c, "TRIGGER": c},
-         {"BLOCK": 1024, "TRIGGER": True}, options=pdl, want_ptx="griddepcontrol.launch_dependents")
+silu = {"x_ptr": "*bf16", "out_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "x_stride0": "i32",
+        "inter_size": "i32", "BLOCK": c, "TRIGGER": c, "FP8_OUT": c}
+compile_("silu-and-mul letting the shrink launch", triton_ops._silu_and_mul_kernel, silu,
+         {"BLOCK": 1024, "TRIGGER": True, "FP8_OUT": False}, options=pdl, want_ptx="griddepcontrol.launch_dependents")
+compile_("silu-and-mul quantizing its rows to fp8", triton_ops._silu_and_mul_kernel, silu,
+         {"BLOCK": 16384, "TRIGGER": True, "FP8_OUT": True}, options=pdl)
 """
 
 
@@ -59,4 +62,4 @@ def test_lora_kernels_compile_for_sm90_with_programmatic_dependent_launch(tmp_pa
     assert results == {"shrink": True, "gemv with the expand": True, "gemv launched early": True,
                        "small-row dot with the expand": True,
                        "rms norm letting the shrink launch": True, "rms norm quantizing its rows to fp8": True,
-                       "silu-and-mul letting the shrink launch": True}
+                       "silu-and-mul letting the shrink launch": True, "silu-and-mul quantizing its rows to fp8": True}

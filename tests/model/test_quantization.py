@@ -243,9 +243,11 @@ def test_online_fp8_matches_per_channel_fake_quantized_reference(tmp_path):
     assert len(layers) == 8 and all(m.weight.dtype == torch.float8_e4m3fn for _, m in layers)
     dense = sum(m.out_features * m.in_features * 4 for _, m in layers)
     assert sum(param_bytes(m) for _, m in layers) == dense // 4 + sum(m.out_features * 4 for _, m in layers)
-    # The norms before qkv_proj and gate_up_proj quantize for them on the GPU; the final norm not.
+    # The norms before qkv_proj and gate_up_proj and the SiLU-and-mul before down_proj quantize for
+    # them on the GPU; the final norm not.
     flagged = [name for name, m in model.named_modules() if getattr(m, "fp8_out", False)]
-    assert len(flagged) == 4 and all(n.endswith(("input_layernorm", "post_attention_layernorm")) for n in flagged)
+    assert len(flagged) == 6 and all(n.endswith(("input_layernorm", "post_attention_layernorm", "act_fn"))
+                                     for n in flagged)
 
 
 # ---- which method, and bad input -------------------------------------------------------------

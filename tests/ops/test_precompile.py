@@ -26,10 +26,10 @@ from pagedllm.ops import precompile
 # A job as collect_compiles records it from Triton's hook: _silu_and_mul_kernel on bf16 rows.
 target = GPUTarget("cuda", 90, 32)
 options = make_backend(target).parse_options({"num_warps": 4, "num_stages": 3}).__dict__
-signature = {"x_ptr": "*bf16", "out_ptr": "*bf16", "x_stride0": "i32", "inter_size": "i32", "BLOCK": "constexpr",
-             "TRIGGER": "constexpr"}
-attrs = {(i,): [["tt.divisibility", 16]] for i in range(4)}
-job = ("pagedllm.ops.triton_ops", sys.argv[1], signature, {(4,): 1024, (5,): True}, attrs, options)
+signature = {"x_ptr": "*bf16", "out_ptr": "*bf16", "q_ptr": "*bf16", "s_ptr": "*bf16", "x_stride0": "i32",
+             "inter_size": "i32", "BLOCK": "constexpr", "TRIGGER": "constexpr", "FP8_OUT": "constexpr"}
+attrs = {(i,): [["tt.divisibility", 16]] for i in range(6)}
+job = ("pagedllm.ops.triton_ops", sys.argv[1], signature, {(6,): 1024, (7,): True, (8,): False}, attrs, options)
 before = precompile._in_disk_cache(job, target) if sys.argv[1] == "_silu_and_mul_kernel" else None
 pool = precompile.CompilePool(2)
 try:

@@ -153,6 +153,20 @@ def test_silu_and_mul_matches_the_torch_layer(ops, dtype, shape):
     _check(out, layers.SiluAndMul()(x), torch.nn.functional.silu(gate) * up)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_silu_and_mul_quantizes_its_rows_as_the_fp8_quantize_kernel_does(ops, triton_fp8, dtype):
+    """fp8_out (an fp8 down_proj next): the output unchanged (whole-row programs instead of
+    column blocks), and attached its per-token fp8 rows and scales, bit for bit as ``quantize_fp8``."""
+    x = _rand(4, 2 * 1500, dtype=dtype, scale=3.0)
+    x[1] = 0
+    out = ops.silu_and_mul(x, fp8_out=True)
+    assert torch.equal(out, ops.silu_and_mul(x))
+    q, scales = ops.attached_fp8(out)
+    want_q, want_scales = triton_fp8.quantize_fp8(out)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(scales, want_scales)
+    assert ops.attached_fp8(ops.silu_and_mul(x.float(), fp8_out=True)) is None  # float32: not quantized
+
+
 def _rope(head_dim, rope_scaling=None):
     config = types.SimpleNamespace(rope_theta=5e5, rope_scaling=rope_scaling)
     return layers.RotaryEmbedding(head_dim, 4096, config).to(DEVICE)

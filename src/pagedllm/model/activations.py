@@ -19,9 +19,13 @@ class GeluTanhAndMul(nn.Module):
 class SiluAndMul(nn.Module):
     """``silu(gate) * up`` over the two halves of a fused gate_up projection."""
 
+    # Set by the loader where the projection after this is fp8 W8A8 with per-token activations
+    # (``RMSNorm.fp8_out``): the Triton kernel also quantizes its output rows for it.
+    fp8_out = False
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ops = triton_ops_for(x)
         if ops is not None:
-            return ops.silu_and_mul(x)
+            return ops.silu_and_mul(x, self.fp8_out)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up

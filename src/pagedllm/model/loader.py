@@ -343,24 +343,32 @@ def load_model(
     return model.eval()
 
 
-# (norm, module, projection) of a decoder layer where the norm's output is the projection's input.
-_NORM_FEEDS = (("input_layernorm", "self_attn", "qkv_proj"), ("post_attention_layernorm", "mlp", "gate_up_proj"))
+# (producer, projection) paths in a decoder layer where the producer's output is the projection's input.
+_FP8_FEEDS = (("input_layernorm", "self_attn.qkv_proj"), ("post_attention_layernorm", "mlp.gate_up_proj"),
+              ("mlp.act_fn", "mlp.down_proj"))
 
 
 def _norms_feed_fp8(model: nn.Module) -> None:
-    """Where an fp8 W8A8 projection with per-token activations reads a (Llama-style) RMSNorm's
-    output, the norm's kernel quantizes that output too (``RMSNorm.fp8_out``)."""
+    """Where an fp8 W8A8 projection with per-token activations reads a (Llama-style) RMSNorm's or
+    SiLU-and-mul's output, that kernel quantizes its output too (``RMSNorm.fp8_out``,
+    ``SiluAndMul.fp8_out``) and the projection skips its own quantize launch."""
     from pagedllm import envs
-    from pagedllm.model.layers import RMSNorm
+    from pagedllm.model.layers import RMSNorm, SiluAndMul
 
     if not envs.PAGEDLLM_FP8_NORM_QUANT:
         return
+
+    def find(module, path):
+        for name in path.split("."):
+            module = getattr(module, name, None)
+        return module
+
     for module in model.modules():
-        for norm_name, owner_name, proj_name in _NORM_FEEDS:
-            norm = getattr(module, norm_name, None)
-            proj = getattr(getattr(module, owner_name, None), proj_name, None)
-            if type(norm) is RMSNorm and getattr(getattr(proj, "quant_method", None), "takes_fp8_rows", False):
-                norm.fp8_out = True
+        for producer_path, proj_path in _FP8_FEEDS:
+            producer, proj = find(module, producer_path), find(module, proj_path)
+            if type(producer) in (RMSNorm, SiluAndMul) and \
+                    getattr(getattr(proj, "quant_method", None), "takes_fp8_rows", False):
+                producer.fp8_out = True
 
 
 def _attach_quant_methods(model: nn.Module, quant_config) -> None:

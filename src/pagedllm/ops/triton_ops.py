@@ -47,15 +47,24 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, 
     out = (normed.to(tl.float32) * w.to(tl.float32)).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * N + offs, out, mask=mask)
     if FP8_OUT:
-        o = out.to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(o), axis=0) / FP8_MAX, MIN_SCALE)
-        tl.store(s_ptr + row, scale)
-        q = tl.minimum(tl.maximum(o / scale, -FP8_MAX), FP8_MAX)
-        tl.store(q_ptr + row * N + offs, q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+        _store_fp8_row(out, q_ptr + row * N + offs, s_ptr + row, mask)
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, x_stride0, inter_size, BLOCK: tl.constexpr, TRIGGER: tl.constexpr):
+def _store_fp8_row(out, q_ptrs, s_ptr, mask):
+    """The stored row ``out`` quantized to fp8 per token exactly as ``triton_fp8.quantize_fp8``
+    does (the floor scale for a zero row): for an fp8 projection that reads it next."""
+    o = out.to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(o), axis=0) / FP8_MAX, MIN_SCALE)
+    tl.store(s_ptr, scale)
+    q = tl.minimum(tl.maximum(o / scale, -FP8_MAX), FP8_MAX)
+    tl.store(q_ptrs, q.to(q_ptrs.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, q_ptr, s_ptr, x_stride0, inter_size, BLOCK: tl.constexpr,
+                         TRIGGER: tl.constexpr, FP8_OUT: tl.constexpr):
+    """FP8_OUT (one program holds the whole row): the output row also quantized as ``_rms_norm_kernel``'s."""
     if TRIGGER:
         gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
@@ -64,8 +73,10 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, x_stride0, inter_size, BLOCK: tl.conste
     gate = tl.load(x_ptr + row * x_stride0 + offs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * x_stride0 + inter_size + offs, mask=mask, other=0.0)
     act = (gate / (1.0 + tl.exp(-gate))).to(x_ptr.dtype.element_ty)  # F.silu rounds here
-    out = act.to(tl.float32) * up.to(tl.float32)
-    tl.store(out_ptr + row * inter_size + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+    out = (act.to(tl.float32) * up.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * inter_size + offs, out, mask=mask)
+    if FP8_OUT:
+        _store_fp8_row(out, q_ptr + row * inter_size + offs, s_ptr + row, mask)
 
 
 @triton.jit
@@ -196,8 +207,8 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     return _rms_norm(x, residual, weight, eps, fp8_out)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """``silu(x[..., :I]) * x[..., I:]`` for x of last dim 2I."""
+def silu_and_mul(x: torch.Tensor, fp8_out: bool = False) -> torch.Tensor:
+    """``silu(x[..., :I]) * x[..., I:]`` for x of last dim 2I; ``fp8_out`` as ``rms_norm``'s."""
     if x.shape[-1] % 2:
         raise ValueError(f"the last dim of x must be even (gate and up halves), got {x.shape[-1]}")
     inter = x.shape[-1] // 2
@@ -205,11 +216,22 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    if x2.shape[0] == 0 or inter == 0:
+    num_rows = x2.shape[0]
+    if num_rows == 0 or inter == 0:
         return out
-    block = min(triton.next_power_of_2(inter), 1024)
-    _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(inter, block))](x2, out, x2.stride(0), inter, BLOCK=block,
-                                                                   TRIGGER=pdl_supported(x.device), num_warps=4)
+    fp8_out = fp8_out and x.dtype in (torch.bfloat16, torch.float16)
+    if fp8_out:  # the row's scale needs the whole row in one program
+        block, num_warps = _row_launch(inter)
+        q = torch.empty(out.shape, dtype=torch.float8_e4m3fn, device=x.device)
+        scales = torch.empty(num_rows, 1, dtype=torch.float32, device=x.device)
+    else:
+        block, num_warps = min(triton.next_power_of_2(inter), 1024), 4
+        q = scales = out
+    _silu_and_mul_kernel[(num_rows, triton.cdiv(inter, block))](
+        x2, out, q, scales, x2.stride(0), inter, BLOCK=block, TRIGGER=pdl_supported(x.device), FP8_OUT=fp8_out,
+        num_warps=num_warps)
+    if fp8_out:
+        attach_fp8(out, q, scales)
     return out
 
 
