@@ -159,8 +159,11 @@ stage fp8tune && bench fp8_graph_chain python -m pagedllm.benchmarks.fp8_kernel 
 if stage fp8norm; then
   python -m pytest -q -rfE -p no:cacheprovider tests/ops/test_triton_ops.py tests/gpu/test_gpu_quantization.py > "$OUT/fp8norm_tests.log" 2>&1
   echo "   fp8norm tests rc=$?"; tail -3 "$OUT/fp8norm_tests.log" | cut -c1-300
-  for on in 1 0 1; do
-    bench fp8norm_lat_$on env PAGEDLLM_FP8_NORM_QUANT=$on python -m pagedllm.benchmarks.latency --shape llama3-8b --batch-sizes 1,32 --quantization fp8
+  for run in 1a 0a 1b 0b; do
+    bench fp8norm_lat_$run env PAGEDLLM_FP8_NORM_QUANT=${run:0:1} python -m pagedllm.benchmarks.latency --shape llama3-8b --batch-sizes 1,32 --quantization fp8
+  done
+  for on in 1 0; do
+    bench fp8norm_tput_$on env PAGEDLLM_FP8_NORM_QUANT=$on python -m pagedllm.benchmarks.throughput --shape llama3-8b --quantization fp8
   done
 fi
 stage quanttune && bench quant_tune python -m pagedllm.benchmarks.quant_kernel --shape llama3-8b --tune-tiled --rows 1,16,32,256 --iters 20
