@@ -4,7 +4,8 @@ split on their own axes (column-parallel by output features, row-parallel by inp
 groups), so TP=2 matches the same transformers reference as TP=1 (tests/model/test_quantization.py,
 same tolerances). One difference is by design (vLLM's too): dynamic per-token activation scales
 of a row-parallel layer are each rank's, over the slice of the features it holds, so that
-reference fake-quantizes o_proj's and down_proj's inputs per half."""
+reference fake-quantizes o_proj's and down_proj's inputs per half. fp8 experts of a mixture of
+experts split with their experts (intermediate rows, or whole experts under expert parallelism)."""
 from __future__ import annotations
 
 import multiprocessing
@@ -12,6 +13,7 @@ import multiprocessing
 import pytest
 
 from tests.model import quant_checkpoints as qc
+from tests.model.test_fp8_moe import write_fp8_moe
 from tests.model.test_quantization import W4A16_TOL, W8A8_TOL, check_against_reference, make_llm
 
 CASES = {
@@ -21,14 +23,18 @@ CASES = {
     "fp8-static": (lambda d: qc.write_fp8(d, "static"), W8A8_TOL),
     "fp8-block32": (lambda d: qc.write_fp8_block(d, 32), W8A8_TOL),
     "ct-fp8-channel-dynamic": (lambda d: qc.write_ct_fp8(d, "channel", dynamic=True, tp=2), W8A8_TOL),
+    # fp8 experts (W8A16, exact dequant math): block scales sliced with each expert's intermediate
+    # rows; under expert parallelism per-tensor scales travel with their whole experts.
+    "moe-fp8-block16": (lambda d: write_fp8_moe(d, 16), W4A16_TOL),
+    "moe-fp8-tensor-ep": (lambda d: write_fp8_moe(d, None), W4A16_TOL, {"enable_expert_parallel": True}),
 }
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_tp2_quantized_matches_reference(tmp_path, case):
-    write, tol = CASES[case]
+    write, tol, *kwargs = CASES[case]
     reference = write(str(tmp_path))
-    llm = make_llm(str(tmp_path), tensor_parallel_size=2)
+    llm = make_llm(str(tmp_path), tensor_parallel_size=2, **(kwargs[0] if kwargs else {}))
     try:
         check_against_reference(llm, reference, tol, exact_greedy=tol == W4A16_TOL)
     finally:

@@ -357,17 +357,6 @@ def test_quantization_disagreeing_with_checkpoint_and_gptq_without_checkpoint(tm
         make_llm(dense, quantization="gptq")
 
 
-def test_moe_model_with_quantization_is_refused(tmp_path):
-    import transformers
-
-    cfg = transformers.Qwen3MoeConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
-                                      num_experts_per_tok=2, moe_intermediate_size=32, dtype="float32")
-    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(str(tmp_path))
-    with pytest.raises(ValueError, match="not supported for mixture-of-experts models yet"):
-        make_llm(str(tmp_path), quantization="fp8")
-
-
 def test_dummy_weights_and_lora_sizes_with_quantization(tmp_path):
     """load_format="dummy" fills packed and fp8 parameters (the benchmarks' path); the linears
     report their feature counts (LoRA sizes its slots by them) whatever the weight layout."""

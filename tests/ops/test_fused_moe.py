@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedllm.ops.fused_moe import fused_experts_bmm_loop, fused_experts_torch, route
+from pagedllm.ops.fused_moe import ExpertScales, fused_experts_bmm_loop, fused_experts_torch, route
 from tests.ops.conftest import DEVICE
 
 NUM_EXPERTS, HIDDEN, INTER = 6, 40, 24
@@ -115,6 +115,45 @@ def test_triton_kernel_with_experts_on_another_rank(triton_fused_moe):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+def _fp8_experts(w: torch.Tensor, block: tuple[int, int] | None):
+    """[E, N, K] weights -> (fp8 weights, float32 scales, the dequantized weights computed here):
+    per output channel, or per block (N and K padded up to whole blocks)."""
+    e, n, k = w.shape
+    if block is None:
+        scale = w.float().abs().amax(dim=-1) / 448.0
+        q = (w.float() / scale[..., None]).to(torch.float8_e4m3fn)
+        return q, scale, q.float() * scale[..., None]
+    bn, bk = block
+    nb, kb = -(-n // bn), -(-k // bk)
+    padded = torch.zeros(e, nb * bn, kb * bk, device=w.device)
+    padded[:, :n, :k] = w.float()
+    tiles = padded.view(e, nb, bn, kb, bk)
+    scale = (tiles.abs().amax(dim=(2, 4)) / 448.0).clamp(min=1e-12)
+    q = (tiles / scale[:, :, None, :, None]).to(torch.float8_e4m3fn)
+    dq = (q.float() * scale[:, :, None, :, None]).view(e, nb * bn, kb * bk)[:, :n, :k]
+    return q.view(e, nb * bn, kb * bk)[:, :n, :k].contiguous(), scale.contiguous(), dq
+
+
+@pytest.mark.parametrize("block", [None, (8, 16)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fp8_experts_match_their_dequantized_weights(triton_fused_moe, dtype, block):
+    """fp8 expert weights with per-channel or block scales (a partial last block on K): the torch
+    path and the Triton kernel (weights widened in-kernel, scales per column or per k-block) give
+    the result of the 16/32-bit path over the weights dequantized here, an idle expert included."""
+    x, w13, w2, weights, ids = _inputs(19, 2, dtype, seed=7)
+    q13, s13, dq13 = _fp8_experts(w13, block)
+    q2, s2, dq2 = _fp8_experts(w2, block)
+    scales = ExpertScales(s13, s2, block)
+    want = fused_experts_torch(x, dq13.to(dtype), dq2.to(dtype), weights, ids)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-3, "rtol": 2e-3}
+    torch.testing.assert_close(fused_experts_torch(x, q13, q2, weights, ids, scales=scales), want, **tol)
+    config = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "num_warps": 4, "num_stages": 2}  # K tile cut to 16
+    got = triton_fused_moe.fused_experts_triton(x, q13, q2, weights, ids, config=config, scales=scales)
+    torch.testing.assert_close(got.float(), want.float(), **tol)
+    with pytest.raises(ValueError, match="need their scales"):
+        triton_fused_moe.fused_experts_triton(x, q13, q2, weights, ids, config=config)
+
+
 def test_tile_config_table_lookup(triton_fused_moe, tmp_path, monkeypatch):
     tuned = {"BLOCK_M": 32, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}
     path = tmp_path / "configs.json"
@@ -140,7 +179,7 @@ def test_warm_up_runs_each_batch_sizes_tiles_once(triton_fused_moe, monkeypatch)
     monkeypatch.setattr(triton_fused_moe, "_config_table", lambda: table)
     calls = []
     monkeypatch.setattr(triton_fused_moe, "fused_experts_triton",
-                        lambda x, w13, w2, weights, ids, expert_map=None: calls.append((x.shape[0], ids)))
+                        lambda x, w13, w2, weights, ids, expert_map=None, **kw: calls.append((x.shape[0], ids)))
     _, w13, w2, _, _ = _inputs(1, 2, torch.float32)
     triton_fused_moe.warm_up(w13, w2, 2, None, max_tokens=3000)
     # 1: small tiles; 32: mid; 512: large; 3000 (the 4096 bucket): large, the torch alignment (> 4096 pairs).

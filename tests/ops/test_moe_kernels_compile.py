@@ -32,15 +32,18 @@ compile_both("align", m._moe_align_kernel,
               "CHUNK_B": c, "PDL": c},
              {"BLOCK_M": 16, "E_PAD": 128, "CHUNK": 1024, "CHUNK_B": 64})
 gemm = {"sorted_pairs_ptr": "*i32", "block_expert_ptr": "*i32", "num_pairs": "i32", "N": "i32", "K": "i32",
-        "stride_we": "i32", "stride_wn": "i32", "stride_om": "i32", "BLOCK_M": c, "BLOCK_N": c, "BLOCK_K": c,
-        "IEEE": c, "PDL": c}
-tiles = {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "IEEE": False}
-compile_both("gate/up", m._moe_gate_up_kernel,
-             {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "top_k": "i32", "stride_xm": "i32", **gemm},
-             tiles, num_warps=8)
-compile_both("down", m._moe_down_kernel,
-             {"a_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "weights_ptr": "*fp32", "stride_am": "i32",
-              **gemm}, tiles, num_warps=8)
+        "stride_we": "i32", "stride_wn": "i32", "stride_om": "i32", "stride_se": "i32", "stride_sn": "i32",
+        "BLOCK_M": c, "BLOCK_N": c, "BLOCK_K": c, "IEEE": c, "PDL": c, "SCALE": c, "SCALE_BN": c, "SCALE_BK": c}
+tiles = {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "IEEE": False, "SCALE": 0, "SCALE_BN": 1, "SCALE_BK": 1}
+gate_up = {"x_ptr": "*bf16", "out_ptr": "*bf16", "top_k": "i32", "stride_xm": "i32", **gemm}
+down = {"a_ptr": "*bf16", "out_ptr": "*bf16", "weights_ptr": "*fp32", "stride_am": "i32", **gemm}
+compile_both("gate/up", m._moe_gate_up_kernel, {**gate_up, "w_ptr": "*bf16", "s_ptr": "*bf16"}, tiles, num_warps=8)
+compile_both("down", m._moe_down_kernel, {**down, "w_ptr": "*bf16", "s_ptr": "*bf16"}, tiles, num_warps=8)
+# fp8 experts (W8A16): per-channel scales in the epilogue, block scales per K tile.
+fp8 = {"w_ptr": "*fp8e4nv", "s_ptr": "*fp32"}
+compile_both("gate/up fp8 channel", m._moe_gate_up_kernel, {**gate_up, **fp8}, {**tiles, "SCALE": 1}, num_warps=8)
+compile_both("down fp8 block", m._moe_down_kernel, {**down, **fp8},
+             {**tiles, "SCALE": 2, "SCALE_BN": 128, "SCALE_BK": 128}, num_warps=8)
 compile_both("top-k sum", m._sum_pairs_kernel,
              {"per_pair_ptr": "*bf16", "out_ptr": "*bf16", "H": "i32", "TOP_K": c, "BLOCK": c, "PDL": c},
              {"TOP_K": 8, "BLOCK": 1024})
@@ -49,4 +52,5 @@ compile_both("top-k sum", m._sum_pairs_kernel,
 
 def test_moe_kernels_compile_for_sm90_with_programmatic_dependent_launch(tmp_path):
     results = compile_for_sm90(_BODY, tmp_path)
-    assert results == {"route": True, "align": True, "gate/up": True, "down": True, "top-k sum": True}
+    assert results == {"route": True, "align": True, "gate/up": True, "down": True, "gate/up fp8 channel": True,
+                       "down fp8 block": True, "top-k sum": True}

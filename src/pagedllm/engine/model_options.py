@@ -16,11 +16,12 @@ def model_quantization(args: Any, resolved: Any) -> str | None:
         raise ValueError(f"quantization={method!r} with {'GGUF' if gguf else 'these'} weights: GGUF weights run "
                          "quantized with quantization='gguf' only (without it they are dequantized at load), and "
                          "only GGUF weights do")
-    if not gguf:  # a config we cannot run fails here, not in a worker
-        get_quantization_config(method, resolved.hf_config)
-    if num_experts_of(resolved.hf_config) is not None:
-        raise ValueError(f"quantization={method!r} is not supported for mixture-of-experts models yet: the fused "
-                         "expert kernels run 16/32-bit weights only")
+    # A config we cannot run fails here, not in a worker.
+    config = None if gguf else get_quantization_config(method, resolved.hf_config)
+    if num_experts_of(resolved.hf_config) is not None and not getattr(config, "experts_supported", False):
+        from pagedllm.model.quantization.base import experts_unsupported
+
+        raise experts_unsupported(method, (getattr(resolved.hf_config, "architectures", None) or ["this model"])[0])
     return method
 
 def routed_experts_option(args: Any, hf_config: Any) -> bool:

@@ -373,13 +373,14 @@ def _norms_feed_fp8(model: nn.Module) -> None:
 
 def _attach_quant_methods(model: nn.Module, quant_config) -> None:
     """Give every quantizable linear its method (by its checkpoint names: ignore lists exempt some)."""
-    if hasattr(model, "moe_blocks"):
-        raise ValueError(f"quantization {quant_config.name!r} is not supported for mixture-of-experts models yet "
-                         f"({type(model).__name__}): the fused expert kernels run 16/32-bit weights only")
+    from pagedllm.model.moe import FusedMoE
+
     stacked = getattr(model, "stacked_params", {})
     for name, module in model.named_modules():
         if isinstance(module, Linear) and module.weight is None and module.quant_method is None:
             module.set_quant_method(quant_config.method_for(module, name, checkpoint_prefixes(name, stacked)))
+        elif isinstance(module, FusedMoE):
+            module.set_quant_method(quant_config.moe_method_for(module, name, type(model).__name__))
 
 
 @torch.no_grad()

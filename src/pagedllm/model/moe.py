@@ -21,7 +21,8 @@ from pagedllm.distributed import (
     expert_parallel_enabled, get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce,
 )
 from pagedllm.model.layers import (
-    Linear, MergedLinear, RowParallelLinear, SiluAndMul, _check_full_rows, _divide, _parameter, default_weight_loader,
+    Linear, MergedLinear, RowParallelLinear, SiluAndMul, _check_full_rows, _check_quantized_dtype, _divide, _parameter,
+    default_weight_loader,
 )
 from pagedllm.model.llama import DecoderLayer, LlamaForCausalLM
 from pagedllm.ops.fused_moe import fused_experts, route
@@ -59,21 +60,34 @@ class FusedMoE(nn.Module):
                                     full_shape=(num_experts, hidden_size, intermediate_size))
         # enable_return_routed_experts: a [max_tokens, top_k] buffer each forward writes its ids into.
         self.routed_experts_out: torch.Tensor | None = None
+        self.act_dtype = torch.get_default_dtype()  # the model dtype (the weights' unless quantized)
+        self.quant_method = None  # fp8 experts (model/quantization/fp8_moe.py) or None: dense
+
+    def set_quant_method(self, method) -> None:
+        """The loader's, before weights load: the method swaps in its parameters (quantized weights, scales)."""
+        self.quant_method = method
+        if method is not None:
+            method.create_weights(self)
+
+    def expert_scales(self):
+        return None if self.quant_method is None else self.quant_method.scales(self)
 
     def _local_index(self, expert: int) -> int | None:
         index = expert - self.first_expert
         return index if 0 <= index < self.num_local_experts else None
 
-    def _slice_inter(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
-        """This rank's slice of an expert tensor's intermediate dim (all of it under expert parallelism)."""
+    def _slice_inter(self, tensor: torch.Tensor, dim: int, div: int = 1) -> torch.Tensor:
+        """This rank's slice of an expert tensor's intermediate dim (all of it under expert
+        parallelism); ``div``: one element covers that many rows (block scales)."""
         if self.expert_parallel or self.tp_size == 1:
             return tensor
-        _check_full_rows(tensor, self.intermediate_size, dim)
-        return tensor.narrow(dim, self.tp_rank * self.local_intermediate, self.local_intermediate)
+        _check_full_rows(tensor, -(-self.intermediate_size // div), dim)
+        return tensor.narrow(dim, self.tp_rank * self.local_intermediate // div, self.local_intermediate // div)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
         """``shard_id`` None: the fused ``[E, ...]`` tensor; ``(expert, 0 | 1)``: one expert's gate
         or up projection ``[I, H]``; ``expert``: one expert's down projection ``[H, I]``."""
+        _check_quantized_dtype(param, loaded_weight)
         if shard_id is None:
             _check_full_rows(loaded_weight, self.num_experts)
             for local in range(self.num_local_experts):
@@ -108,14 +122,15 @@ class FusedMoE(nn.Module):
         if triton_ops_for(self.gate_up_proj) is not None:
             from pagedllm.ops.triton_fused_moe import warm_up
 
-            warm_up(self.gate_up_proj, self.down_proj, self.top_k, self.expert_map, max_tokens)
+            warm_up(self.gate_up_proj, self.down_proj, self.top_k, self.expert_map, max_tokens, self.act_dtype,
+                    self.expert_scales())
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         weights, ids = route(router_logits, self.top_k, self.scoring, self.renormalize,
                              round_to=x.dtype if self.round_weights else None)
         if self.routed_experts_out is not None:
             self.routed_experts_out[:ids.shape[0]].copy_(ids)
-        return fused_experts(x, self.gate_up_proj, self.down_proj, weights, ids, self.expert_map)
+        return fused_experts(x, self.gate_up_proj, self.down_proj, weights, ids, self.expert_map, self.expert_scales())
 
 
 class SharedExpert(nn.Module):
@@ -156,8 +171,9 @@ class SparseMoeBlock(nn.Module):
         return tensor_model_parallel_all_reduce(out)
 
 
-# experts.{e}.{projection}.weight in a checkpoint -> (fused parameter, shard part); part None: down
-_EXPERT_NAME = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.weight$")
+# experts.{e}.{projection}.weight in a checkpoint -> (fused parameter, shard part); part None: down.
+# fp8 checkpoints' weight_scale (per tensor or channel) / weight_scale_inv (blocks) go to its scales.
+_EXPERT_NAME = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.(weight|weight_scale|weight_scale_inv)$")
 
 
 class MoeForCausalLM(LlamaForCausalLM):
@@ -199,14 +215,15 @@ class MoeForCausalLM(LlamaForCausalLM):
         match = _EXPERT_NAME.match(name)
         if match and match.group(3) in self.expert_projections:
             experts, expert, part = match.group(1), int(match.group(2)), self.expert_projections[match.group(3)]
+            suffix = "" if match.group(4) == "weight" else "_scale"
             if part is None:
-                return f"{experts}.down_proj", expert
-            return f"{experts}.gate_up_proj", (expert, part)
+                return f"{experts}.down_proj{suffix}", expert
+            return f"{experts}.gate_up_proj{suffix}", (expert, part)
         return super().stacked_name(name)
 
     def shards_needed(self, name: str) -> set:
-        if name.endswith(".experts.gate_up_proj"):
+        if name.endswith((".experts.gate_up_proj", ".experts.gate_up_proj_scale")):
             return {(e, part) for e in range(self.num_experts(self.config)) for part in (0, 1)}
-        if name.endswith(".experts.down_proj"):
+        if name.endswith((".experts.down_proj", ".experts.down_proj_scale")):
             return set(range(self.num_experts(self.config)))
         return super().shards_needed(name)

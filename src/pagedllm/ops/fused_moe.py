@@ -8,6 +8,8 @@ for another rank's (those tokens contribute zero here; the all-reduce after adds
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -15,6 +17,28 @@ from pagedllm.ops.cpu_linear import cpu_linear
 
 SCORING_FUNCS = ("softmax", "sigmoid")
 CPU_ONEDNN_MIN_ROWS = 16
+
+
+@dataclass(frozen=True)
+class ExpertScales:
+    """The float32 scales of fp8 (e4m3) expert weights, which stay fp8 in memory: one per output
+    channel, ``w13`` [E, 2I] and ``w2`` [E, H]; or with ``block`` (bn, bk) one per bn x bk weight
+    tile, ``w13`` [E, ceil(2I / bn), ceil(H / bk)] and ``w2`` [E, ceil(H / bn), ceil(I / bk)].
+    The activations stay in the model dtype (W8A16): a decode step's experts read half the bytes."""
+    w13: torch.Tensor
+    w2: torch.Tensor
+    block: tuple[int, int] | None = None
+
+
+def dequantize_expert(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
+                      dtype: torch.dtype) -> torch.Tensor:
+    """One expert's fp8 ``w`` [N, K] times its scales (``ExpertScales``' rows for it), in float32,
+    then rounded to ``dtype``."""
+    if block is None:
+        return (w.float() * scale[:, None]).to(dtype)
+    n, k = w.shape
+    elements = scale.repeat_interleave(block[0], 0)[:n].repeat_interleave(block[1], 1)[:, :k]
+    return (w.float() * elements).to(dtype)
 
 
 def route(router_logits: torch.Tensor, top_k: int, scoring: str = "softmax", renormalize: bool = False,
@@ -54,10 +78,12 @@ def local_expert_ids(ids: torch.Tensor, expert_map: torch.Tensor | None) -> torc
 
 
 def fused_experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                        ids: torch.Tensor, expert_map: torch.Tensor | None = None) -> torch.Tensor:
+                        ids: torch.Tensor, expert_map: torch.Tensor | None = None,
+                        scales: ExpertScales | None = None) -> torch.Tensor:
     """``sum_j weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t))`` over each token's experts
     ``e = ids[t, j]``: the (token, slot) pairs are grouped by expert, one matmul pair per active
-    expert. Products are rounded to x's dtype as ``F.linear`` rounds them; the sum is float32."""
+    expert. Products are rounded to x's dtype as ``F.linear`` rounds them; the sum is float32.
+    ``scales``: the weights are fp8, each active expert's dequantized per matmul."""
     num_tokens, top_k = ids.shape
     inter = w2.shape[2]
     flat = local_expert_ids(ids, expert_map).reshape(-1)
@@ -80,14 +106,18 @@ def fused_experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, we
         tokens = expert_pairs // top_k
         # On CPU oneDNN beats MKL's sgemm on a few dozen rows (measured 1.4-2.2x); on a handful its call costs more.
         linear = cpu_linear if on_cpu and n >= CPU_ONEDNN_MIN_ROWS else F.linear
-        gate_up = linear(x[tokens], w13[expert])
-        y = linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], w2[expert])
+        w_gate_up, w_down = w13[expert], w2[expert]
+        if scales is not None:
+            w_gate_up = dequantize_expert(w_gate_up, scales.w13[expert], scales.block, x.dtype)
+            w_down = dequantize_expert(w_down, scales.w2[expert], scales.block, x.dtype)
+        gate_up = linear(x[tokens], w_gate_up)
+        y = linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], w_down)
         out.index_add_(0, tokens, y.float() * flat_weights[expert_pairs, None])
     return out.to(x.dtype)
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                  expert_map: torch.Tensor | None = None) -> torch.Tensor:
+                  expert_map: torch.Tensor | None = None, scales: ExpertScales | None = None) -> torch.Tensor:
     """The experts' weighted sum ``[T, H]`` for this rank's experts: the Triton kernel on CUDA
     (when the Triton ops are on), else the torch path."""
     from pagedllm.ops import triton_ops_for
@@ -95,8 +125,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     if x.numel() and triton_ops_for(x) is not None:
         from pagedllm.ops.triton_fused_moe import fused_experts_triton
 
-        return fused_experts_triton(x, w13, w2, weights, ids, expert_map)
-    return fused_experts_torch(x, w13, w2, weights, ids, expert_map)
+        return fused_experts_triton(x, w13, w2, weights, ids, expert_map, scales=scales)
+    return fused_experts_torch(x, w13, w2, weights, ids, expert_map, scales)
 
 
 def fused_experts_bmm_loop(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,

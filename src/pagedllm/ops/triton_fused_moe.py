@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.ops.fused_moe import ExpertScales
 from pagedllm.ops.precompile import in_dry_run
 from pagedllm.ops.triton_pdl import launch_args, pdl_enabled, pdl_enter
 from pagedllm.ops.tile_tables import read_table
@@ -35,15 +36,46 @@ def _pdl(device: torch.device) -> dict:
     return launch_args(pdl_enabled(device, "PAGEDLLM_MOE_PDL"))
 
 
+@triton.jit
+def _mma(a, w, acc, s_cols, kb, n_ok, SCALE: tl.constexpr, IEEE: tl.constexpr):
+    """``acc + a @ w`` for one K tile. fp8 weights (SCALE > 0) are widened to a's dtype (exact);
+    with block scales (SCALE 2) the tile's product is scaled per column by the scales of k-block
+    ``kb`` (``s_cols``: each column's scale row), since the scale changes along K."""
+    if SCALE > 0:
+        w = w.to(a.dtype)
+    if SCALE == 2:
+        scale = tl.load(s_cols + kb, mask=n_ok, other=0.0)
+        if IEEE:
+            acc += tl.dot(a, w, input_precision="ieee") * scale[None, :]
+        else:
+            acc += tl.dot(a, w) * scale[None, :]
+    else:
+        if IEEE:
+            acc = tl.dot(a, w, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, w, acc)
+    return acc
+
+
+@triton.jit
+def _channel_scaled(acc, s_cols, n_ok, SCALE: tl.constexpr):
+    """Per-output-channel scales (SCALE 1) factor out of the K sum: applied once at the end."""
+    if SCALE == 1:
+        acc = acc * tl.load(s_cols, mask=n_ok, other=0.0)[None, :]
+    return acc
+
+
 # The pair count only bounds masks: one compiled variant for every count (Triton would otherwise
 # compile again for counts that are, or are not, multiples of 16).
 @triton.jit(do_not_specialize=["num_pairs"])
-def _moe_gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr, num_pairs, top_k, N, K,
-                        stride_xm, stride_we, stride_wn, stride_om,
+def _moe_gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr, s_ptr, num_pairs, top_k, N, K,
+                        stride_xm, stride_we, stride_wn, stride_om, stride_se, stride_sn,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-                        PDL: tl.constexpr):
+                        PDL: tl.constexpr, SCALE: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr):
     """out[row] = silu(x[token] @ gate_e^T) * (x[token] @ up_e^T) for the BLOCK_M sorted rows of
-    this program's block (expert e), over its BLOCK_N columns of the intermediate size N."""
+    this program's block (expert e), over its BLOCK_N columns of the intermediate size N. SCALE:
+    0 weights in x's dtype; fp8 weights with scales ``s`` per output channel (1) or per
+    SCALE_BN x SCALE_BK tile (2; BLOCK_K divides SCALE_BK)."""
     pdl_enter(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -60,6 +92,8 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_pairs_ptr, block_expert_pt
     a_ptrs = x_ptr + tokens[:, None] * stride_xm + offs_k[None, :]
     g_ptrs = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
     u_ptrs = g_ptrs + N * stride_wn
+    sg_cols = s_ptr + expert * stride_se + (offs_n // SCALE_BN) * stride_sn
+    su_cols = s_ptr + expert * stride_se + ((N + offs_n) // SCALE_BN) * stride_sn
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, tl.cdiv(K, BLOCK_K)):
@@ -67,15 +101,14 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_pairs_ptr, block_expert_pt
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        if IEEE:
-            acc_g = tl.dot(a, g, acc_g, input_precision="ieee")
-            acc_u = tl.dot(a, u, acc_u, input_precision="ieee")
-        else:
-            acc_g = tl.dot(a, g, acc_g)
-            acc_u = tl.dot(a, u, acc_u)
+        kb = (k0 * BLOCK_K) // SCALE_BK
+        acc_g = _mma(a, g, acc_g, sg_cols, kb, n_ok, SCALE, IEEE)
+        acc_u = _mma(a, u, acc_u, su_cols, kb, n_ok, SCALE, IEEE)
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
+    acc_g = _channel_scaled(acc_g, sg_cols, n_ok, SCALE)
+    acc_u = _channel_scaled(acc_u, su_cols, n_ok, SCALE)
     dtype = out_ptr.dtype.element_ty
     gate = acc_g.to(dtype).to(tl.float32)  # rounded where F.linear rounds
     act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)  # and F.silu
@@ -85,12 +118,12 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_pairs_ptr, block_expert_pt
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
-def _moe_down_kernel(a_ptr, w_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr, weights_ptr, num_pairs, N, K,
-                     stride_am, stride_we, stride_wn, stride_om,
+def _moe_down_kernel(a_ptr, w_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr, weights_ptr, s_ptr, num_pairs, N, K,
+                     stride_am, stride_we, stride_wn, stride_om, stride_se, stride_sn,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-                     PDL: tl.constexpr):
+                     PDL: tl.constexpr, SCALE: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr):
     """out[pair] = weight[pair] * (a[row] @ down_e^T) for this block's sorted rows, over BLOCK_N
-    of the hidden size N; a holds the gate/up kernel's rows in sorted order."""
+    of the hidden size N; a holds the gate/up kernel's rows in sorted order. SCALE as there."""
     pdl_enter(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -105,17 +138,16 @@ def _moe_down_kernel(a_ptr, w_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr, 
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :]
     w_ptrs = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+    s_cols = s_ptr + expert * stride_se + (offs_n // SCALE_BN) * stride_sn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, tl.cdiv(K, BLOCK_K)):
         k_ok = offs_k < K - k0 * BLOCK_K
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        if IEEE:
-            acc = tl.dot(a, w, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, w, acc)
+        acc = _mma(a, w, acc, s_cols, (k0 * BLOCK_K) // SCALE_BK, n_ok, SCALE, IEEE)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    acc = _channel_scaled(acc, s_cols, n_ok, SCALE)
     dtype = out_ptr.dtype.element_ty
     weight = tl.load(weights_ptr + pairs, mask=row_ok, other=0.0)
     y = acc.to(a_ptr.dtype.element_ty).to(tl.float32) * weight[:, None]
@@ -325,7 +357,7 @@ def get_config(num_experts: int, hidden: int, inter: int, num_tokens: int, top_k
 
 
 def warm_up(w13: torch.Tensor, w2: torch.Tensor, top_k: int, expert_map: torch.Tensor | None,
-            max_tokens: int) -> None:
+            max_tokens: int, dtype: torch.dtype | None = None, scales: ExpertScales | None = None) -> None:
     """Run the kernels once for each distinct tile config of the batch buckets that forwards of
     up to ``max_tokens`` reach (with the alignment each size takes), so that start-up compiles
     them (the precompile pool, in parallel) and none compiles in the middle of a run, where the
@@ -344,19 +376,19 @@ def warm_up(w13: torch.Tensor, w2: torch.Tensor, top_k: int, expert_map: torch.T
         seen.add(key)
         ids = torch.arange(tokens * top_k, device=w13.device).view(tokens, top_k) % num_global
         weights = torch.zeros(tokens, top_k, dtype=torch.float32, device=w13.device)
-        x = torch.zeros(tokens, hidden, dtype=w13.dtype, device=w13.device)
-        fused_experts_triton(x, w13, w2, weights, ids, expert_map)
+        x = torch.zeros(tokens, hidden, dtype=dtype or w13.dtype, device=w13.device)
+        fused_experts_triton(x, w13, w2, weights, ids, expert_map, scales=scales)
 
 
 def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                          ids: torch.Tensor, expert_map: torch.Tensor | None = None,
-                         config: dict | None = None) -> torch.Tensor:
+                         config: dict | None = None, scales: ExpertScales | None = None) -> torch.Tensor:
     """``fused_experts_torch``'s result [T, H] from the two grouped-GEMM kernels; ``config``
-    overrides the table's tiles (the benchmark's tuning)."""
+    overrides the table's tiles (the benchmark's tuning); ``scales``: fp8 weights (W8A16)."""
     num_tokens = x.shape[0]
     if num_tokens > CHUNK_TOKENS:
         return torch.cat([fused_experts_triton(x[i:i + CHUNK_TOKENS], w13, w2, weights[i:i + CHUNK_TOKENS],
-                                               ids[i:i + CHUNK_TOKENS], expert_map, config)
+                                               ids[i:i + CHUNK_TOKENS], expert_map, config, scales)
                           for i in range(0, num_tokens, CHUNK_TOKENS)])
     num_experts, two_inter, hidden = w13.shape
     inter, top_k = two_inter // 2, ids.shape[1]
@@ -364,6 +396,10 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w
         raise ValueError(f"fused_experts_triton: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}")
     cfg = config or get_config(num_experts, hidden, inter, num_tokens, top_k)
     block_m, launch = cfg["BLOCK_M"], {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+    block_k = cfg["BLOCK_K"]
+    if scales is not None and scales.block is not None:  # a K tile within one scale block
+        block_k = min(block_k, scales.block[1] & -scales.block[1])
+    scale13, scale2 = _scale_args(w13, scales, "w13"), _scale_args(w2, scales, "w2")
     local_ids = ids if expert_map is None else expert_map[ids]
     # One program counts every pair: right for decode-sized batches (where launches dominate), while
     # large prefills, whose pairs would queue on a few atomics, take the torch sort.
@@ -374,15 +410,37 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w
     ieee = x.dtype == torch.float32
     act = torch.empty(sorted_pairs.numel(), inter, dtype=x.dtype, device=x.device)
     grid = (block_expert.numel(), triton.cdiv(inter, cfg["BLOCK_N"]))
-    _moe_gate_up_kernel[grid](x, w13, act, sorted_pairs, block_expert, num_pairs, top_k, inter, hidden,
-                              x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), BLOCK_M=block_m,
-                              BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], IEEE=ieee, **launch, **pdl)
+    _moe_gate_up_kernel[grid](x, w13, act, sorted_pairs, block_expert, scale13[0], num_pairs, top_k, inter, hidden,
+                              x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), *scale13[1:3],
+                              BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k, IEEE=ieee, **scale13[3],
+                              **launch, **pdl)
     # Pairs routed to another rank's experts are never written: they must read as zero.
     alloc = torch.empty if expert_map is None else torch.zeros
     per_pair = alloc(num_pairs, hidden, dtype=x.dtype, device=x.device)
     grid = (block_expert.numel(), triton.cdiv(hidden, cfg["BLOCK_N"]))
     _moe_down_kernel[grid](act, w2, per_pair, sorted_pairs, block_expert, weights.reshape(-1).float().contiguous(),
-                           num_pairs, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1), per_pair.stride(0),
-                           BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], IEEE=ieee, **launch,
-                           **pdl)
+                           scale2[0], num_pairs, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1),
+                           per_pair.stride(0), *scale2[1:3], BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k,
+                           IEEE=ieee, **scale2[3], **launch, **pdl)
     return sum_pairs(per_pair, num_tokens, top_k)  # accumulated in float32, rounded once
+
+
+def _scale_args(w: torch.Tensor, scales: ExpertScales | None, which: str) -> tuple:
+    """(scale tensor, expert stride, scale-row stride, constexprs) of one expert GEMM's weights."""
+    if scales is None:
+        if w.dtype.itemsize == 1:
+            raise ValueError("fp8 expert weights need their scales")
+        return w, 0, 0, {"SCALE": 0, "SCALE_BN": 1, "SCALE_BK": 1}
+    scale = getattr(scales, which)
+    if scales.block is None:
+        if scale.shape != w.shape[:2] or scale.stride(1) != 1:
+            raise ValueError(f"per-channel expert scales {tuple(scale.shape)} do not fit weights {tuple(w.shape)}")
+        return scale, scale.stride(0), 1, {"SCALE": 1, "SCALE_BN": 1, "SCALE_BK": 1}
+    block_n, block_k = scales.block
+    if which == "w13" and (w.shape[1] // 2) % block_n:
+        raise ValueError(f"block expert scales: the intermediate size {w.shape[1] // 2} is not a multiple of {block_n}")
+    want = (w.shape[0], triton.cdiv(w.shape[1], block_n), triton.cdiv(w.shape[2], block_k))
+    if tuple(scale.shape) != want or not scale.is_contiguous():
+        raise ValueError(f"block expert scales {tuple(scale.shape)} do not fit weights {tuple(w.shape)} in "
+                         f"{block_n}x{block_k} blocks (want {want})")
+    return scale, scale.stride(0), scale.stride(1), {"SCALE": 2, "SCALE_BN": block_n, "SCALE_BK": block_k}

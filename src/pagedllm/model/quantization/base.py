@@ -46,9 +46,20 @@ class QuantizationConfig:
         checkpoint's names of the projections it fuses); None: it stays dense."""
         raise NotImplementedError
 
+    experts_supported = False  # whether moe_method_for quantizes a mixture of experts' routed experts
+
+    def moe_method_for(self, moe: nn.Module, prefix: str, model_name: str):
+        """The method of the routed experts ``prefix`` (a ``FusedMoE``); None: they stay dense."""
+        raise experts_unsupported(self.name, model_name)
+
     def skips_tensor(self, name: str) -> bool:
         """Whether a checkpoint tensor is not a parameter of ours (read elsewhere or not at all)."""
         return name.endswith(_SKIPPED_SUFFIXES)
+
+
+def experts_unsupported(method: str, model_name: str) -> ValueError:
+    return ValueError(f"quantization {method!r} is not supported for the experts of mixture-of-experts models "
+                      f"({model_name}); supported there: fp8 (online, fp8 and compressed-tensors fp8 checkpoints)")
 
 
 class QuantizationMethod:

@@ -121,6 +121,26 @@ class CompressedTensorsConfig(QuantizationConfig):
         raise ValueError(f"compressed-tensors: {bits}-bit {wtype} weights are not supported; supported: "
                          "4-bit int (pack-quantized), 8-bit float (float-quantized)")
 
+    @property
+    def experts_supported(self) -> bool:
+        return all(isinstance(self._method(w, a, f), (Fp8LinearMethod, Fp8BlockLinearMethod))
+                   for _, w, a, f in self.groups)
+
+    def moe_method_for(self, moe, prefix, model_name):
+        from pagedllm.model.quantization.fp8_moe import Fp8MoEMethod
+
+        method = self.method_for(moe, prefix, [f"{prefix}.0.gate_proj", f"{prefix}.0.up_proj", f"{prefix}.0.down_proj"])
+        if method is None:
+            return None
+        if isinstance(method, Fp8BlockLinearMethod):
+            return Fp8MoEMethod(serialized=True, block=method.block)
+        if isinstance(method, Fp8LinearMethod):
+            return Fp8MoEMethod(serialized=True)
+        return super().moe_method_for(moe, prefix, model_name)
+
+    def skips_tensor(self, name: str) -> bool:
+        return super().skips_tensor(name) or (".experts." in name and name.endswith(".input_scale"))
+
     def method_for(self, layer, prefix, checkpoint_prefixes):
         if matches_ignore(checkpoint_prefixes, self.ignore):
             return None

@@ -295,3 +295,16 @@ class Fp8Config(QuantizationConfig):
             return Fp8BlockLinearMethod(tuple(self.block))
         return Fp8LinearMethod(self.serialized, self.act_scheme)
 
+    experts_supported = True
+
+    def moe_method_for(self, moe, prefix, model_name):
+        from pagedllm.model.quantization.fp8_moe import Fp8MoEMethod
+
+        if matches_ignore([prefix], self.ignored, substring=True):
+            return None
+        return Fp8MoEMethod(self.serialized, self.block)
+
+    def skips_tensor(self, name: str) -> bool:
+        # Experts run W8A16 (fp8_moe.py): a static checkpoint's expert input scales go unused.
+        return super().skips_tensor(name) or (".experts." in name and name.endswith(".input_scale"))
+
