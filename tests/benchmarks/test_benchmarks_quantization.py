@@ -16,12 +16,13 @@ from tests.conftest import TEST_KV_BYTES
 KV = f"kv_cache_memory_bytes={TEST_KV_BYTES}"
 
 
-@pytest.mark.parametrize("quantization", [None] + sorted(common.QUANTIZATIONS))
-def test_weight_bytes_equal_the_loaded_quantized_parameters(quantization):
+@pytest.mark.parametrize("shape,quantization", [("tiny-llama", q) for q in [None] + sorted(common.QUANTIZATIONS)]
+                         + [("tiny-qwen3-moe", "fp8"), ("tiny-qwen3-moe", "fp8-block")])  # fp8 experts too
+def test_weight_bytes_equal_the_loaded_quantized_parameters(shape, quantization):
     overrides, engine_quantization = common.quantization_setup(quantization)
     if quantization == "fp8-block":  # tiny-llama's projections are not all multiples of 128: blocks of 64
         overrides = {"quantization_config": {**overrides["quantization_config"], "weight_block_size": [64, 64]}}
-    path = common.write_shape("tiny-llama", **overrides)
+    path = common.write_shape(shape, **overrides)
     with open(os.path.join(path, "config.json")) as f:
         config = json.load(f)
     llm = LLM(path, load_format="dummy", dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=16 << 20,

@@ -152,7 +152,12 @@ def weight_bytes(config: dict, itemsize: int = 2, active_only: bool = False, qua
     for layer in range(config["num_hidden_layers"]):
         params += norms
         total += attn
-        if quant is not None:
+        if quant is not None and _moe_layer(config, layer):  # fp8 experts (the only format they run), router dense
+            moe_inter = config["moe_intermediate_size"] // tp
+            expert = _linear_bytes(2 * moe_inter, hidden, itemsize, quant) + _linear_bytes(hidden, moe_inter, itemsize, quant)
+            total += round(_used_experts(config, active_only, tokens) * expert)
+            params += config["num_experts"] * hidden
+        elif quant is not None:
             total += (_linear_bytes(2 * inter // tp, hidden, itemsize, quant)
                       + _linear_bytes(hidden, inter // tp, itemsize, quant))
         else:
@@ -196,11 +201,21 @@ def expected_experts(num_experts: int, top_k: int, tokens: int) -> float:
     return num_experts * (1 - (1 - top_k / num_experts) ** tokens)
 
 
+def _moe_layer(config: dict, layer: int) -> bool:
+    return bool(config.get("num_experts")) and layer not in config.get("mlp_only_layers", []) \
+        and not (layer + 1) % config["decoder_sparse_step"]
+
+
+def _used_experts(config: dict, active_only: bool, tokens: int) -> float:
+    experts = config["num_experts"]
+    return expected_experts(experts, config["num_experts_per_tok"], tokens) if active_only else experts
+
+
 def _mlp_params(config: dict, layer: int, active_only: bool, tokens: int = 1, tp: int = 1) -> int:
     hidden, experts = config["hidden_size"], config.get("num_experts", 0)
-    if not experts or layer in config.get("mlp_only_layers", []) or (layer + 1) % config["decoder_sparse_step"]:
+    if not _moe_layer(config, layer):
         return 3 * hidden * (config["intermediate_size"] // tp)
-    used = expected_experts(experts, config["num_experts_per_tok"], tokens) if active_only else experts
+    used = _used_experts(config, active_only, tokens)
     # Each rank holds 1/tp of every expert (or, with expert parallelism, 1/tp of the experts whole:
     # the same bytes in expectation), and the router whole.
     return round(used * 3 * hidden * config["moe_intermediate_size"] / tp) + experts * hidden

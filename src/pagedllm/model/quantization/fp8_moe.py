@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedllm.model.quantization.base import cdiv
+from pagedllm.model.quantization.base import _default_dummy, cdiv
 from pagedllm.model.quantization.fp8 import FP8_DTYPE, quantize_weight_per_channel
 from pagedllm.ops.fused_moe import ExpertScales
 
@@ -43,6 +43,7 @@ class Fp8MoEMethod:
             dense = getattr(moe, name)
             param = nn.Parameter(torch.empty(dense.shape, dtype=FP8_DTYPE), requires_grad=False)
             param.weight_loader, param.full_shape, param.exact_dtype = moe.weight_loader, dense.full_shape, True
+            param.dummy_fill = _default_dummy  # fp8 values of scale ~1 (dummy weights: the benchmarks)
             setattr(moe, name, param)
         full_inter = moe.intermediate_size
         if self.block is None:
