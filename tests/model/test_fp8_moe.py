@@ -98,13 +98,14 @@ def test_online_fp8_quantizes_the_experts_per_channel(tmp_path):
         prefix = f"model.layers.{layer}.mlp.experts.3"
         gate_up = torch.cat([checkpoint[f"{prefix}.gate_proj.weight"], checkpoint[f"{prefix}.up_proj.weight"]])
         q, scale = quantize_weight_per_channel(gate_up)
-        assert torch.equal(experts.gate_up_proj[3].view(torch.uint8), q.view(torch.uint8))
-        assert torch.equal(experts.gate_up_proj_scale[3], scale) and experts.down_proj_scale.shape == (EXPERTS, 64)
+        assert torch.equal(experts.gate_up_proj[3].cpu().view(torch.uint8), q.view(torch.uint8))
+        assert torch.equal(experts.gate_up_proj_scale[3].cpu(), scale) and experts.down_proj_scale.shape == (EXPERTS, 64)
         hf = reference.model.layers[layer]
         with torch.no_grad():  # the reference: experts dequantized, attention W8A8 (inputs fake-quantized)
             for e in range(EXPERTS):
                 hf.mlp.experts.gate_up_proj[e].copy_(experts.gate_up_proj[e].float() * experts.gate_up_proj_scale[e, :, None])
                 hf.mlp.experts.down_proj[e].copy_(experts.down_proj[e].float() * experts.down_proj_scale[e, :, None])
+            # (copy_ brings the engine's tensors to the reference's device)
             for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
                 hooks[f"model.layers.{layer}.self_attn.{proj}"] = qc.fake_quant_per_token
                 dense = getattr(hf.self_attn, proj)

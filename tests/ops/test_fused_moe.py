@@ -226,6 +226,22 @@ def test_one_launch_routing_breaks_ties_by_the_lowest_expert(triton_fused_moe):
     torch.testing.assert_close(weights.cpu(), torch.full((2, 3), 1 / 3))
 
 
+def test_nan_router_logits_and_out_of_range_ids_never_address_past_the_experts(triton_fused_moe):
+    """NaN logits (a NaN in the hidden states, or the garbage of a launch the compile dry run
+    skipped) still route to valid experts, and the alignment drops ids past the expert count:
+    no address outside the counts (an illegal access on the GPU) whatever the input."""
+    logits = torch.randn(3, 6, device=DEVICE)
+    logits[0] = float("nan")
+    logits[1, 2] = float("nan")
+    _, ids = triton_fused_moe.route_triton(logits, 2, "softmax", True)
+    assert ((0 <= ids) & (ids < 6)).all() and ids[0].tolist() == [0, 1]
+    bad = torch.tensor([[1, 6], [9, 0]], device=DEVICE)
+    for align in (triton_fused_moe.align_pairs, triton_fused_moe.align_pairs_triton):
+        sorted_pairs, block_expert = align(bad, num_experts=6, block_m=2)
+        kept = sorted(p for p in sorted_pairs.tolist() if p < 4)
+        assert kept == [0, 3] and set(block_expert.tolist()) <= {-1, 0, 1}
+
+
 def test_the_top_k_sum_is_one_float32_sum_rounded_once(triton_fused_moe):
     per_pair = torch.randn(5 * 3, 1500, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     out = triton_fused_moe.sum_pairs(per_pair.to(DEVICE), 5, 3)

@@ -155,6 +155,12 @@ def _moe_down_kernel(a_ptr, w_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr, 
     tl.store(out_ptrs, y.to(dtype), mask=row_ok[:, None] & n_ok[None, :])
 
 
+@triton.jit
+def _valid_expert(expert, num_experts):
+    """An id outside [0, num_experts) as -1 (a pair no expert here takes): never an address past the counts."""
+    return tl.where(expert < num_experts, expert, -1)
+
+
 @triton.jit(do_not_specialize=["num_pairs", "max_blocks"])
 def _moe_align_kernel(ids_ptr, sorted_pairs_ptr, block_expert_ptr, cursor_ptr, num_pairs, num_experts, max_blocks,
                       BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr, CHUNK_B: tl.constexpr,
@@ -174,7 +180,7 @@ def _moe_align_kernel(ids_ptr, sorted_pairs_ptr, block_expert_ptr, cursor_ptr, n
     tl.debug_barrier()
     for p0 in range(0, num_pairs, CHUNK):
         pairs = p0 + tl.arange(0, CHUNK)
-        expert = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1).to(tl.int32)
+        expert = _valid_expert(tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1).to(tl.int32), num_experts)
         tl.atomic_add(cursor_ptr + expert, 1, mask=expert >= 0)
     tl.debug_barrier()
     counts = tl.load(cursor_ptr + e_offs, mask=e_ok, other=0)
@@ -190,7 +196,7 @@ def _moe_align_kernel(ids_ptr, sorted_pairs_ptr, block_expert_ptr, cursor_ptr, n
     tl.debug_barrier()
     for p0 in range(0, num_pairs, CHUNK):
         pairs = p0 + tl.arange(0, CHUNK)
-        expert = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1).to(tl.int32)
+        expert = _valid_expert(tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1).to(tl.int32), num_experts)
         row = tl.atomic_add(cursor_ptr + expert, 1, mask=expert >= 0)
         tl.store(sorted_pairs_ptr + row, pairs, mask=expert >= 0)
 
@@ -211,7 +217,9 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l, TOP_K
     else:
         e = tl.exp(x - tl.max(x, axis=0))
         scores = e / tl.sum(e, axis=0)
-    scores = tl.where(ok, scores, -1.0)  # below any score: never picked
+    # Below any score: never picked. NaN scores too (a NaN in the hidden states, or the garbage of
+    # a launch the compile dry run skipped): every id stays a valid expert, whatever the input.
+    scores = tl.where(ok & (scores == scores), scores, -1.0)
     k_offs = tl.arange(0, K_PAD)
     vals = tl.zeros([K_PAD], dtype=tl.float32)
     ids = tl.zeros([K_PAD], dtype=tl.int64)
@@ -302,7 +310,7 @@ def align_pairs(local_ids: torch.Tensor, num_experts: int, block_m: int) -> tupl
     pair count only, and nothing is read back to the host: a CUDA graph can hold it."""
     flat = local_ids.reshape(-1).long()
     num_pairs = flat.numel()
-    bucket = torch.where(flat >= 0, flat, num_experts)  # bucket E: not on this rank
+    bucket = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)  # bucket E: not on this rank
     counts = torch.zeros(num_experts + 1, dtype=torch.long, device=flat.device)
     counts.scatter_add_(0, bucket, torch.ones_like(bucket))
     blocks = (counts[:num_experts] + block_m - 1) // block_m
