@@ -154,6 +154,50 @@ def test_fp8_experts_match_their_dequantized_weights(triton_fused_moe, dtype, bl
         triton_fused_moe.fused_experts_triton(x, q13, q2, weights, ids, config=config)
 
 
+def _int4_experts(w: torch.Tensor, group: int, symmetric: bool):
+    """[E, N, K] weights -> (canonical words [E, K / 8, N], scales [E, N, K / G], unpacked zero
+    points [E, N, K / G] uint8 or None, the dequantized [E, N, K] computed here)."""
+    from pagedllm.ops.int4_layout import pack_rows
+
+    e, n, k = w.shape
+    g = w.float().view(e, n, k // group, group)
+    if symmetric:
+        scale, zero = g.abs().amax(-1) / 7.0, torch.full((e, n, k // group), 8.0, device=w.device)
+    else:
+        lo, hi = g.amin(-1), g.amax(-1)
+        scale = (hi - lo) / 15.0
+        zero = torch.round(-lo / scale).clamp(0, 15)
+    scale = scale.half().float()  # stored in float16, as GPTQ and AWQ store them
+    q = torch.round(g / scale[..., None] + zero[..., None]).clamp(0, 15)
+    dq = ((q - zero[..., None]) * scale[..., None]).view(e, n, k)
+    words = torch.stack([pack_rows(q[i].reshape(n, k).t().contiguous()) for i in range(e)])
+    return words, scale.half(), None if symmetric else zero.to(torch.uint8), dq
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_int4_experts_match_their_dequantized_weights(triton_fused_moe, dtype, symmetric):
+    """int4 experts (W4A16, groups of 32 along K, zero points or symmetric): the torch path and the
+    Triton kernel (words unpacked in-kernel, the group scale per K tile) give the 16/32-bit path's
+    result over the weights dequantized here."""
+    g = torch.Generator().manual_seed(3)
+    experts, hidden, inter, group = 6, 64, 32, 32
+    x = torch.randn(19, hidden, generator=g).to(dtype).to(DEVICE)
+    w13 = (torch.randn(experts, 2 * inter, hidden, generator=g) / hidden ** 0.5).to(DEVICE)
+    w2 = (torch.randn(experts, hidden, inter, generator=g) / inter ** 0.5).to(DEVICE)
+    logits = torch.randn(19, experts, generator=g) + torch.tensor([2.0, 0.5, 0.0, -1e4, -0.5, 0.3])
+    weights, ids = (t.to(DEVICE) for t in route(logits, 2, renormalize=True))
+    q13, s13, z13, dq13 = _int4_experts(w13, group, symmetric)
+    q2, s2, z2, dq2 = _int4_experts(w2, group, symmetric)
+    scales = ExpertScales(s13, s2, group=group, w13_zeros=z13, w2_zeros=z2)
+    want = fused_experts_torch(x, dq13.to(dtype), dq2.to(dtype), weights, ids)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-3, "rtol": 2e-3}
+    torch.testing.assert_close(fused_experts_torch(x, q13, q2, weights, ids, scales=scales), want, **tol)
+    config = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 64, "num_warps": 4, "num_stages": 2}  # K tile cut to the group
+    got = triton_fused_moe.fused_experts_triton(x, q13, q2, weights, ids, config=config, scales=scales)
+    torch.testing.assert_close(got.float(), want.float(), **tol)
+
+
 def test_tile_config_table_lookup(triton_fused_moe, tmp_path, monkeypatch):
     tuned = {"BLOCK_M": 32, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}
     path = tmp_path / "configs.json"

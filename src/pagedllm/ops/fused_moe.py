@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.ops.cpu_linear import cpu_linear
+from pagedllm.ops.int4_layout import unpack_rows
 
 SCORING_FUNCS = ("softmax", "sigmoid")
 CPU_ONEDNN_MIN_ROWS = 16
@@ -21,23 +22,37 @@ CPU_ONEDNN_MIN_ROWS = 16
 
 @dataclass(frozen=True)
 class ExpertScales:
-    """The float32 scales of fp8 (e4m3) expert weights, which stay fp8 in memory: one per output
-    channel, ``w13`` [E, 2I] and ``w2`` [E, H]; or with ``block`` (bn, bk) one per bn x bk weight
-    tile, ``w13`` [E, ceil(2I / bn), ceil(H / bk)] and ``w2`` [E, ceil(H / bn), ceil(I / bk)].
-    The activations stay in the model dtype (W8A16): a decode step's experts read half the bytes."""
+    """The float scales of quantized expert weights, which stay quantized in memory (W8A16 /
+    W4A16: the activations stay in the model dtype; a decode step's experts read fewer bytes).
+
+    - fp8 (e4m3) weights in the usual [E, N, K] layout: one scale per output channel, ``w13``
+      [E, 2I] and ``w2`` [E, H]; or with ``block`` (bn, bk) one per bn x bk weight tile, ``w13``
+      [E, ceil(2I / bn), ceil(H / bk)] and ``w2`` [E, ceil(H / bn), ceil(I / bk)].
+    - int4 (``group`` G): each expert's weight in the canonical int4 layout (``ops/int4_layout``:
+      int32 words [K / 8, N]), so w13 [E, H / 8, 2I] and w2 [E, I / 8, H]; ``w13`` / ``w2`` the
+      group scales per output row, [E, 2I, H / G] and [E, H, I / G]; ``w13_zeros`` / ``w2_zeros``
+      the zero points unpacked (uint8, same shapes), or None (symmetric: 8)."""
     w13: torch.Tensor
     w2: torch.Tensor
     block: tuple[int, int] | None = None
+    group: int | None = None
+    w13_zeros: torch.Tensor | None = None
+    w2_zeros: torch.Tensor | None = None
 
 
-def dequantize_expert(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
-                      dtype: torch.dtype) -> torch.Tensor:
-    """One expert's fp8 ``w`` [N, K] times its scales (``ExpertScales``' rows for it), in float32,
-    then rounded to ``dtype``."""
-    if block is None:
+def dequantize_expert(w: torch.Tensor, scale: torch.Tensor, scales: ExpertScales, dtype: torch.dtype,
+                      zeros: torch.Tensor | None = None) -> torch.Tensor:
+    """One expert's quantized weight as [N, K] in ``dtype`` (``scale``/``zeros``: ``scales``' rows
+    for it), from float32 products rounded once."""
+    if scales.group is not None:
+        q = unpack_rows(w)  # [K, N]
+        z = 8 if zeros is None else zeros.t().to(torch.int32).repeat_interleave(scales.group, 0)[:q.shape[0]]
+        s = scale.t().float().repeat_interleave(scales.group, 0)[:q.shape[0]]
+        return ((q - z).float() * s).to(dtype).t()
+    if scales.block is None:
         return (w.float() * scale[:, None]).to(dtype)
     n, k = w.shape
-    elements = scale.repeat_interleave(block[0], 0)[:n].repeat_interleave(block[1], 1)[:, :k]
+    elements = scale.repeat_interleave(scales.block[0], 0)[:n].repeat_interleave(scales.block[1], 1)[:, :k]
     return (w.float() * elements).to(dtype)
 
 
@@ -83,9 +98,9 @@ def fused_experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, we
     """``sum_j weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t))`` over each token's experts
     ``e = ids[t, j]``: the (token, slot) pairs are grouped by expert, one matmul pair per active
     expert. Products are rounded to x's dtype as ``F.linear`` rounds them; the sum is float32.
-    ``scales``: the weights are fp8, each active expert's dequantized per matmul."""
+    ``scales``: the weights are quantized (fp8 or int4), each active expert's dequantized per matmul."""
     num_tokens, top_k = ids.shape
-    inter = w2.shape[2]
+    inter = w13.shape[2] // 2 if scales is not None and scales.group is not None else w2.shape[2]
     flat = local_expert_ids(ids, expert_map).reshape(-1)
     pairs = torch.arange(flat.numel(), device=x.device)
     if expert_map is not None:
@@ -108,8 +123,10 @@ def fused_experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, we
         linear = cpu_linear if on_cpu and n >= CPU_ONEDNN_MIN_ROWS else F.linear
         w_gate_up, w_down = w13[expert], w2[expert]
         if scales is not None:
-            w_gate_up = dequantize_expert(w_gate_up, scales.w13[expert], scales.block, x.dtype)
-            w_down = dequantize_expert(w_down, scales.w2[expert], scales.block, x.dtype)
+            zeros13, zeros2 = (None, None) if scales.w13_zeros is None else \
+                (scales.w13_zeros[expert], scales.w2_zeros[expert])
+            w_gate_up = dequantize_expert(w_gate_up, scales.w13[expert], scales, x.dtype, zeros13)
+            w_down = dequantize_expert(w_down, scales.w2[expert], scales, x.dtype, zeros2)
         gate_up = linear(x[tokens], w_gate_up)
         y = linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], w_down)
         out.index_add_(0, tokens, y.float() * flat_weights[expert_pairs, None])

@@ -44,7 +44,7 @@ def _mma(a, w, acc, s_cols, kb, n_ok, SCALE: tl.constexpr, IEEE: tl.constexpr):
     if SCALE > 0:
         w = w.to(a.dtype)
     if SCALE == 2:
-        scale = tl.load(s_cols + kb, mask=n_ok, other=0.0)
+        scale = tl.load(s_cols + kb, mask=n_ok, other=0.0).to(tl.float32)
         if IEEE:
             acc += tl.dot(a, w, input_precision="ieee") * scale[None, :]
         else:
@@ -58,6 +58,22 @@ def _mma(a, w, acc, s_cols, kb, n_ok, SCALE: tl.constexpr, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _int4_tile(w_e, k_abs, cols, k_ok, n_ok, stride_wk, z_cols, kb, HAS_ZEROS: tl.constexpr):
+    """An int4 expert's [BLOCK_K, BLOCK_N] tile as the small integers ``q - z`` (float32; exact in
+    any dtype): ``w_e`` one expert's canonical words [K / 8, N] (value k at bits 4 (k % 8)), zero
+    points unpacked per column and group (``z_cols``: each column's row; 8 without them). The
+    group's scale is applied as a block scale (SCALE 2, one group per K tile)."""
+    words = tl.load(w_e + (k_abs // 8)[:, None].to(tl.int64) * stride_wk + cols[None, :],
+                    mask=k_ok[:, None] & n_ok[None, :], other=0)
+    q = (words >> ((k_abs % 8) * 4)[:, None]) & 0xF
+    if HAS_ZEROS:
+        q = q - tl.load(z_cols + kb, mask=n_ok, other=8).to(tl.int32)[None, :]
+    else:
+        q = q - 8
+    return q.to(tl.float32)
+
+
+@triton.jit
 def _channel_scaled(acc, s_cols, n_ok, SCALE: tl.constexpr):
     """Per-output-channel scales (SCALE 1) factor out of the K sum: applied once at the end."""
     if SCALE == 1:
@@ -68,14 +84,17 @@ def _channel_scaled(acc, s_cols, n_ok, SCALE: tl.constexpr):
 # The pair count only bounds masks: one compiled variant for every count (Triton would otherwise
 # compile again for counts that are, or are not, multiples of 16).
 @triton.jit(do_not_specialize=["num_pairs"])
-def _moe_gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr, s_ptr, num_pairs, top_k, N, K,
-                        stride_xm, stride_we, stride_wn, stride_om, stride_se, stride_sn,
+def _moe_gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr, s_ptr, z_ptr, num_pairs, top_k, N,
+                        K, stride_xm, stride_we, stride_wn, stride_om, stride_se, stride_sn, stride_ze, stride_zn,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-                        PDL: tl.constexpr, SCALE: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr):
+                        PDL: tl.constexpr, SCALE: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
+                        INT4: tl.constexpr, HAS_ZEROS: tl.constexpr):
     """out[row] = silu(x[token] @ gate_e^T) * (x[token] @ up_e^T) for the BLOCK_M sorted rows of
     this program's block (expert e), over its BLOCK_N columns of the intermediate size N. SCALE:
     0 weights in x's dtype; fp8 weights with scales ``s`` per output channel (1) or per
-    SCALE_BN x SCALE_BK tile (2; BLOCK_K divides SCALE_BK)."""
+    SCALE_BN x SCALE_BK tile (2; BLOCK_K divides SCALE_BK). INT4 (with SCALE 2, SCALE_BK the group):
+    canonical int4 words [E, K / 8, 2N] (``stride_wn`` their row stride), zero points ``z`` [E, 2N,
+    K / G] unpacked (HAS_ZEROS) and scales [E, 2N, K / G]."""
     pdl_enter(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -94,14 +113,21 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_pairs_ptr, block_expert_pt
     u_ptrs = g_ptrs + N * stride_wn
     sg_cols = s_ptr + expert * stride_se + (offs_n // SCALE_BN) * stride_sn
     su_cols = s_ptr + expert * stride_se + ((N + offs_n) // SCALE_BN) * stride_sn
+    zg_cols = z_ptr + expert * stride_ze + offs_n * stride_zn
+    zu_cols = z_ptr + expert * stride_ze + (N + offs_n) * stride_zn
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, tl.cdiv(K, BLOCK_K)):
         k_ok = offs_k < K - k0 * BLOCK_K
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         kb = (k0 * BLOCK_K) // SCALE_BK
+        if INT4:
+            w_e = w_ptr + expert * stride_we
+            g = _int4_tile(w_e, k0 * BLOCK_K + offs_k, offs_n, k_ok, n_ok, stride_wn, zg_cols, kb, HAS_ZEROS)
+            u = _int4_tile(w_e, k0 * BLOCK_K + offs_k, N + offs_n, k_ok, n_ok, stride_wn, zu_cols, kb, HAS_ZEROS)
+        else:
+            g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         acc_g = _mma(a, g, acc_g, sg_cols, kb, n_ok, SCALE, IEEE)
         acc_u = _mma(a, u, acc_u, su_cols, kb, n_ok, SCALE, IEEE)
         a_ptrs += BLOCK_K
@@ -118,10 +144,11 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_pairs_ptr, block_expert_pt
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
-def _moe_down_kernel(a_ptr, w_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr, weights_ptr, s_ptr, num_pairs, N, K,
-                     stride_am, stride_we, stride_wn, stride_om, stride_se, stride_sn,
+def _moe_down_kernel(a_ptr, w_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr, weights_ptr, s_ptr, z_ptr, num_pairs,
+                     N, K, stride_am, stride_we, stride_wn, stride_om, stride_se, stride_sn, stride_ze, stride_zn,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-                     PDL: tl.constexpr, SCALE: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr):
+                     PDL: tl.constexpr, SCALE: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
+                     INT4: tl.constexpr, HAS_ZEROS: tl.constexpr):
     """out[pair] = weight[pair] * (a[row] @ down_e^T) for this block's sorted rows, over BLOCK_N
     of the hidden size N; a holds the gate/up kernel's rows in sorted order. SCALE as there."""
     pdl_enter(PDL)
@@ -139,12 +166,18 @@ def _moe_down_kernel(a_ptr, w_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr, 
     a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :]
     w_ptrs = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
     s_cols = s_ptr + expert * stride_se + (offs_n // SCALE_BN) * stride_sn
+    z_cols = z_ptr + expert * stride_ze + offs_n * stride_zn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, tl.cdiv(K, BLOCK_K)):
         k_ok = offs_k < K - k0 * BLOCK_K
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc = _mma(a, w, acc, s_cols, (k0 * BLOCK_K) // SCALE_BK, n_ok, SCALE, IEEE)
+        kb = (k0 * BLOCK_K) // SCALE_BK
+        if INT4:
+            w = _int4_tile(w_ptr + expert * stride_we, k0 * BLOCK_K + offs_k, offs_n, k_ok, n_ok, stride_wn, z_cols, kb,
+                           HAS_ZEROS)
+        else:
+            w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc = _mma(a, w, acc, s_cols, kb, n_ok, SCALE, IEEE)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     acc = _channel_scaled(acc, s_cols, n_ok, SCALE)
@@ -398,15 +431,22 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w
         return torch.cat([fused_experts_triton(x[i:i + CHUNK_TOKENS], w13, w2, weights[i:i + CHUNK_TOKENS],
                                                ids[i:i + CHUNK_TOKENS], expert_map, config, scales)
                           for i in range(0, num_tokens, CHUNK_TOKENS)])
-    num_experts, two_inter, hidden = w13.shape
+    int4 = scales is not None and scales.group is not None
+    if int4:  # canonical words [E, K / 8, N]
+        num_experts, hidden, two_inter = w13.shape[0], w13.shape[1] * 8, w13.shape[2]
+        want_w2 = (num_experts, two_inter // 16, hidden)
+    else:
+        num_experts, two_inter, hidden = w13.shape
+        want_w2 = (num_experts, hidden, two_inter // 2)
     inter, top_k = two_inter // 2, ids.shape[1]
-    if x.stride(-1) != 1 or w13.stride(-1) != 1 or w2.stride(-1) != 1 or w2.shape != (num_experts, hidden, inter):
+    if x.stride(-1) != 1 or w13.stride(-1) != 1 or w2.stride(-1) != 1 or w2.shape != want_w2:
         raise ValueError(f"fused_experts_triton: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}")
     cfg = config or get_config(num_experts, hidden, inter, num_tokens, top_k)
     block_m, launch = cfg["BLOCK_M"], {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
     block_k = cfg["BLOCK_K"]
-    if scales is not None and scales.block is not None:  # a K tile within one scale block
-        block_k = min(block_k, scales.block[1] & -scales.block[1])
+    if scales is not None and (scales.block is not None or int4):  # a K tile within one scale block or group
+        span = scales.group if int4 else scales.block[1]
+        block_k = min(block_k, span & -span)
     scale13, scale2 = _scale_args(w13, scales, "w13"), _scale_args(w2, scales, "w2")
     local_ids = ids if expert_map is None else expert_map[ids]
     # One program counts every pair: right for decode-sized batches (where launches dominate), while
@@ -418,32 +458,42 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w
     ieee = x.dtype == torch.float32
     act = torch.empty(sorted_pairs.numel(), inter, dtype=x.dtype, device=x.device)
     grid = (block_expert.numel(), triton.cdiv(inter, cfg["BLOCK_N"]))
-    _moe_gate_up_kernel[grid](x, w13, act, sorted_pairs, block_expert, scale13[0], num_pairs, top_k, inter, hidden,
-                              x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), *scale13[1:3],
-                              BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k, IEEE=ieee, **scale13[3],
+    _moe_gate_up_kernel[grid](x, w13, act, sorted_pairs, block_expert, *scale13[:2], num_pairs, top_k, inter, hidden,
+                              x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), *scale13[2:6],
+                              BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k, IEEE=ieee, **scale13[6],
                               **launch, **pdl)
     # Pairs routed to another rank's experts are never written: they must read as zero.
     alloc = torch.empty if expert_map is None else torch.zeros
     per_pair = alloc(num_pairs, hidden, dtype=x.dtype, device=x.device)
     grid = (block_expert.numel(), triton.cdiv(hidden, cfg["BLOCK_N"]))
     _moe_down_kernel[grid](act, w2, per_pair, sorted_pairs, block_expert, weights.reshape(-1).float().contiguous(),
-                           scale2[0], num_pairs, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1),
-                           per_pair.stride(0), *scale2[1:3], BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k,
-                           IEEE=ieee, **scale2[3], **launch, **pdl)
+                           *scale2[:2], num_pairs, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1),
+                           per_pair.stride(0), *scale2[2:6], BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k,
+                           IEEE=ieee, **scale2[6], **launch, **pdl)
     return sum_pairs(per_pair, num_tokens, top_k)  # accumulated in float32, rounded once
 
 
 def _scale_args(w: torch.Tensor, scales: ExpertScales | None, which: str) -> tuple:
-    """(scale tensor, expert stride, scale-row stride, constexprs) of one expert GEMM's weights."""
+    """(scales, zero points, their expert and row strides, constexprs) of one expert GEMM's weights."""
+    plain = {"INT4": False, "HAS_ZEROS": False}
     if scales is None:
-        if w.dtype.itemsize == 1:
-            raise ValueError("fp8 expert weights need their scales")
-        return w, 0, 0, {"SCALE": 0, "SCALE_BN": 1, "SCALE_BK": 1}
+        if w.dtype.itemsize == 1 or w.dtype == torch.int32:
+            raise ValueError("quantized expert weights need their scales")
+        return w, w, 0, 0, 0, 0, {"SCALE": 0, "SCALE_BN": 1, "SCALE_BK": 1, **plain}
     scale = getattr(scales, which)
+    if scales.group is not None:  # int4: per row and group, [E, N, K / G]; zero points alike
+        zeros = getattr(scales, f"{which}_zeros")
+        n, k = w.shape[2], w.shape[1] * 8
+        want = (w.shape[0], n, -(-k // scales.group))
+        if tuple(scale.shape) != want or scale.stride(2) != 1 or (zeros is not None and zeros.shape != scale.shape):
+            raise ValueError(f"int4 expert scales {tuple(scale.shape)} do not fit words {tuple(w.shape)} (want {want})")
+        z = zeros if zeros is not None else scale
+        return (scale, z, scale.stride(0), scale.stride(1), z.stride(0), z.stride(1),
+                {"SCALE": 2, "SCALE_BN": 1, "SCALE_BK": scales.group, "INT4": True, "HAS_ZEROS": zeros is not None})
     if scales.block is None:
         if scale.shape != w.shape[:2] or scale.stride(1) != 1:
             raise ValueError(f"per-channel expert scales {tuple(scale.shape)} do not fit weights {tuple(w.shape)}")
-        return scale, scale.stride(0), 1, {"SCALE": 1, "SCALE_BN": 1, "SCALE_BK": 1}
+        return scale, scale, scale.stride(0), 1, 0, 0, {"SCALE": 1, "SCALE_BN": 1, "SCALE_BK": 1, **plain}
     block_n, block_k = scales.block
     if which == "w13" and (w.shape[1] // 2) % block_n:
         raise ValueError(f"block expert scales: the intermediate size {w.shape[1] // 2} is not a multiple of {block_n}")
@@ -451,4 +501,5 @@ def _scale_args(w: torch.Tensor, scales: ExpertScales | None, which: str) -> tup
     if tuple(scale.shape) != want or not scale.is_contiguous():
         raise ValueError(f"block expert scales {tuple(scale.shape)} do not fit weights {tuple(w.shape)} in "
                          f"{block_n}x{block_k} blocks (want {want})")
-    return scale, scale.stride(0), scale.stride(1), {"SCALE": 2, "SCALE_BN": block_n, "SCALE_BK": block_k}
+    return scale, scale, scale.stride(0), scale.stride(1), 0, 0, \
+        {"SCALE": 2, "SCALE_BN": block_n, "SCALE_BK": block_k, **plain}

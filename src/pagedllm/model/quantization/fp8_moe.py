@@ -111,4 +111,4 @@ class Fp8MoEMethod:
             moe.register_parameter(f"{name}_scale", nn.Parameter(scale, requires_grad=False))
 
     def scales(self, moe: nn.Module) -> ExpertScales:
-        return ExpertScales(moe.gate_up_proj_scale, moe.down_proj_scale, self.block)
+        return ExpertScales(moe.gate_up_proj_scale, moe.down_proj_scale, block=self.block)
