@@ -17,7 +17,7 @@ KV = f"kv_cache_memory_bytes={TEST_KV_BYTES}"
 
 
 @pytest.mark.parametrize("shape,quantization", [("tiny-llama", q) for q in [None] + sorted(common.QUANTIZATIONS)]
-                         + [("tiny-qwen3-moe", "fp8"), ("tiny-qwen3-moe", "fp8-block")])  # fp8 experts too
+                         + [("tiny-qwen3-moe", q) for q in sorted(common.QUANTIZATIONS)])  # quantized experts too
 def test_weight_bytes_equal_the_loaded_quantized_parameters(shape, quantization):
     overrides, engine_quantization = common.quantization_setup(quantization)
     if quantization == "fp8-block":  # tiny-llama's projections are not all multiples of 128: blocks of 64

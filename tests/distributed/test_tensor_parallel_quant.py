@@ -14,6 +14,7 @@ import pytest
 
 from tests.model import quant_checkpoints as qc
 from tests.model.test_fp8_moe import write_fp8_moe
+from tests.model.test_int4_moe import write_int4_moe
 from tests.model.test_quantization import W4A16_TOL, W8A8_TOL, check_against_reference, make_llm
 
 CASES = {
@@ -27,6 +28,8 @@ CASES = {
     # rows; under expert parallelism per-tensor scales travel with their whole experts.
     "moe-fp8-block16": (lambda d: write_fp8_moe(d, 16), W4A16_TOL),
     "moe-fp8-tensor-ep": (lambda d: write_fp8_moe(d, None), W4A16_TOL, {"enable_expert_parallel": True}),
+    # int4 experts sliced like linears (an intermediate size of 64: a whole group of 32 per rank)
+    "moe-gptq-asym-g32": (lambda d: write_int4_moe(d, "gptq", moe_intermediate_size=64), W4A16_TOL),
 }
 
 

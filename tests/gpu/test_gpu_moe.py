@@ -78,3 +78,42 @@ def test_fp8_expert_checkpoints_on_gpu_match_the_dequantized_reference(tmp_path,
               device="cuda")
     assert llm.llm_engine.engine_core.executor.worker.model_runner.cuda_graphs
     check_against_reference(llm, reference, W4A16_TOL, exact_greedy=True)
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+@pytest.mark.parametrize("num_tokens", [1, 32, 300])
+def test_int4_expert_kernel_in_bf16_matches_the_dequantized_experts(num_tokens, symmetric):
+    """int4 experts (W4A16, groups of 128) on the device's kernel in bf16 with the table's tiles:
+    the torch path over the same weights dequantized to bf16, within bf16's rounding."""
+    from pagedllm.ops.fused_moe import ExpertScales, fused_experts_torch, route
+    from pagedllm.ops.triton_fused_moe import fused_experts_triton
+    from tests.ops.test_fused_moe import _int4_experts
+
+    g = torch.Generator(device="cuda").manual_seed(num_tokens)
+    experts, hidden, inter = 16, 512, 256
+    x = torch.randn(num_tokens, hidden, device="cuda", generator=g).bfloat16()
+    w13 = torch.randn(experts, 2 * inter, hidden, device="cuda", generator=g) / hidden ** 0.5
+    w2 = torch.randn(experts, hidden, inter, device="cuda", generator=g) / inter ** 0.5
+    weights, ids = route(torch.randn(num_tokens, experts, device="cuda", generator=g), 4, renormalize=True)
+    q13, s13, z13, dq13 = _int4_experts(w13, 128, symmetric)
+    q2, s2, z2, dq2 = _int4_experts(w2, 128, symmetric)
+    got = fused_experts_triton(x, q13, q2, weights, ids, scales=ExpertScales(s13, s2, group=128, w13_zeros=z13,
+                                                                               w2_zeros=z2))
+    want = fused_experts_torch(x, dq13.bfloat16(), dq2.bfloat16(), weights, ids)
+    torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=3e-2)
+    assert (got.float() - want.float()).abs().mean() < 3e-3
+
+
+@pytest.mark.parametrize("fmt", ["gptq", "awq"])
+def test_int4_expert_checkpoints_on_gpu_match_the_dequantized_reference(tmp_path, fmt):
+    """GPTQ / AWQ experts on the GPU in fp32 (CUDA graphs): the transformers reference holding the
+    dequantized weights, as on the CPU."""
+    from pagedllm import LLM
+    from tests.model.test_int4_moe import write_int4_moe
+    from tests.model.test_quantization import W4A16_TOL, check_against_reference
+
+    reference = write_int4_moe(tmp_path, fmt)
+    llm = LLM(str(tmp_path), dtype="float32", seed=0, skip_tokenizer_init=True, kv_cache_memory_bytes=64 << 20,
+              device="cuda")
+    assert llm.llm_engine.engine_core.executor.worker.model_runner.cuda_graphs
+    check_against_reference(llm, reference, W4A16_TOL, exact_greedy=True)

@@ -9,6 +9,7 @@ experts stay fp8 in memory; a format the experts cannot run is refused by name."
 from __future__ import annotations
 
 import json
+import types
 
 import pytest
 import torch
@@ -23,11 +24,11 @@ FP8, FP8_MAX = torch.float8_e4m3fn, 448.0
 LAYERS, EXPERTS = 2, 8
 
 
-def _dense_moe(out_dir):
+def _dense_moe(out_dir, **overrides):
     import transformers
 
     torch.manual_seed(0)
-    config = _tiny_config("qwen3_moe", 512, initializer_range=0.1)
+    config = _tiny_config("qwen3_moe", 512, initializer_range=0.1, **overrides)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     model.save_pretrained(out_dir)
     return model
@@ -118,11 +119,20 @@ def test_online_fp8_quantizes_the_experts_per_channel(tmp_path):
 
 
 def test_expert_formats_the_kernels_cannot_run_are_refused(tmp_path):
-    _dense_moe(tmp_path)
-    config = json.loads(open(f"{tmp_path}/config.json").read())
-    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False,
-                                     "sym": True}
-    open(f"{tmp_path}/config.json", "w").write(json.dumps(config))
-    with pytest.raises(ValueError, match=r"quantization 'gptq' is not supported for the experts of mixture-of-experts "
+    """GGUF experts have no kernel (their MoE checkpoints are refused); int4 experts are not yet
+    placed whole per rank (expert parallelism is refused for them, before any worker starts)."""
+    from pagedllm import EngineArgs
+    from pagedllm.engine.model_options import model_quantization
+    from pagedllm.model import resolve_model
+    from tests.model.test_int4_moe import write_int4_moe
+
+    _dense_moe(tmp_path / "dense")
+    args = EngineArgs(model=str(tmp_path / "dense"), quantization="gguf")
+    resolved = types.SimpleNamespace(hf_config=resolve_model(str(tmp_path / "dense")).hf_config, gguf_file="x.gguf")
+    with pytest.raises(ValueError, match=r"quantization 'gguf' is not supported for the experts of mixture-of-experts "
                                          r"models \(Qwen3MoeForCausalLM\); supported there: fp8"):
-        make_llm(str(tmp_path))
+        model_quantization(args, resolved)
+    write_int4_moe(tmp_path / "gptq", "gptq")
+    args = EngineArgs(model=str(tmp_path / "gptq"), tensor_parallel_size=2, enable_expert_parallel=True)
+    with pytest.raises(ValueError, match="'gptq' .int4. MoE experts cannot be combined with enable_expert_parallel"):
+        args.create_engine_config()

@@ -33,17 +33,26 @@ compile_both("align", m._moe_align_kernel,
              {"BLOCK_M": 16, "E_PAD": 128, "CHUNK": 1024, "CHUNK_B": 64})
 gemm = {"sorted_pairs_ptr": "*i32", "block_expert_ptr": "*i32", "num_pairs": "i32", "N": "i32", "K": "i32",
         "stride_we": "i32", "stride_wn": "i32", "stride_om": "i32", "stride_se": "i32", "stride_sn": "i32",
-        "BLOCK_M": c, "BLOCK_N": c, "BLOCK_K": c, "IEEE": c, "PDL": c, "SCALE": c, "SCALE_BN": c, "SCALE_BK": c}
-tiles = {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "IEEE": False, "SCALE": 0, "SCALE_BN": 1, "SCALE_BK": 1}
+        "stride_ze": "i32", "stride_zn": "i32", "BLOCK_M": c, "BLOCK_N": c, "BLOCK_K": c, "IEEE": c, "PDL": c,
+        "SCALE": c, "SCALE_BN": c, "SCALE_BK": c, "INT4": c, "HAS_ZEROS": c}
+tiles = {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "IEEE": False, "SCALE": 0, "SCALE_BN": 1, "SCALE_BK": 1,
+         "INT4": False, "HAS_ZEROS": False}
 gate_up = {"x_ptr": "*bf16", "out_ptr": "*bf16", "top_k": "i32", "stride_xm": "i32", **gemm}
 down = {"a_ptr": "*bf16", "out_ptr": "*bf16", "weights_ptr": "*fp32", "stride_am": "i32", **gemm}
-compile_both("gate/up", m._moe_gate_up_kernel, {**gate_up, "w_ptr": "*bf16", "s_ptr": "*bf16"}, tiles, num_warps=8)
-compile_both("down", m._moe_down_kernel, {**down, "w_ptr": "*bf16", "s_ptr": "*bf16"}, tiles, num_warps=8)
+plain = {"w_ptr": "*bf16", "s_ptr": "*bf16", "z_ptr": "*bf16"}
+compile_both("gate/up", m._moe_gate_up_kernel, {**gate_up, **plain}, tiles, num_warps=8)
+compile_both("down", m._moe_down_kernel, {**down, **plain}, tiles, num_warps=8)
 # fp8 experts (W8A16): per-channel scales in the epilogue, block scales per K tile.
-fp8 = {"w_ptr": "*fp8e4nv", "s_ptr": "*fp32"}
+fp8 = {"w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "z_ptr": "*fp32"}
 compile_both("gate/up fp8 channel", m._moe_gate_up_kernel, {**gate_up, **fp8}, {**tiles, "SCALE": 1}, num_warps=8)
 compile_both("down fp8 block", m._moe_down_kernel, {**down, **fp8},
              {**tiles, "SCALE": 2, "SCALE_BN": 128, "SCALE_BK": 128}, num_warps=8)
+# int4 experts (W4A16): words unpacked in-kernel, zero points per row and group, group scales per K tile.
+int4 = {"w_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8"}
+compile_both("gate/up int4", m._moe_gate_up_kernel, {**gate_up, **int4},
+             {**tiles, "SCALE": 2, "SCALE_BK": 128, "INT4": True, "HAS_ZEROS": True}, num_warps=8)
+compile_both("down int4 symmetric", m._moe_down_kernel, {**down, **int4},
+             {**tiles, "SCALE": 2, "SCALE_BK": 128, "INT4": True, "HAS_ZEROS": False}, num_warps=8)
 compile_both("top-k sum", m._sum_pairs_kernel,
              {"per_pair_ptr": "*bf16", "out_ptr": "*bf16", "H": "i32", "TOP_K": c, "BLOCK": c, "PDL": c},
              {"TOP_K": 8, "BLOCK": 1024})
@@ -53,4 +62,4 @@ compile_both("top-k sum", m._sum_pairs_kernel,
 def test_moe_kernels_compile_for_sm90_with_programmatic_dependent_launch(tmp_path):
     results = compile_for_sm90(_BODY, tmp_path)
     assert results == {"route": True, "align": True, "gate/up": True, "down": True, "gate/up fp8 channel": True,
-                       "down fp8 block": True, "top-k sum": True}
+                       "down fp8 block": True, "gate/up int4": True, "down int4 symmetric": True, "top-k sum": True}

@@ -123,6 +123,21 @@ def _linear_bytes(n: int, k: int, itemsize: int, quant: dict | None) -> int:
     return n * k // 2 + (k // group) * n * scale_size + zeros  # packed int4, scales, packed zero points
 
 
+def _expert_bytes(n: int, k: int, itemsize: int, quant: dict) -> int:
+    """One expert projection as ``FusedMoE`` holds it: as a linear, except that int4 zero points
+    are kept unpacked (one byte per row and group) for the fused-MoE kernels."""
+    total = _linear_bytes(n, k, itemsize, quant)
+    method = quant["quant_method"]
+    if method == "fp8":
+        return total
+    if method == "compressed-tensors":
+        weights = next(iter(quant["config_groups"].values()))["weights"]
+        group, symmetric = weights["group_size"], weights.get("symmetric", True)
+    else:
+        group, symmetric = quant["group_size"], method == "gptq" and quant.get("sym", True)
+    return total if symmetric else total + (k // group) * n - (k // group) * n // 2
+
+
 def _rank_heads(config: dict, tp: int) -> tuple[int, int, int]:
     """(query heads, K/V heads, head dim) one of ``tp`` tensor-parallel ranks holds: K/V heads
     split while there are at least ``tp`` of them, else one replicated per rank."""
@@ -152,9 +167,9 @@ def weight_bytes(config: dict, itemsize: int = 2, active_only: bool = False, qua
     for layer in range(config["num_hidden_layers"]):
         params += norms
         total += attn
-        if quant is not None and _moe_layer(config, layer):  # fp8 experts (the only format they run), router dense
+        if quant is not None and _moe_layer(config, layer):  # quantized experts, the router dense
             moe_inter = config["moe_intermediate_size"] // tp
-            expert = _linear_bytes(2 * moe_inter, hidden, itemsize, quant) + _linear_bytes(hidden, moe_inter, itemsize, quant)
+            expert = _expert_bytes(2 * moe_inter, hidden, itemsize, quant) + _expert_bytes(hidden, moe_inter, itemsize, quant)
             total += round(_used_experts(config, active_only, tokens) * expert)
             params += config["num_experts"] * hidden
         elif quant is not None:

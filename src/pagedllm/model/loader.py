@@ -331,7 +331,7 @@ def load_model(
             raise ValueError(f"checkpoint in {resolved.path!r} lacks weights for: {shown}")
     if quant_config is not None:
         with _default_dtype(dtype), device, torch.no_grad():
-            for module in model.modules():
+            for module in reversed(list(model.modules())):  # children first: int4 experts stack their linears
                 if getattr(module, "quant_method", None) is not None:
                     module.quant_method.process_after_loading(module)
         _norms_feed_fp8(model)
@@ -376,7 +376,7 @@ def _attach_quant_methods(model: nn.Module, quant_config) -> None:
     from pagedllm.model.moe import FusedMoE
 
     stacked = getattr(model, "stacked_params", {})
-    for name, module in model.named_modules():
+    for name, module in list(model.named_modules()):  # int4 experts add per-expert linears, quantized already
         if isinstance(module, Linear) and module.weight is None and module.quant_method is None:
             module.set_quant_method(quant_config.method_for(module, name, checkpoint_prefixes(name, stacked)))
         elif isinstance(module, FusedMoE):

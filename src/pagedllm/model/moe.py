@@ -12,6 +12,7 @@ way a rank's output is a partial sum: the block all-reduces once (shared expert 
 """
 from __future__ import annotations
 
+import functools
 import re
 
 import torch
@@ -171,9 +172,11 @@ class SparseMoeBlock(nn.Module):
         return tensor_model_parallel_all_reduce(out)
 
 
-# experts.{e}.{projection}.weight in a checkpoint -> (fused parameter, shard part); part None: down.
-# fp8 checkpoints' weight_scale (per tensor or channel) / weight_scale_inv (blocks) go to its scales.
-_EXPERT_NAME = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.(weight|weight_scale|weight_scale_inv)$")
+# experts.{e}.{projection}.{tensor} in a checkpoint -> (fused parameter, shard part); part None: down.
+# fp8 checkpoints' weight_scale (per tensor or channel) / weight_scale_inv (blocks) go to its scales;
+# int4 experts' tensors (qweight, scales, weight_packed, ...) to the expert's own linears until stacked.
+_EXPERT_NAME = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.(\w+)$")
+_FP8_SCALES = ("weight_scale", "weight_scale_inv")
 
 
 class MoeForCausalLM(LlamaForCausalLM):
@@ -215,11 +218,19 @@ class MoeForCausalLM(LlamaForCausalLM):
         match = _EXPERT_NAME.match(name)
         if match and match.group(3) in self.expert_projections:
             experts, expert, part = match.group(1), int(match.group(2)), self.expert_projections[match.group(3)]
-            suffix = "" if match.group(4) == "weight" else "_scale"
-            if part is None:
-                return f"{experts}.down_proj{suffix}", expert
-            return f"{experts}.gate_up_proj{suffix}", (expert, part)
+            tensor = match.group(4)
+            if self._int4_experts:  # the expert's own linear (gate and up: MergedLinear shards 0, 1)
+                return f"{experts}.int4_experts.{expert}.{'down_proj' if part is None else 'gate_up_proj'}.{tensor}", part
+            if tensor in ("weight", *_FP8_SCALES):
+                suffix = "" if tensor == "weight" else "_scale"
+                return (f"{experts}.down_proj{suffix}", expert) if part is None else \
+                    (f"{experts}.gate_up_proj{suffix}", (expert, part))
         return super().stacked_name(name)
+
+    @functools.cached_property
+    def _int4_experts(self) -> bool:
+        """Whether the experts load as per-expert int4 linears (asked once the quantization is attached)."""
+        return any(hasattr(block, "int4_experts") for block in self.moe_blocks())
 
     def shards_needed(self, name: str) -> set:
         if name.endswith((".experts.gate_up_proj", ".experts.gate_up_proj_scale")):

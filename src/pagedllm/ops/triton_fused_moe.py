@@ -405,6 +405,8 @@ def warm_up(w13: torch.Tensor, w2: torch.Tensor, top_k: int, expert_map: torch.T
     first prefill of a size stalls the host for a second or more (workload 1 on qwen3-30b-a3b:
     15 compiles in the timed run)."""
     num_experts, two_inter, hidden = w13.shape
+    if scales is not None and scales.group is not None:  # int4 words [E, H / 8, 2I]
+        two_inter, hidden = w13.shape[2], w13.shape[1] * 8
     num_global = num_experts if expert_map is None else expert_map.numel()
     largest = batch_bucket(min(max_tokens, CHUNK_TOKENS))
     seen = set()

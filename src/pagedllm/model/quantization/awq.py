@@ -48,7 +48,15 @@ class AWQConfig(QuantizationConfig):
         return cls(int(qc.get("group_size", qc.get("q_group_size", 128))), bool(qc.get("zero_point", True)),
                    qc.get("modules_to_not_convert"))
 
+    experts_supported = True
+    experts_expert_parallel = False
+
     def method_for(self, layer, prefix, checkpoint_prefixes):
         if matches_ignore(checkpoint_prefixes, self.ignored, substring=True):
             return None
         return AWQLinearMethod(self.group_size, symmetric=False)
+
+    def moe_method_for(self, moe, prefix, model_name):
+        from pagedllm.model.quantization.int4_moe import int4_moe_method
+
+        return int4_moe_method(self, moe, prefix)

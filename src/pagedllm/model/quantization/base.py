@@ -47,6 +47,8 @@ class QuantizationConfig:
         raise NotImplementedError
 
     experts_supported = False  # whether moe_method_for quantizes a mixture of experts' routed experts
+    # int4 experts load through per-expert linears that TP-slice: not yet whole experts per rank.
+    experts_expert_parallel = True
 
     def moe_method_for(self, moe: nn.Module, prefix: str, model_name: str):
         """The method of the routed experts ``prefix`` (a ``FusedMoE``); None: they stay dense."""
@@ -59,7 +61,12 @@ class QuantizationConfig:
 
 def experts_unsupported(method: str, model_name: str) -> ValueError:
     return ValueError(f"quantization {method!r} is not supported for the experts of mixture-of-experts models "
-                      f"({model_name}); supported there: fp8 (online, fp8 and compressed-tensors fp8 checkpoints)")
+                      f"({model_name}); supported there: fp8 (online and checkpoints), awq, gptq, compressed-tensors")
+
+
+def experts_without_expert_parallel(method: str) -> ValueError:
+    return ValueError(f"quantization {method!r} (int4) MoE experts cannot be combined with enable_expert_parallel yet: "
+                      "run them tensor-parallel (without expert parallelism), or use fp8 experts")
 
 
 class QuantizationMethod:

@@ -121,22 +121,22 @@ class CompressedTensorsConfig(QuantizationConfig):
         raise ValueError(f"compressed-tensors: {bits}-bit {wtype} weights are not supported; supported: "
                          "4-bit int (pack-quantized), 8-bit float (float-quantized)")
 
+    experts_supported = True  # fp8 (fp8_moe.py) and int4 (int4_moe.py)
+
     @property
-    def experts_supported(self) -> bool:
-        return all(isinstance(self._method(w, a, f), (Fp8LinearMethod, Fp8BlockLinearMethod))
-                   for _, w, a, f in self.groups)
+    def experts_expert_parallel(self) -> bool:
+        return not any(isinstance(self._method(w, a, f), CompressedTensorsW4A16) for _, w, a, f in self.groups)
 
     def moe_method_for(self, moe, prefix, model_name):
         from pagedllm.model.quantization.fp8_moe import Fp8MoEMethod
+        from pagedllm.model.quantization.int4_moe import int4_moe_method
 
         method = self.method_for(moe, prefix, [f"{prefix}.0.gate_proj", f"{prefix}.0.up_proj", f"{prefix}.0.down_proj"])
-        if method is None:
-            return None
         if isinstance(method, Fp8BlockLinearMethod):
             return Fp8MoEMethod(serialized=True, block=method.block)
         if isinstance(method, Fp8LinearMethod):
             return Fp8MoEMethod(serialized=True)
-        return super().moe_method_for(moe, prefix, model_name)
+        return None if method is None else int4_moe_method(self, moe, prefix)
 
     def skips_tensor(self, name: str) -> bool:
         return super().skips_tensor(name) or (".experts." in name and name.endswith(".input_scale"))

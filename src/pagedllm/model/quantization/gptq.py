@@ -71,5 +71,13 @@ class GPTQConfig(QuantizationConfig):
         return cls(int(qc.get("group_size", 128)), bool(qc.get("sym", True)),
                    str(qc.get("checkpoint_format", "gptq")))
 
+    experts_supported = True
+    experts_expert_parallel = False
+
     def method_for(self, layer, prefix, checkpoint_prefixes):
         return GPTQLinearMethod(self.group_size, self.symmetric, self.zero_offset)
+
+    def moe_method_for(self, moe, prefix, model_name):
+        from pagedllm.model.quantization.int4_moe import int4_moe_method
+
+        return int4_moe_method(self, moe, prefix)

@@ -1,0 +1,77 @@
+"""int4 (W4A16) expert weights of a mixture-of-experts layer (``model.moe.FusedMoE``) from AWQ,
+GPTQ and compressed-tensors ``pack-quantized`` checkpoints (Qwen3-30B-A3B-GPTQ-Int4 and its AWQ
+twins ship one set of tensors per expert and projection).
+
+Each local expert's gate/up and down are first built as the format's own linears
+(``MergedLinear`` / ``RowParallelLinear`` with the format's ``Int4LinearMethod``), so an expert's
+checkpoint tensors load, unpack and split over tensor-parallel ranks exactly as a dense layer's
+do. Once loaded, each is turned into the canonical layout (``model/quantization/int4.py``) and the
+experts are stacked: words [E, K / 8, N], scales [E, N, K / G] (per output row, in the
+checkpoint's dtype) and zero points unpacked [E, N, K / G] uint8 (none when symmetric), which the
+fused-MoE kernels read (``ops.fused_moe.ExpertScales``). The per-expert linears are then dropped.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from pagedllm.model.quantization.base import experts_without_expert_parallel
+from pagedllm.model.quantization.int4 import Int4LinearMethod
+from pagedllm.ops.fused_moe import ExpertScales
+from pagedllm.ops.int4_layout import unpack_cols
+
+PROJECTIONS = ("gate_up_proj", "down_proj")
+
+
+class Int4MoEMethod:
+    """int4 experts; ``make_method`` gives the format's method for one expert projection."""
+
+    def __init__(self, make_method: Callable[[], Int4LinearMethod]):
+        self.make_method = make_method
+        sample = make_method()
+        self.group_size, self.method_name = sample.group_size, sample.method_name
+
+    def create_weights(self, moe: nn.Module) -> None:
+        from pagedllm.model.layers import MergedLinear, RowParallelLinear
+
+        if moe.expert_parallel and moe.tp_size > 1:  # the engine args refuse it first
+            raise experts_without_expert_parallel(self.method_name)
+        hidden, inter = moe.hidden_size, moe.intermediate_size
+        del moe.gate_up_proj, moe.down_proj  # stacked from the per-expert linears after loading
+        experts = nn.ModuleList()
+        for _ in range(moe.num_local_experts):
+            gate_up, down = MergedLinear(hidden, [inter, inter]), RowParallelLinear(inter, hidden)
+            gate_up.set_quant_method(self.make_method())
+            down.set_quant_method(self.make_method())
+            experts.append(nn.ModuleDict({"gate_up_proj": gate_up, "down_proj": down}))
+        moe.int4_experts = experts
+
+    def process_after_loading(self, moe: nn.Module) -> None:
+        """Runs after each per-expert linear's own (the loader visits children first)."""
+        experts = moe.int4_experts
+        for name in PROJECTIONS:
+            layers = [expert[name] for expert in experts]
+            words = torch.stack([layer.qweight.data for layer in layers])  # [E, K / 8, N]
+            scales = torch.stack([layer.scales.data.t() for layer in layers]).contiguous()  # [E, N, K / G]
+            zeros = None
+            if layers[0].qzeros is not None:  # canonical [K / G, N / 8] packed along N
+                zeros = torch.stack([unpack_cols(layer.qzeros.data)[:, :words.shape[2]].t() for layer in layers])
+                zeros = nn.Parameter(zeros.to(torch.uint8).contiguous(), requires_grad=False)
+            setattr(moe, name, nn.Parameter(words, requires_grad=False))
+            moe.register_parameter(f"{name}_scale", nn.Parameter(scales, requires_grad=False))
+            moe.register_parameter(f"{name}_zeros", zeros)
+        del moe.int4_experts
+
+    def scales(self, moe: nn.Module) -> ExpertScales:
+        return ExpertScales(moe.gate_up_proj_scale, moe.down_proj_scale, group=self.group_size,
+                            w13_zeros=moe.gate_up_proj_zeros, w2_zeros=moe.down_proj_zeros)
+
+
+def int4_moe_method(config, moe: nn.Module, prefix: str) -> Int4MoEMethod | None:
+    """The experts' method of an int4 format's config (None where its ignore list exempts them)."""
+    prefixes = [f"{prefix}.0.gate_proj", f"{prefix}.0.up_proj", f"{prefix}.0.down_proj"]
+    if config.method_for(moe, prefix, prefixes) is None:
+        return None
+    return Int4MoEMethod(lambda: config.method_for(moe, prefix, prefixes))
