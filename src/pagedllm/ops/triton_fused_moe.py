@@ -58,14 +58,17 @@ def _mma(a, w, acc, s_cols, kb, n_ok, SCALE: tl.constexpr, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _int4_tile(w_e, k_abs, cols, k_ok, n_ok, stride_wk, z_cols, kb, HAS_ZEROS: tl.constexpr):
-    """An int4 expert's [BLOCK_K, BLOCK_N] tile as the small integers ``q - z`` (float32; exact in
-    any dtype): ``w_e`` one expert's canonical words [K / 8, N] (value k at bits 4 (k % 8)), zero
-    points unpacked per column and group (``z_cols``: each column's row; 8 without them). The
-    group's scale is applied as a block scale (SCALE 2, one group per K tile)."""
-    words = tl.load(w_e + (k_abs // 8)[:, None].to(tl.int64) * stride_wk + cols[None, :],
-                    mask=k_ok[:, None] & n_ok[None, :], other=0)
-    q = (words >> ((k_abs % 8) * 4)[:, None]) & 0xF
+def _int4_tile(w_e, k0, K, cols, n_ok, stride_wk, z_cols, kb, BLOCK_K: tl.constexpr, HAS_ZEROS: tl.constexpr):
+    """An int4 expert's [BLOCK_K, BLOCK_N] tile (K tile ``k0``) as the small integers ``q - z``
+    (float32; exact in any dtype): ``w_e`` one expert's canonical words [K / 8, N] (value k at bits
+    4 (k % 8) of word k // 8), each word loaded once and split in registers; zero points unpacked
+    per column and group (``z_cols``: each column's row; 8 without them). The group's scale is
+    applied as a block scale (SCALE 2, one group per K tile); rows past K meet zero activations."""
+    rows = k0 * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
+    words = tl.load(w_e + rows[:, None].to(tl.int64) * stride_wk + cols[None, :],
+                    mask=(rows < K // 8)[:, None] & n_ok[None, :], other=0)
+    shifts = (tl.arange(0, 8) * 4)[None, :, None]
+    q = tl.reshape((words[:, None, :] >> shifts) & 0xF, (BLOCK_K, cols.shape[0]))
     if HAS_ZEROS:
         q = q - tl.load(z_cols + kb, mask=n_ok, other=8).to(tl.int32)[None, :]
     else:
@@ -123,8 +126,8 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_pairs_ptr, block_expert_pt
         kb = (k0 * BLOCK_K) // SCALE_BK
         if INT4:
             w_e = w_ptr + expert * stride_we
-            g = _int4_tile(w_e, k0 * BLOCK_K + offs_k, offs_n, k_ok, n_ok, stride_wn, zg_cols, kb, HAS_ZEROS)
-            u = _int4_tile(w_e, k0 * BLOCK_K + offs_k, N + offs_n, k_ok, n_ok, stride_wn, zu_cols, kb, HAS_ZEROS)
+            g = _int4_tile(w_e, k0, K, offs_n, n_ok, stride_wn, zg_cols, kb, BLOCK_K, HAS_ZEROS)
+            u = _int4_tile(w_e, k0, K, N + offs_n, n_ok, stride_wn, zu_cols, kb, BLOCK_K, HAS_ZEROS)
         else:
             g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
@@ -173,8 +176,7 @@ def _moe_down_kernel(a_ptr, w_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr, 
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         kb = (k0 * BLOCK_K) // SCALE_BK
         if INT4:
-            w = _int4_tile(w_ptr + expert * stride_we, k0 * BLOCK_K + offs_k, offs_n, k_ok, n_ok, stride_wn, z_cols, kb,
-                           HAS_ZEROS)
+            w = _int4_tile(w_ptr + expert * stride_we, k0, K, offs_n, n_ok, stride_wn, z_cols, kb, BLOCK_K, HAS_ZEROS)
         else:
             w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         acc = _mma(a, w, acc, s_cols, kb, n_ok, SCALE, IEEE)
