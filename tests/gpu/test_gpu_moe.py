@@ -42,14 +42,15 @@ def test_routed_experts_recorded_under_cuda_graphs(gpu_moe_models, monkeypatch):
     assert all(isinstance(o.outputs[0].routed_experts, np.ndarray) for o in outs)
 
 
-@pytest.mark.parametrize("block", [None, (128, 128)])
+@pytest.mark.parametrize("fmt", ["fp8", "fp8-block128", "int4-g128", "int4-g128-symmetric"])
 @pytest.mark.parametrize("num_tokens", [1, 32, 300])
-def test_fp8_expert_kernel_in_bf16_matches_the_dequantized_experts(num_tokens, block):
-    """fp8 experts (W8A16) on the device's kernel in bf16, the table's tiles (block scales cut the
-    K tile to 128): the torch path over the same weights dequantized to bf16, within bf16's rounding."""
+def test_quantized_expert_kernel_in_bf16_matches_the_dequantized_experts(num_tokens, fmt):
+    """fp8 (W8A16: per channel, or blocks that cut the K tile to 128) and int4 (W4A16, groups of
+    128) experts on the device's kernel in bf16 with the table's tiles: the torch path over the
+    same weights dequantized to bf16, within bf16's rounding."""
     from pagedllm.ops.fused_moe import ExpertScales, fused_experts_torch, route
     from pagedllm.ops.triton_fused_moe import fused_experts_triton
-    from tests.ops.test_fused_moe import _fp8_experts
+    from tests.ops.test_fused_moe import _fp8_experts, _int4_experts
 
     g = torch.Generator(device="cuda").manual_seed(num_tokens)
     experts, hidden, inter = 16, 512, 256
@@ -57,9 +58,15 @@ def test_fp8_expert_kernel_in_bf16_matches_the_dequantized_experts(num_tokens, b
     w13 = torch.randn(experts, 2 * inter, hidden, device="cuda", generator=g) / hidden ** 0.5
     w2 = torch.randn(experts, hidden, inter, device="cuda", generator=g) / inter ** 0.5
     weights, ids = route(torch.randn(num_tokens, experts, device="cuda", generator=g), 4, renormalize=True)
-    q13, s13, dq13 = _fp8_experts(w13, block)
-    q2, s2, dq2 = _fp8_experts(w2, block)
-    got = fused_experts_triton(x, q13, q2, weights, ids, scales=ExpertScales(s13, s2, block))
+    if fmt.startswith("fp8"):
+        block = (128, 128) if fmt == "fp8-block128" else None
+        (q13, s13, dq13), (q2, s2, dq2) = _fp8_experts(w13, block), _fp8_experts(w2, block)
+        scales = ExpertScales(s13, s2, block=block)
+    else:
+        symmetric = fmt.endswith("symmetric")
+        (q13, s13, z13, dq13), (q2, s2, z2, dq2) = _int4_experts(w13, 128, symmetric), _int4_experts(w2, 128, symmetric)
+        scales = ExpertScales(s13, s2, group=128, w13_zeros=z13, w2_zeros=z2)
+    got = fused_experts_triton(x, q13, q2, weights, ids, scales=scales)
     want = fused_experts_torch(x, dq13.bfloat16(), dq2.bfloat16(), weights, ids)
     torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=3e-2)
     assert (got.float() - want.float()).abs().mean() < 3e-3
@@ -78,30 +85,6 @@ def test_fp8_expert_checkpoints_on_gpu_match_the_dequantized_reference(tmp_path,
               device="cuda")
     assert llm.llm_engine.engine_core.executor.worker.model_runner.cuda_graphs
     check_against_reference(llm, reference, W4A16_TOL, exact_greedy=True)
-
-
-@pytest.mark.parametrize("symmetric", [False, True])
-@pytest.mark.parametrize("num_tokens", [1, 32, 300])
-def test_int4_expert_kernel_in_bf16_matches_the_dequantized_experts(num_tokens, symmetric):
-    """int4 experts (W4A16, groups of 128) on the device's kernel in bf16 with the table's tiles:
-    the torch path over the same weights dequantized to bf16, within bf16's rounding."""
-    from pagedllm.ops.fused_moe import ExpertScales, fused_experts_torch, route
-    from pagedllm.ops.triton_fused_moe import fused_experts_triton
-    from tests.ops.test_fused_moe import _int4_experts
-
-    g = torch.Generator(device="cuda").manual_seed(num_tokens)
-    experts, hidden, inter = 16, 512, 256
-    x = torch.randn(num_tokens, hidden, device="cuda", generator=g).bfloat16()
-    w13 = torch.randn(experts, 2 * inter, hidden, device="cuda", generator=g) / hidden ** 0.5
-    w2 = torch.randn(experts, hidden, inter, device="cuda", generator=g) / inter ** 0.5
-    weights, ids = route(torch.randn(num_tokens, experts, device="cuda", generator=g), 4, renormalize=True)
-    q13, s13, z13, dq13 = _int4_experts(w13, 128, symmetric)
-    q2, s2, z2, dq2 = _int4_experts(w2, 128, symmetric)
-    got = fused_experts_triton(x, q13, q2, weights, ids, scales=ExpertScales(s13, s2, group=128, w13_zeros=z13,
-                                                                               w2_zeros=z2))
-    want = fused_experts_torch(x, dq13.bfloat16(), dq2.bfloat16(), weights, ids)
-    torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=3e-2)
-    assert (got.float() - want.float()).abs().mean() < 3e-3
 
 
 @pytest.mark.parametrize("fmt", ["gptq", "awq"])
