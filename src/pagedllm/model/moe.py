@@ -9,6 +9,8 @@ Mixtral's ``w1``/``w3``/``w2``) are stacked in at load. Under tensor parallelism
 every expert's slice of the intermediate size; with expert parallelism (``enable_expert_parallel``)
 each rank holds ``E / tp`` whole experts instead and tokens routed elsewhere contribute zero. Either
 way a rank's output is a partial sum: the block all-reduces once (shared expert included).
+Quantized experts (``FusedMoE.set_quant_method``): fp8 (``model/quantization/fp8_moe.py``) or int4
+(``int4_moe.py``) weights with their scales, run by the same kernels (``ops.fused_moe.ExpertScales``).
 """
 from __future__ import annotations
 
