@@ -55,8 +55,9 @@ class QuantizationConfig:
         raise experts_unsupported(self.name, model_name)
 
     def skips_tensor(self, name: str) -> bool:
-        """Whether a checkpoint tensor is not a parameter of ours (read elsewhere or not at all)."""
-        return name.endswith(_SKIPPED_SUFFIXES)
+        """Whether a checkpoint tensor is not a parameter of ours (read elsewhere or not at all;
+        quantized MoE experts run with 16-bit activations: their static input scales go unused)."""
+        return name.endswith(_SKIPPED_SUFFIXES) or (".experts." in name and name.endswith(".input_scale"))
 
 
 def experts_unsupported(method: str, model_name: str) -> ValueError:

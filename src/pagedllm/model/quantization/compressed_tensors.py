@@ -138,9 +138,6 @@ class CompressedTensorsConfig(QuantizationConfig):
             return Fp8MoEMethod(serialized=True)
         return None if method is None else int4_moe_method(self, moe, prefix)
 
-    def skips_tensor(self, name: str) -> bool:
-        return super().skips_tensor(name) or (".experts." in name and name.endswith(".input_scale"))
-
     def method_for(self, layer, prefix, checkpoint_prefixes):
         if matches_ignore(checkpoint_prefixes, self.ignore):
             return None

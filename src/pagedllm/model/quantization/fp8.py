@@ -304,7 +304,3 @@ class Fp8Config(QuantizationConfig):
             return None
         return Fp8MoEMethod(self.serialized, self.block)
 
-    def skips_tensor(self, name: str) -> bool:
-        # Experts run W8A16 (fp8_moe.py): a static checkpoint's expert input scales go unused.
-        return super().skips_tensor(name) or (".experts." in name and name.endswith(".input_scale"))
-
