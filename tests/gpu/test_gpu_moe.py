@@ -48,7 +48,8 @@ def test_quantized_expert_kernel_in_bf16_matches_the_dequantized_experts(num_tok
     """fp8 (W8A16: per channel, or blocks that cut the K tile to 128) and int4 (W4A16, groups of
     128) experts on the device's kernel in bf16 with the table's tiles: the torch path over the
     same weights dequantized to bf16, within bf16's rounding."""
-    from pagedllm.ops.fused_moe import ExpertScales, fused_experts_torch, route
+    from pagedllm.ops.fused_moe import fused_experts_torch, route
+    from pagedllm.ops.moe_scales import ExpertScales
     from pagedllm.ops.triton_fused_moe import fused_experts_triton
     from tests.ops.test_fused_moe import _fp8_experts, _int4_experts
 

@@ -104,8 +104,9 @@ def test_online_fp8_quantizes_the_experts_per_channel(tmp_path):
         hf = reference.model.layers[layer]
         with torch.no_grad():  # the reference: experts dequantized, attention W8A8 (inputs fake-quantized)
             for e in range(EXPERTS):
-                hf.mlp.experts.gate_up_proj[e].copy_(experts.gate_up_proj[e].float() * experts.gate_up_proj_scale[e, :, None])
-                hf.mlp.experts.down_proj[e].copy_(experts.down_proj[e].float() * experts.down_proj_scale[e, :, None])
+                for name in ("gate_up_proj", "down_proj"):
+                    ours = getattr(experts, name)[e].float() * getattr(experts, f"{name}_scale")[e, :, None]
+                    getattr(hf.mlp.experts, name)[e].copy_(ours)
             # (copy_ brings the engine's tensors to the reference's device)
             for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
                 hooks[f"model.layers.{layer}.self_attn.{proj}"] = qc.fake_quant_per_token

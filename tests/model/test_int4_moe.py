@@ -49,7 +49,8 @@ def write_int4_moe(out_dir, fmt: str, symmetric: bool = False, **overrides):
             for p in ("q_proj", "k_proj", "v_proj", "o_proj"):
                 getattr(layer.self_attn, p).weight.copy_(dequantized[f"model.layers.{i}.self_attn.{p}"])
             for e in range(EXPERTS):
-                d = {p: dequantized[f"model.layers.{i}.mlp.experts.{e}.{p}"] for p in ("gate_proj", "up_proj", "down_proj")}
+                d = {p: dequantized[f"model.layers.{i}.mlp.experts.{e}.{p}"]
+                     for p in ("gate_proj", "up_proj", "down_proj")}
                 layer.mlp.experts.gate_up_proj[e].copy_(torch.cat([d["gate_proj"], d["up_proj"]]))
                 layer.mlp.experts.down_proj[e].copy_(d["down_proj"])
     save_file(tensors, f"{out_dir}/model.safetensors", metadata={"format": "pt"})

@@ -7,7 +7,8 @@ from tests.triton_env import ON_GPU, import_interpreted, kernel_module
 
 DEVICE = "cuda" if ON_GPU else "cpu"
 
-import_interpreted("pagedllm.ops.triton_ops", "pagedllm.ops.triton_gemv", "pagedllm.ops.triton_fused_moe",
+import_interpreted("pagedllm.ops.triton_ops", "pagedllm.ops.triton_gemv", "pagedllm.ops.triton_moe_routing",
+                  "pagedllm.ops.triton_fused_moe",
                   "pagedllm.ops.triton_int4", "pagedllm.ops.triton_fp8")
 
 
@@ -24,6 +25,11 @@ def triton_gemv(monkeypatch):
 @pytest.fixture
 def triton_fused_moe(monkeypatch):
     return kernel_module("pagedllm.ops.triton_fused_moe", "_moe_gate_up_kernel", monkeypatch)
+
+
+@pytest.fixture
+def triton_moe_routing(monkeypatch):
+    return kernel_module("pagedllm.ops.triton_moe_routing", "_route_kernel", monkeypatch)
 
 
 @pytest.fixture

@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedllm.ops.fused_moe import ExpertScales, fused_experts_bmm_loop, fused_experts_torch, route
+from pagedllm.ops.fused_moe import fused_experts_bmm_loop, fused_experts_torch, route
+from pagedllm.ops.moe_scales import ExpertScales
 from tests.ops.conftest import DEVICE
 
 NUM_EXPERTS, HIDDEN, INTER = 6, 40, 24
@@ -63,9 +64,9 @@ def test_sigmoid_routing_and_renormalisation():
         route(logits, 2, scoring="relu")
 
 
-def test_align_pairs_groups_by_expert_and_pads_each_run(triton_fused_moe):
+def test_align_pairs_groups_by_expert_and_pads_each_run(triton_moe_routing):
     ids = torch.tensor([[2, 0], [2, 1], [2, 0], [-1, 2]])  # expert 3 idle; one pair on another rank
-    sorted_pairs, block_expert = triton_fused_moe.align_pairs(ids, num_experts=4, block_m=2)
+    sorted_pairs, block_expert = triton_moe_routing.align_pairs(ids, num_experts=4, block_m=2)
     pad = ids.numel()
     assert block_expert.tolist()[:4] == [0, 1, 2, 2] and set(block_expert.tolist()[4:]) == {-1}
     assert sorted_pairs.tolist()[:8] == [1, 5, 3, pad, 0, 2, 4, 7]
@@ -73,13 +74,13 @@ def test_align_pairs_groups_by_expert_and_pads_each_run(triton_fused_moe):
 
 
 @pytest.mark.parametrize("num_tokens,top_k,num_experts,block_m", [(4, 2, 4, 2), (1, 8, 32, 16), (37, 3, 6, 16)])
-def test_one_launch_align_gives_the_torch_layout(triton_fused_moe, num_tokens, top_k, num_experts, block_m):
+def test_one_launch_align_gives_the_torch_layout(triton_moe_routing, num_tokens, top_k, num_experts, block_m):
     g = torch.Generator().manual_seed(num_tokens)
     ids = torch.randint(0, num_experts, (num_tokens, top_k), generator=g)
     ids[0, 0] = -1  # a pair on another rank
     ids[ids == 1] = 2  # expert 1 idle
-    want_pairs, want_blocks = triton_fused_moe.align_pairs(ids, num_experts, block_m)
-    got_pairs, got_blocks = triton_fused_moe.align_pairs_triton(ids.to(DEVICE), num_experts, block_m)
+    want_pairs, want_blocks = triton_moe_routing.align_pairs(ids, num_experts, block_m)
+    got_pairs, got_blocks = triton_moe_routing.align_pairs_triton(ids.to(DEVICE), num_experts, block_m)
     assert got_blocks.tolist() == want_blocks.tolist()
     got_rows, want_rows = got_pairs.cpu().view(-1, block_m), want_pairs.view(-1, block_m)
     for expert in set(want_blocks.tolist()):  # each expert's blocks hold the same pairs (in any order)
@@ -242,12 +243,12 @@ def test_warm_up_runs_the_kernels(triton_fused_moe):
 @pytest.mark.parametrize("scoring,renormalize,round_to,num_experts,top_k,dtype", [
     ("softmax", True, None, 6, 2, torch.float32), ("softmax", False, torch.bfloat16, 60, 8, torch.bfloat16),
     ("sigmoid", True, torch.bfloat16, 128, 8, torch.bfloat16), ("sigmoid", False, None, 5, 1, torch.float32)])
-def test_one_launch_routing_picks_the_torch_experts(triton_fused_moe, scoring, renormalize, round_to, num_experts,
+def test_one_launch_routing_picks_the_torch_experts(triton_moe_routing, scoring, renormalize, round_to, num_experts,
                                                     top_k, dtype):
     from pagedllm.ops.fused_moe import route_torch
 
     logits = torch.randn(13, num_experts, generator=torch.Generator().manual_seed(num_experts)).to(dtype)
-    weights, ids = triton_fused_moe.route_triton(logits.to(DEVICE), top_k, scoring, renormalize, round_to)
+    weights, ids = triton_moe_routing.route_triton(logits.to(DEVICE), top_k, scoring, renormalize, round_to)
     ref_w, ref_ids = route_torch(logits, top_k, scoring, renormalize)
     if round_to is not None:
         ref_w = ref_w.to(round_to).float()
@@ -264,23 +265,23 @@ def test_one_launch_routing_picks_the_torch_experts(triton_fused_moe, scoring, r
         assert torch.equal(weights.cpu().to(round_to).float(), weights.cpu())
 
 
-def test_one_launch_routing_breaks_ties_by_the_lowest_expert(triton_fused_moe):
-    weights, ids = triton_fused_moe.route_triton(torch.zeros(2, 7, device=DEVICE), 3, renormalize=True)
+def test_one_launch_routing_breaks_ties_by_the_lowest_expert(triton_moe_routing):
+    weights, ids = triton_moe_routing.route_triton(torch.zeros(2, 7, device=DEVICE), 3, renormalize=True)
     assert ids.tolist() == [[0, 1, 2]] * 2
     torch.testing.assert_close(weights.cpu(), torch.full((2, 3), 1 / 3))
 
 
-def test_nan_router_logits_and_out_of_range_ids_never_address_past_the_experts(triton_fused_moe):
+def test_nan_router_logits_and_out_of_range_ids_never_address_past_the_experts(triton_moe_routing):
     """NaN logits (a NaN in the hidden states, or the garbage of a launch the compile dry run
     skipped) still route to valid experts, and the alignment drops ids past the expert count:
     no address outside the counts (an illegal access on the GPU) whatever the input."""
     logits = torch.randn(3, 6, device=DEVICE)
     logits[0] = float("nan")
     logits[1, 2] = float("nan")
-    _, ids = triton_fused_moe.route_triton(logits, 2, "softmax", True)
+    _, ids = triton_moe_routing.route_triton(logits, 2, "softmax", True)
     assert ((0 <= ids) & (ids < 6)).all() and ids[0].tolist() == [0, 1]
     bad = torch.tensor([[1, 6], [9, 0]], device=DEVICE)
-    for align in (triton_fused_moe.align_pairs, triton_fused_moe.align_pairs_triton):
+    for align in (triton_moe_routing.align_pairs, triton_moe_routing.align_pairs_triton):
         sorted_pairs, block_expert = align(bad, num_experts=6, block_m=2)
         kept = sorted(p for p in sorted_pairs.tolist() if p < 4)
         assert kept == [0, 3] and set(block_expert.tolist()) <= {-1, 0, 1}

@@ -13,6 +13,7 @@ pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed"
 
 _BODY = r"""
 from pagedllm.ops import triton_fused_moe as m
+from pagedllm.ops import triton_moe_routing as r
 
 
 def compile_both(name, fn, signature, constexprs, **kw):  # PTX with both griddepcontrol instructions
@@ -20,13 +21,13 @@ def compile_both(name, fn, signature, constexprs, **kw):  # PTX with both gridde
              want_ptx=("griddepcontrol.wait", "griddepcontrol.launch_dependents"), **kw)
 
 
-compile_both("route", m._route_kernel,
+compile_both("route", r._route_kernel,
              {"logits_ptr": "*bf16", "weights_ptr": "*fp32", "ids_ptr": "*i64", "num_experts": "i32", "stride_l": "i32",
               "TOP_K": c, "K_PAD": c, "E_PAD": c, "SIGMOID": c, "RENORMALIZE": c, "ROUND_BF16": c, "ROUND_FP16": c,
               "PDL": c},
              {"TOP_K": 8, "K_PAD": 8, "E_PAD": 128, "SIGMOID": False, "RENORMALIZE": True, "ROUND_BF16": True,
               "ROUND_FP16": False}, num_warps=1)
-compile_both("align", m._moe_align_kernel,
+compile_both("align", r._moe_align_kernel,
              {"ids_ptr": "*i64", "sorted_pairs_ptr": "*i32", "block_expert_ptr": "*i32", "cursor_ptr": "*i32",
               "num_pairs": "i32", "num_experts": "i32", "max_blocks": "i32", "BLOCK_M": c, "E_PAD": c, "CHUNK": c,
               "CHUNK_B": c, "PDL": c},

@@ -374,13 +374,14 @@ def _norms_feed_fp8(model: nn.Module) -> None:
 def _attach_quant_methods(model: nn.Module, quant_config) -> None:
     """Give every quantizable linear its method (by its checkpoint names: ignore lists exempt some)."""
     from pagedllm.model.moe import FusedMoE
+    from pagedllm.model.quantization.experts import experts_method
 
     stacked = getattr(model, "stacked_params", {})
     for name, module in list(model.named_modules()):  # int4 experts add per-expert linears, quantized already
         if isinstance(module, Linear) and module.weight is None and module.quant_method is None:
             module.set_quant_method(quant_config.method_for(module, name, checkpoint_prefixes(name, stacked)))
         elif isinstance(module, FusedMoE):
-            module.set_quant_method(quant_config.moe_method_for(module, name, type(model).__name__))
+            module.set_quant_method(experts_method(quant_config, module, name, type(model).__name__))
 
 
 @torch.no_grad()

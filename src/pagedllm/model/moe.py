@@ -222,7 +222,8 @@ class MoeForCausalLM(LlamaForCausalLM):
             experts, expert, part = match.group(1), int(match.group(2)), self.expert_projections[match.group(3)]
             tensor = match.group(4)
             if self._int4_experts:  # the expert's own linear (gate and up: MergedLinear shards 0, 1)
-                return f"{experts}.int4_experts.{expert}.{'down_proj' if part is None else 'gate_up_proj'}.{tensor}", part
+                linear = "down_proj" if part is None else "gate_up_proj"
+                return f"{experts}.int4_experts.{expert}.{linear}.{tensor}", part
             if tensor in ("weight", *_FP8_SCALES):
                 suffix = "" if tensor == "weight" else "_scale"
                 return (f"{experts}.down_proj{suffix}", expert) if part is None else \

@@ -56,7 +56,3 @@ class AWQConfig(QuantizationConfig):
             return None
         return AWQLinearMethod(self.group_size, symmetric=False)
 
-    def moe_method_for(self, moe, prefix, model_name):
-        from pagedllm.model.quantization.int4_moe import int4_moe_method
-
-        return int4_moe_method(self, moe, prefix)

@@ -46,13 +46,9 @@ class QuantizationConfig:
         checkpoint's names of the projections it fuses); None: it stays dense."""
         raise NotImplementedError
 
-    experts_supported = False  # whether moe_method_for quantizes a mixture of experts' routed experts
+    experts_supported = False  # whether a mixture of experts' routed experts run quantized (experts.py)
     # int4 experts load through per-expert linears that TP-slice: not yet whole experts per rank.
     experts_expert_parallel = True
-
-    def moe_method_for(self, moe: nn.Module, prefix: str, model_name: str):
-        """The method of the routed experts ``prefix`` (a ``FusedMoE``); None: they stay dense."""
-        raise experts_unsupported(self.name, model_name)
 
     def skips_tensor(self, name: str) -> bool:
         """Whether a checkpoint tensor is not a parameter of ours (read elsewhere or not at all;

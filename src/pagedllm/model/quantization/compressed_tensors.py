@@ -127,17 +127,6 @@ class CompressedTensorsConfig(QuantizationConfig):
     def experts_expert_parallel(self) -> bool:
         return not any(isinstance(self._method(w, a, f), CompressedTensorsW4A16) for _, w, a, f in self.groups)
 
-    def moe_method_for(self, moe, prefix, model_name):
-        from pagedllm.model.quantization.fp8_moe import Fp8MoEMethod
-        from pagedllm.model.quantization.int4_moe import int4_moe_method
-
-        method = self.method_for(moe, prefix, [f"{prefix}.0.gate_proj", f"{prefix}.0.up_proj", f"{prefix}.0.down_proj"])
-        if isinstance(method, Fp8BlockLinearMethod):
-            return Fp8MoEMethod(serialized=True, block=method.block)
-        if isinstance(method, Fp8LinearMethod):
-            return Fp8MoEMethod(serialized=True)
-        return None if method is None else int4_moe_method(self, moe, prefix)
-
     def method_for(self, layer, prefix, checkpoint_prefixes):
         if matches_ignore(checkpoint_prefixes, self.ignore):
             return None

@@ -297,10 +297,3 @@ class Fp8Config(QuantizationConfig):
 
     experts_supported = True
 
-    def moe_method_for(self, moe, prefix, model_name):
-        from pagedllm.model.quantization.fp8_moe import Fp8MoEMethod
-
-        if matches_ignore([prefix], self.ignored, substring=True):
-            return None
-        return Fp8MoEMethod(self.serialized, self.block)
-

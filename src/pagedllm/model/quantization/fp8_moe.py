@@ -17,7 +17,7 @@ from torch import nn
 
 from pagedllm.model.quantization.base import _default_dummy, cdiv
 from pagedllm.model.quantization.fp8 import FP8_DTYPE, quantize_weight_per_channel
-from pagedllm.ops.fused_moe import ExpertScales
+from pagedllm.ops.moe_scales import ExpertScales
 
 
 class Fp8MoEMethod:

@@ -77,7 +77,3 @@ class GPTQConfig(QuantizationConfig):
     def method_for(self, layer, prefix, checkpoint_prefixes):
         return GPTQLinearMethod(self.group_size, self.symmetric, self.zero_offset)
 
-    def moe_method_for(self, moe, prefix, model_name):
-        from pagedllm.model.quantization.int4_moe import int4_moe_method
-
-        return int4_moe_method(self, moe, prefix)

@@ -19,7 +19,7 @@ from torch import nn
 
 from pagedllm.model.quantization.base import experts_without_expert_parallel
 from pagedllm.model.quantization.int4 import Int4LinearMethod
-from pagedllm.ops.fused_moe import ExpertScales
+from pagedllm.ops.moe_scales import ExpertScales
 from pagedllm.ops.int4_layout import unpack_cols
 
 PROJECTIONS = ("gate_up_proj", "down_proj")
@@ -68,10 +68,3 @@ class Int4MoEMethod:
         return ExpertScales(moe.gate_up_proj_scale, moe.down_proj_scale, group=self.group_size,
                             w13_zeros=moe.gate_up_proj_zeros, w2_zeros=moe.down_proj_zeros)
 
-
-def int4_moe_method(config, moe: nn.Module, prefix: str) -> Int4MoEMethod | None:
-    """The experts' method of an int4 format's config (None where its ignore list exempts them)."""
-    prefixes = [f"{prefix}.0.gate_proj", f"{prefix}.0.up_proj", f"{prefix}.0.down_proj"]
-    if config.method_for(moe, prefix, prefixes) is None:
-        return None
-    return Int4MoEMethod(lambda: config.method_for(moe, prefix, prefixes))
