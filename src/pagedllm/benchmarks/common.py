@@ -114,27 +114,27 @@ def _linear_bytes(n: int, k: int, itemsize: int, quant: dict | None) -> int:
         if block:
             return n * k + -(-n // block[0]) * -(-k // block[1]) * 4  # fp8 weight, float32 block scales
         return n * k + n * 4 + (4 if quant.get("activation_scheme") == "static" else 0)  # per-channel scales
-    if method == "compressed-tensors":
-        weights = next(iter(quant["config_groups"].values()))["weights"]
-        group, symmetric, scale_size = weights["group_size"], weights.get("symmetric", True), itemsize
-    else:  # AWQ / GPTQ keep their float16 scales
-        group, symmetric, scale_size = quant["group_size"], method == "gptq" and quant.get("sym", True), 2
+    group, symmetric, scale_size = _int4_params(quant, itemsize)
     zeros = 0 if symmetric else (k // group) * n // 2
     return n * k // 2 + (k // group) * n * scale_size + zeros  # packed int4, scales, packed zero points
+
+
+def _int4_params(quant: dict, itemsize: int) -> tuple[int, bool, int]:
+    """(group size, symmetric, scale bytes) of an int4 format's config."""
+    if quant["quant_method"] == "compressed-tensors":
+        weights = next(iter(quant["config_groups"].values()))["weights"]
+        return weights["group_size"], weights.get("symmetric", True), itemsize
+    # AWQ / GPTQ keep their float16 scales
+    return quant["group_size"], quant["quant_method"] == "gptq" and quant.get("sym", True), 2
 
 
 def _expert_bytes(n: int, k: int, itemsize: int, quant: dict) -> int:
     """One expert projection as ``FusedMoE`` holds it: as a linear, except that int4 zero points
     are kept unpacked (one byte per row and group) for the fused-MoE kernels."""
     total = _linear_bytes(n, k, itemsize, quant)
-    method = quant["quant_method"]
-    if method == "fp8":
+    if quant["quant_method"] == "fp8":
         return total
-    if method == "compressed-tensors":
-        weights = next(iter(quant["config_groups"].values()))["weights"]
-        group, symmetric = weights["group_size"], weights.get("symmetric", True)
-    else:
-        group, symmetric = quant["group_size"], method == "gptq" and quant.get("sym", True)
+    group, symmetric, _ = _int4_params(quant, itemsize)
     return total if symmetric else total + (k // group) * n - (k // group) * n // 2
 
 

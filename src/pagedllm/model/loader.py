@@ -334,7 +334,7 @@ def load_model(
             for module in reversed(list(model.modules())):  # children first: int4 experts stack their linears
                 if getattr(module, "quant_method", None) is not None:
                     module.quant_method.process_after_loading(module)
-        _norms_feed_fp8(model)
+        _producers_quantize_for_fp8(model)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # tied weights once
     logger.info("Loaded %s (%s weights, %s, %s%s) in %.1f s: %.2f GiB", model_cls.__name__, load_format,
                 str(dtype).removeprefix("torch."), device,
@@ -348,7 +348,7 @@ _FP8_FEEDS = (("input_layernorm", "self_attn.qkv_proj"), ("post_attention_layern
               ("mlp.act_fn", "mlp.down_proj"))
 
 
-def _norms_feed_fp8(model: nn.Module) -> None:
+def _producers_quantize_for_fp8(model: nn.Module) -> None:
     """Where an fp8 W8A8 projection with per-token activations reads a (Llama-style) RMSNorm's or
     SiLU-and-mul's output, that kernel quantizes its output too (``RMSNorm.fp8_out``,
     ``SiluAndMul.fp8_out``) and the projection skips its own quantize launch."""

@@ -10,7 +10,7 @@ every expert's slice of the intermediate size; with expert parallelism (``enable
 each rank holds ``E / tp`` whole experts instead and tokens routed elsewhere contribute zero. Either
 way a rank's output is a partial sum: the block all-reduces once (shared expert included).
 Quantized experts (``FusedMoE.set_quant_method``): fp8 (``model/quantization/fp8_moe.py``) or int4
-(``int4_moe.py``) weights with their scales, run by the same kernels (``ops.fused_moe.ExpertScales``).
+(``int4_moe.py``) weights with their scales, run by the same kernels (``ops.moe_scales.ExpertScales``).
 """
 from __future__ import annotations
 
@@ -92,15 +92,7 @@ class FusedMoE(nn.Module):
         or up projection ``[I, H]``; ``expert``: one expert's down projection ``[H, I]``."""
         _check_quantized_dtype(param, loaded_weight)
         if shard_id is None:
-            _check_full_rows(loaded_weight, self.num_experts)
-            for local in range(self.num_local_experts):
-                expert = self.first_expert + local
-                if param is self.gate_up_proj:
-                    gate, up = loaded_weight[expert].chunk(2, dim=0)
-                    self.weight_loader(param, gate, (expert, 0))
-                    self.weight_loader(param, up, (expert, 1))
-                else:
-                    self.weight_loader(param, loaded_weight[expert], expert)
+            self.load_fused(param, loaded_weight, param is self.gate_up_proj, self.weight_loader)
             return
         expert, part = shard_id if isinstance(shard_id, tuple) else (shard_id, None)
         local = self._local_index(expert)
@@ -111,6 +103,18 @@ class FusedMoE(nn.Module):
             default_weight_loader(param.data[local], self._slice_inter(loaded_weight, 1))
         else:
             default_weight_loader(param.data[local, part * inter:(part + 1) * inter], self._slice_inter(loaded_weight, 0))
+
+    def load_fused(self, param: nn.Parameter, loaded: torch.Tensor, gate_up: bool, load_shard) -> None:
+        """A tensor in the fused ``[E, ...]`` layout (all experts; gate rows, then up rows) handed to
+        ``load_shard(param, part, shard_id)`` as this rank's experts' shards, as a checkpoint names them."""
+        _check_full_rows(loaded, self.num_experts)
+        for local in range(self.num_local_experts):
+            expert = self.first_expert + local
+            if gate_up:
+                for part, half in enumerate(loaded[expert].chunk(2, dim=0)):
+                    load_shard(param, half, (expert, part))
+            else:
+                load_shard(param, loaded[expert], expert)
 
     def kernel_shape(self) -> tuple:
         """What the fused kernels' compiled variants depend on: layers alike share them."""

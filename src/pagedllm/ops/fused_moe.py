@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.ops.cpu_linear import cpu_linear
-from pagedllm.ops.moe_scales import ExpertScales, dequantize_expert
+from pagedllm.ops.moe_scales import ExpertScales, dequantize_expert, expert_dims
 
 SCORING_FUNCS = ("softmax", "sigmoid")
 CPU_ONEDNN_MIN_ROWS = 16
@@ -62,7 +62,7 @@ def fused_experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, we
     expert. Products are rounded to x's dtype as ``F.linear`` rounds them; the sum is float32.
     ``scales``: the weights are quantized (fp8 or int4), each active expert's dequantized per matmul."""
     num_tokens, top_k = ids.shape
-    inter = w13.shape[2] // 2 if scales is not None and scales.group is not None else w2.shape[2]
+    inter = expert_dims(w13, scales)[2] // 2
     flat = local_expert_ids(ids, expert_map).reshape(-1)
     pairs = torch.arange(flat.numel(), device=x.device)
     if expert_map is not None:
@@ -85,10 +85,8 @@ def fused_experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, we
         linear = cpu_linear if on_cpu and n >= CPU_ONEDNN_MIN_ROWS else F.linear
         w_gate_up, w_down = w13[expert], w2[expert]
         if scales is not None:
-            zeros13, zeros2 = (None, None) if scales.w13_zeros is None else \
-                (scales.w13_zeros[expert], scales.w2_zeros[expert])
-            w_gate_up = dequantize_expert(w_gate_up, scales.w13[expert], scales, x.dtype, zeros13)
-            w_down = dequantize_expert(w_down, scales.w2[expert], scales, x.dtype, zeros2)
+            w_gate_up = dequantize_expert(w_gate_up, scales, "w13", expert, x.dtype)
+            w_down = dequantize_expert(w_down, scales, "w2", expert, x.dtype)
         gate_up = linear(x[tokens], w_gate_up)
         y = linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], w_down)
         out.index_add_(0, tokens, y.float() * flat_weights[expert_pairs, None])

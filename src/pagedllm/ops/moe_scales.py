@@ -30,13 +30,22 @@ class ExpertScales:
     w2_zeros: torch.Tensor | None = None
 
 
-def dequantize_expert(w: torch.Tensor, scale: torch.Tensor, scales: ExpertScales, dtype: torch.dtype,
-                      zeros: torch.Tensor | None = None) -> torch.Tensor:
-    """One expert's quantized weight as [N, K] in ``dtype`` (``scale``/``zeros``: ``scales``' rows
-    for it), from float32 products rounded once."""
+def expert_dims(w13: torch.Tensor, scales: ExpertScales | None) -> tuple[int, int, int]:
+    """(experts, hidden size, 2 x intermediate size) of the fused gate/up weight (int4: words [E, H / 8, 2I])."""
+    if scales is not None and scales.group is not None:
+        return w13.shape[0], w13.shape[1] * 8, w13.shape[2]
+    return w13.shape[0], w13.shape[2], w13.shape[1]
+
+
+def dequantize_expert(w: torch.Tensor, scales: ExpertScales, which: str, expert: int,
+                      dtype: torch.dtype) -> torch.Tensor:
+    """Expert ``expert``'s quantized ``which`` ("w13" or "w2") weight ``w`` as [N, K] in ``dtype``,
+    from float32 products rounded once."""
+    scale = getattr(scales, which)[expert]
     if scales.group is not None:
+        zeros = getattr(scales, f"{which}_zeros")
         q = unpack_rows(w)  # [K, N]
-        z = 8 if zeros is None else zeros.t().to(torch.int32).repeat_interleave(scales.group, 0)[:q.shape[0]]
+        z = 8 if zeros is None else zeros[expert].t().to(torch.int32).repeat_interleave(scales.group, 0)[:q.shape[0]]
         s = scale.t().float().repeat_interleave(scales.group, 0)[:q.shape[0]]
         return ((q - z).float() * s).to(dtype).t()
     if scales.block is None:

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.ops.moe_scales import ExpertScales
+from pagedllm.ops.moe_scales import ExpertScales, expert_dims
 from pagedllm.ops.triton_moe_routing import align_pairs, align_pairs_triton, moe_pdl
 from pagedllm.ops.triton_pdl import pdl_enter
 from pagedllm.ops.tile_tables import read_table
@@ -251,9 +251,7 @@ def warm_up(w13: torch.Tensor, w2: torch.Tensor, top_k: int, expert_map: torch.T
     them (the precompile pool, in parallel) and none compiles in the middle of a run, where the
     first prefill of a size stalls the host for a second or more (workload 1 on qwen3-30b-a3b:
     15 compiles in the timed run)."""
-    num_experts, two_inter, hidden = w13.shape
-    if scales is not None and scales.group is not None:  # int4 words [E, H / 8, 2I]
-        two_inter, hidden = w13.shape[2], w13.shape[1] * 8
+    num_experts, hidden, two_inter = expert_dims(w13, scales)
     num_global = num_experts if expert_map is None else expert_map.numel()
     largest = batch_bucket(min(max_tokens, CHUNK_TOKENS))
     seen = set()
@@ -274,20 +272,16 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w
                          ids: torch.Tensor, expert_map: torch.Tensor | None = None,
                          config: dict | None = None, scales: ExpertScales | None = None) -> torch.Tensor:
     """``fused_experts_torch``'s result [T, H] from the two grouped-GEMM kernels; ``config``
-    overrides the table's tiles (the benchmark's tuning); ``scales``: fp8 weights (W8A16)."""
+    overrides the table's tiles (the benchmark's tuning); ``scales``: quantized experts (fp8 or int4)."""
     num_tokens = x.shape[0]
     if num_tokens > CHUNK_TOKENS:
         return torch.cat([fused_experts_triton(x[i:i + CHUNK_TOKENS], w13, w2, weights[i:i + CHUNK_TOKENS],
                                                ids[i:i + CHUNK_TOKENS], expert_map, config, scales)
                           for i in range(0, num_tokens, CHUNK_TOKENS)])
     int4 = scales is not None and scales.group is not None
-    if int4:  # canonical words [E, K / 8, N]
-        num_experts, hidden, two_inter = w13.shape[0], w13.shape[1] * 8, w13.shape[2]
-        want_w2 = (num_experts, two_inter // 16, hidden)
-    else:
-        num_experts, two_inter, hidden = w13.shape
-        want_w2 = (num_experts, hidden, two_inter // 2)
+    num_experts, hidden, two_inter = expert_dims(w13, scales)
     inter, top_k = two_inter // 2, ids.shape[1]
+    want_w2 = (num_experts, inter // 8, hidden) if int4 else (num_experts, hidden, inter)  # int4: words [E, I / 8, H]
     if x.stride(-1) != 1 or w13.stride(-1) != 1 or w2.stride(-1) != 1 or w2.shape != want_w2:
         raise ValueError(f"fused_experts_triton: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}")
     cfg = config or get_config(num_experts, hidden, inter, num_tokens, top_k)

@@ -156,11 +156,7 @@ def _rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tens
     res_out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else out
     num_rows = x.numel() // n if n else 0
     fp8_out = fp8_out and out.dtype in (torch.bfloat16, torch.float16) and num_rows > 0
-    if fp8_out:
-        q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
-        scales = torch.empty(num_rows, 1, dtype=torch.float32, device=x.device)
-    else:
-        q = scales = out
+    q, scales = _fp8_rows(out, num_rows) if fp8_out else (out, out)
     if num_rows == 0:
         return out, res_out
     xr, n_inner, xs0, xs1 = _rows(x)
@@ -173,6 +169,12 @@ def _rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tens
     if fp8_out:
         attach_fp8(out, q, scales)
     return out, res_out
+
+
+def _fp8_rows(out: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where a kernel writes ``out``'s per-token fp8 rows and their float32 scales."""
+    return (torch.empty(out.shape, dtype=torch.float8_e4m3fn, device=out.device),
+            torch.empty(num_rows, 1, dtype=torch.float32, device=out.device))
 
 
 def attach_fp8(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> None:
@@ -222,8 +224,7 @@ def silu_and_mul(x: torch.Tensor, fp8_out: bool = False) -> torch.Tensor:
     fp8_out = fp8_out and x.dtype in (torch.bfloat16, torch.float16)
     if fp8_out:  # the row's scale needs the whole row in one program
         block, num_warps = _row_launch(inter)
-        q = torch.empty(out.shape, dtype=torch.float8_e4m3fn, device=x.device)
-        scales = torch.empty(num_rows, 1, dtype=torch.float32, device=x.device)
+        q, scales = _fp8_rows(out, num_rows)
     else:
         block, num_warps = min(triton.next_power_of_2(inter), 1024), 4
         q = scales = out

@@ -3,7 +3,7 @@
 checkpoints (``quant_method: "fp8"`` per-tensor ``weight_scale`` or block-wise ``weight_scale_inv``
 as Qwen3-30B-A3B-FP8 ships; compressed-tensors fp8 per tensor, channel or block).
 
-The experts' weights stay fp8 in memory beside float32 scales (``ops.fused_moe.ExpertScales``):
+The experts' weights stay fp8 in memory beside float32 scales (``ops.moe_scales.ExpertScales``):
 per output channel ``[E, 2I]`` / ``[E, H]`` (a per-tensor scale is written into its projection's
 rows), or per weight block. The activations stay in the model dtype (W8A16): the Triton kernel
 widens each fp8 weight tile in registers and applies the scales in its epilogue (per channel) or
@@ -66,37 +66,30 @@ class Fp8MoEMethod:
         projection, ``expert`` its down projection, None all experts in our fused layout (dummy
         weights). Per-tensor scales fill their projection's rows; per-channel ones ([N] or
         [N, 1]) and block ones are sliced to this rank's intermediate rows (in blocks)."""
-        gate_up = param is getattr(moe, "gate_up_proj_scale")
         if shard_id is None:
-            for local in range(moe.num_local_experts):
-                expert = moe.first_expert + local
-                if gate_up:
-                    for part, half in enumerate(loaded[expert].chunk(2, dim=0)):
-                        self.load_scale(moe, param, half, (expert, part))
-                else:
-                    self.load_scale(moe, param, loaded[expert], expert)
+            moe.load_fused(param, loaded, param is moe.gate_up_proj_scale,
+                           lambda p, t, shard: self.load_scale(moe, p, t, shard))
             return
         expert, part = shard_id if isinstance(shard_id, tuple) else (shard_id, None)
         local = moe._local_index(expert)
         if local is None:
             return  # another rank's expert
         div_n, div_k = self.block or (1, 1)
-        if part is None:  # down: rows over the hidden size, the intermediate size along K
-            dest = param.data[local]
-            sliced = loaded if loaded.numel() == 1 or self.block is None else moe._slice_inter(loaded, 1, div_k)
-        else:
-            rows = moe.local_intermediate // div_n
-            dest = param.data[local, part * rows:(part + 1) * rows]
-            sliced = loaded if loaded.numel() == 1 else moe._slice_inter(loaded, 0, div_n)
-        if loaded.numel() == 1:
+        rows = moe.local_intermediate // div_n
+        dest = param.data[local] if part is None else param.data[local, part * rows:(part + 1) * rows]
+        if loaded.numel() == 1:  # per tensor
             dest.fill_(float(loaded.reshape(())))
+            return
+        if part is None:  # down: rows over the hidden size, the intermediate size along K
+            sliced = loaded if self.block is None else moe._slice_inter(loaded, 1, div_k)
         else:
-            if self.block is None:
-                sliced = sliced.reshape(-1)
-            if tuple(sliced.shape) != tuple(dest.shape):
-                raise ValueError(f"expert scale has shape {tuple(loaded.shape)}, which does not fit "
-                                 f"{tuple(dest.shape)} on this rank")
-            dest.copy_(sliced)
+            sliced = moe._slice_inter(loaded, 0, div_n)
+        if self.block is None:
+            sliced = sliced.reshape(-1)
+        if tuple(sliced.shape) != tuple(dest.shape):
+            raise ValueError(f"expert scale has shape {tuple(loaded.shape)}, which does not fit "
+                             f"{tuple(dest.shape)} on this rank")
+        dest.copy_(sliced)
 
     def process_after_loading(self, moe: nn.Module) -> None:
         if self.serialized:

@@ -8,7 +8,7 @@ checkpoint tensors load, unpack and split over tensor-parallel ranks exactly as 
 do. Once loaded, each is turned into the canonical layout (``model/quantization/int4.py``) and the
 experts are stacked: words [E, K / 8, N], scales [E, N, K / G] (per output row, in the
 checkpoint's dtype) and zero points unpacked [E, N, K / G] uint8 (none when symmetric), which the
-fused-MoE kernels read (``ops.fused_moe.ExpertScales``). The per-expert linears are then dropped.
+fused-MoE kernels read (``ops.moe_scales.ExpertScales``). The per-expert linears are then dropped.
 """
 from __future__ import annotations
 
