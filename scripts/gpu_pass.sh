@@ -3,7 +3,7 @@
 # short table. Usage (on the device machine, repo root): scripts/gpu_pass.sh [STAGES]
 # STAGES is a comma list of: tests, throughput, throughput8b, latency, long, startup, structured, lora,
 # moetune, moe, quant, quanttune, pooling, embed, embedprof, moedebug, fp8kv, fp8kvbench, structuredab,
-# prefill, structuredub, structuredoverlap, structuredchain, w4tune, fp8tune, fp8norm, spec, loratests, lorakernel, loraprof (default: startup,tests,throughput,throughput8b,latency).
+# prefill, prefillab, longprof, structuredub, structuredoverlap, structuredchain, w4tune, fp8tune, fp8norm, spec, loratests, lorakernel, loraprof (default: startup,tests,throughput,throughput8b,latency).
 # Needs the SmolLM2 tokenizer saved under .gpu/tokenizer (carried with the call), and wheels carried in .whl
 # for what the device lacks: xgrammar with apache-tvm-ffi, llguidance, pydantic (+ pydantic-core,
 # annotated-types, typing-inspection), jsonschema (+ jsonschema-specifications, referencing, rpds-py),
@@ -220,6 +220,21 @@ if stage recheck; then  # the tests that failed on the device last time, after t
     tests/gpu/test_gpu_moe.py tests/engine/test_fp8_kv_cache.py -k "not float32_cache" > "$OUT/recheck.log" 2>&1
   echo "   recheck rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/recheck.log" | tail -12 | cut -c1-250
 fi
+# Issue 19: the prefill kernel (attention/triton_prefill.py) on and off, end to end, same machine.
+if stage prefillab; then
+  echo "== prefillab tests"
+  python -m pytest -q -rfE -p no:cacheprovider tests/attention > "$OUT/prefilltests.log" 2>&1
+  echo "   attention tests rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/prefilltests.log" | tail -8 | cut -c1-250
+  for on in 1 0 1 0; do
+    bench long_06b_pk$on env PAGEDLLM_PREFILL_KERNEL=$on python -m pagedllm.benchmarks.long_prompt --shape qwen3-0.6b
+  done
+  for on in 1 0; do
+    bench long_8b_pk$on env PAGEDLLM_PREFILL_KERNEL=$on python -m pagedllm.benchmarks.long_prompt --shape llama3-8b
+    bench prefix_06b_pk$on env PAGEDLLM_PREFILL_KERNEL=$on python -m pagedllm.benchmarks.shared_prefix --shape qwen3-0.6b
+  done
+fi
+stage longprof && bench long_profile python scripts/profile_throughput.py --long --num-prompts 16 --shape ${PROF_SHAPE:-qwen3-0.6b}
+stage longprof && tail -40 "$OUT/long_profile.log" | cut -c1-170
 stage base8b && bench base_latency_8b python -m pagedllm.benchmarks.latency --shape llama3-8b --batch-sizes 1,32
 echo "== results"
 python - "$RES" <<'PY'

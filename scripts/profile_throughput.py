@@ -1,7 +1,7 @@
 """Where the time of the throughput workload goes on a GPU: kernel time by kernel, and
 device busy time against wall time (host-bound or device-bound). A reduced workload.
 
-python scripts/profile_throughput.py [--num-prompts 256] [--shape qwen3-0.6b]
+python scripts/profile_throughput.py [--num-prompts 256] [--shape qwen3-0.6b] [--long]
 """
 from __future__ import annotations
 
@@ -20,13 +20,22 @@ p.add_argument("--num-prompts", type=int, default=256)
 p.add_argument("--max-len", type=int, default=1024)
 p.add_argument("--engine-args", default="")
 p.add_argument("--host", action="store_true", help="no torch profiler: sample the host's Python stacks instead")
+p.add_argument("--long", action="store_true", help="workload 7 instead (long prompts: 4,096-8,192 tokens, 16-64 out)")
 args = p.parse_args()
 extra = {}
 for kv in filter(None, args.engine_args.split(",")):
     k, v = kv.split("=")
     extra[k] = int(v) if v.lstrip("-").isdigit() else (v == "true" if v in ("true", "false") else v)
-prompts, max_tokens = draw_workload(args.num_prompts, args.max_len, args.max_len)
-llm = LLM(write_shape(args.shape), load_format="dummy", skip_tokenizer_init=True, max_model_len=4096, **extra)
+if args.long:
+    import random
+
+    random.seed(0)
+    prompts = [[random.randint(0, 10000) for _ in range(random.randint(4096, 8192))] for _ in range(args.num_prompts)]
+    max_tokens = [random.randint(16, 64) for _ in range(args.num_prompts)]
+else:
+    prompts, max_tokens = draw_workload(args.num_prompts, args.max_len, args.max_len)
+llm = LLM(write_shape(args.shape), load_format="dummy", skip_tokenizer_init=True,
+          max_model_len=8256 if args.long else 4096, **extra)
 params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m, detokenize=False) for m in max_tokens]
 llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3])], SamplingParams(max_tokens=4, detokenize=False), use_tqdm=False)
 engine = llm.llm_engine

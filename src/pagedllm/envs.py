@@ -94,6 +94,10 @@ _VARS = [
            "instead of taking the rows the RMSNorm or SiLU-and-mul kernel before it quantized (model/loader.py; "
            "A/B measurements).",
            _not_zero),
+    EnvVar("PAGEDLLM_PREFILL_KERNEL", "bool (0 = off)", True,
+           "0: causal prefill chunks (query runs longer than a decode tile, no sliding window or soft cap) run in the "
+           "unified paged-attention kernel's long tiles instead of the prefill kernel (attention/triton_prefill.py; "
+           "A/B measurements).", _not_zero),
     EnvVar("PAGEDLLM_SPEC_FORCE_ACCEPT", "bool (1 = on)", False,
            "Benchmarks only: speculative decoding accepts every draft (the machinery's ceiling; outputs are the "
            "draft's).", _is_one),

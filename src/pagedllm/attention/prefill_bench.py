@@ -6,13 +6,15 @@ FLOPs (4 * head_dim * heads * (q * context + q * (q + 1) / 2) per sequence) over
 TFLOP/s. The Triton path is timed as the model runner runs it (KV write + attention from the
 paged cache, in a CUDA graph); torch's SDPA backends (cuDNN, flash, memory-efficient) run on
 contiguous q/k/v of one sequence at a time (``enable_gqa``), as a prefill-only fast path could.
-``--sweep`` also times other long-query tilings of the Triton kernel. One JSON line per result,
-a table last.
+Rows: ``prefill`` (the prefill kernel, attention/triton_prefill.py, what a causal long run takes
+by default), ``unified`` (the unified kernel's long tiles, ``PAGEDLLM_PREFILL_KERNEL=0``).
+``--sweep`` also times other tilings of both. One JSON line per result, a table last.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 
 import torch
@@ -20,6 +22,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pagedllm.attention import triton_kernels as tk
+from pagedllm.attention import triton_prefill as tp
 from pagedllm.attention.kernel_bench import SHAPES, make_case, rel_error, time_graphs
 
 CASES = [("llama3-8b", [(0, 512)] * 8), ("llama3-8b", [(0, 1024)] * 4), ("llama3-8b", [(0, 2048)]), ("llama3-8b", [(0, 4096)]), ("llama3-8b", [(0, 8192)]),
@@ -90,20 +93,27 @@ def main(argv=None) -> None:
     gen = torch.Generator().manual_seed(0)
     dtype = torch.bfloat16
     print(f"device {torch.cuda.get_device_name()}", flush=True)
-    variants = [("triton", {})]
+    variants = [("prefill", None), ("unified", {})]
     if args.sweep:
-        variants += [(f"triton m{m} n{n} w{w} s{s}", dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s))
-                     for m, n, w, s in ((128, 32, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 2),
-                                        (64, 64, 4, 3), (128, 64, 4, 2), (64, 128, 4, 2), (256, 64, 8, 2))]
+        variants += [(f"prefill m{m} n{n} w{w} s{s}", dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s))
+                     for m, n, w, s in ((128, 64, 8, 2), (128, 128, 8, 2), (128, 32, 8, 3), (128, 64, 4, 3),
+                                        (64, 64, 4, 3), (64, 128, 4, 2), (128, 128, 8, 3), (256, 64, 8, 2))]
+        variants += [(f"unified m{m} n{n} w{w} s{s}", dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s))
+                     for m, n, w, s in ((128, 64, 8, 3), (128, 128, 8, 2))]
     rows = []
+    default_prefill_tiles = tp.prefill_tile_config
     for shape, runs in CASES:
         heads, kvh, hd = SHAPES[shape]
         flops = causal_flops(runs, heads, hd)
         name = f"{shape} {len(runs)}x(ctx {runs[0][0]}, q {runs[0][1]})"
         case = make_case(heads, kvh, hd, runs, dtype, gen)
         for variant, over in variants:
-            original, patched = with_long_tiles(**over)
+            unified = variant.startswith("unified")
+            os.environ["PAGEDLLM_PREFILL_KERNEL"] = "0" if unified else "1"
+            original, patched = with_long_tiles(**(over if unified else {}))
             tk._tile_config = patched
+            if not unified and over:
+                tp.prefill_tile_config = lambda head_dim, ieee, over=over: over
             try:
                 t = time_graphs([case], 5)
                 err = rel_error(case) if runs[0][1] <= 8192 else float("nan")
@@ -113,6 +123,7 @@ def main(argv=None) -> None:
                 continue
             finally:
                 tk._tile_config = original
+                tp.prefill_tile_config = default_prefill_tiles
             rows.append(dict(case=name, path=variant, ms=round(t * 1e3, 3), tflops=round(flops / t / 1e12, 1),
                              rel_err=float(f"{err:.2e}")))
             print(json.dumps(rows[-1]), flush=True)

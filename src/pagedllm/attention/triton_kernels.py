@@ -41,7 +41,10 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm import envs
 from pagedllm.attention.kv_quant import FP8_MAX, is_fp8
+from pagedllm.attention.triton_prefill import prefill_attention
+from pagedllm.attention.triton_paging import find_seq, load_block_ids
 
 LOG2_E = math.log2(math.e)
 MAX_SPLITS = 16  # split-KV parts per (token, head) at most
@@ -115,44 +118,11 @@ def _fp8_max(kv_cache: torch.Tensor, kv_scale: torch.Tensor | None) -> float:
 
 # ---- unified attention -------------------------------------------------------------------------
 @triton.jit
-def _load_block_ids(bt_row, tile, tile_hi, kv_stop, n, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    """Physical block of each key of tile ``tile`` (one id when the tile lies in one block)."""
-    if BLOCK_SIZE % BLOCK_N == 0:
-        ids = tl.load(bt_row + (tile * BLOCK_N) // BLOCK_SIZE, mask=tile < tile_hi, other=0)
-    else:
-        k_pos = tile * BLOCK_N + n
-        ids = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=k_pos < kv_stop, other=0)
-    return ids
-
-
-@triton.jit
 def _tanh(x):
     """tanh from exp2 (exact at +-inf, no overflow): sign(x) (1 - e^-2|x|) / (1 + e^-2|x|)."""
     e = tl.math.exp2(-2.0 * 1.4426950408889634 * tl.abs(x))
     t = (1.0 - e) / (1.0 + e)
     return tl.where(x < 0, -t, t)
-
-
-@triton.jit
-def _find_seq(qsl_ptr, pid, num_seqs, BLOCK_Q: tl.constexpr):
-    """The last sequence whose first program is at or before ``pid``."""
-    lo = tl.zeros([], dtype=tl.int32)
-    hi = tl.zeros([], dtype=tl.int32) + num_seqs - 1
-    if BLOCK_Q == 1:  # decode batches: token t is sequence t, two loads instead of a search
-        guess = tl.minimum(pid, num_seqs - 1)
-        hit = (tl.load(qsl_ptr + guess) <= pid) & (pid < tl.load(qsl_ptr + guess + 1))
-        lo = tl.where(hit, guess, lo)
-        hi = tl.where(hit, guess, hi)
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        first = tl.load(qsl_ptr + mid)
-        if BLOCK_Q > 1:
-            first = first // BLOCK_Q + mid
-        if first <= pid:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
 
 
 # num_seqs, window and the block-table width (stride_bt) vary from step to step: specialising
@@ -175,7 +145,7 @@ def _attention_kernel(
     # read the same cache blocks (each slot holds all KV heads) at about the same time.
     pid = tl.program_id(0) // NUM_KV_HEADS
     kvh = tl.program_id(0) % NUM_KV_HEADS
-    s = _find_seq(qsl_ptr, pid, num_seqs, BLOCK_Q)
+    s = find_seq(qsl_ptr, pid, num_seqs, BLOCK_Q)
     q_begin = tl.load(qsl_ptr + s)
     q_len = tl.load(qsl_ptr + s + 1) - q_begin
     if BLOCK_Q == 1:
@@ -237,12 +207,12 @@ def _attention_kernel(
     # The block-table entries of each tile are loaded one iteration ahead: a K/V address that
     # hangs on a load of the same iteration keeps Triton's pipeliner to a single K/V buffer
     # (seen in the TTGIR for sm_90), while this way K/V arrive num_stages - 1 tiles ahead.
-    phys_next = _load_block_ids(bt_row, tile_lo, tile_hi, kv_stop, n, BLOCK_N, BLOCK_SIZE)
+    phys_next = load_block_ids(bt_row, tile_lo, tile_hi, kv_stop, n, BLOCK_N, BLOCK_SIZE)
     for t in range(tile_lo, tile_hi):
         k_pos = t * BLOCK_N + n
         k_ok = k_pos < kv_stop
         phys = phys_next.to(tl.int64)
-        phys_next = _load_block_ids(bt_row, t + 1, tile_hi, kv_stop, n, BLOCK_N, BLOCK_SIZE)
+        phys_next = load_block_ids(bt_row, t + 1, tile_hi, kv_stop, n, BLOCK_N, BLOCK_SIZE)
         kv_off = phys * stride_c_block + (k_pos % BLOCK_SIZE) * stride_c_slot + head_off
         kv_mask = k_ok[:, None]
         if DIM_PAD != HEAD_DIM:
@@ -401,18 +371,15 @@ def unified_attention(
     kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal paged attention for a flat batch (``causal=False``: bidirectional, for encoders,
-    whose whole sequence is in the step); writes ``out`` rows of every token that
-    belongs to a sequence (rows past ``query_start_loc[-1]`` are left as they are).
-
-    ``max_query_len`` is only a hint that picks the launch shape (1: decode tiles, one
-    program per token; otherwise short and long query runs in separate launches); any value
-    gives correct results. ``num_kv_splits`` forces the split-KV path (None: a heuristic that
-    splits only decode batches too small to fill the GPU). ``logits_soft_cap``: scores
-    ``cap * tanh(s / cap)`` before masking (its own compiled variant; None: the kernels without it).
-    """
+    whose whole sequence is in the step); writes ``out`` rows of every token that belongs to a
+    sequence (rows past ``query_start_loc[-1]`` are left as they are). ``max_query_len`` is only
+    a hint that picks the launch shape (1: decode tiles, one program per token; otherwise short
+    and long query runs in separate launches, the long ones in the prefill kernel,
+    ``triton_prefill``, where it applies); any value gives correct results. ``num_kv_splits``
+    forces the split-KV path (None: split only decode batches too small to fill the GPU).
+    ``logits_soft_cap``: scores ``cap * tanh(s / cap)`` before masking (None: no cap)."""
     num_tokens, num_heads, head_dim = q.shape
-    num_seqs = seq_lens.shape[0]
-    num_kv_heads = kv_cache.shape[3]
+    num_seqs, num_kv_heads = seq_lens.shape[0], kv_cache.shape[3]
     if num_tokens == 0 or num_seqs == 0:
         return out
     _check_attention_inputs(q, kv_cache, out, sliding_window, logits_soft_cap, kv_scale)
@@ -445,10 +412,13 @@ def unified_attention(
             Q_LEN_FILTER=q_len_filter, Q_LEN_THRESHOLD=threshold,
         )
 
-    if has_long:
-        no_parts = (out, out, out)
-        launch(short_cfg, 1, 1, no_parts)
-        launch(_tile_config(True, False, group_pad, head_dim, ieee), 2, 1, no_parts)
+    if has_long:  # short runs in short tiles; long ones in the prefill kernel where it applies
+        launch(short_cfg, 1, 1, (out, out, out))
+        if causal and sliding_window is None and logits_soft_cap is None and envs.PAGEDLLM_PREFILL_KERNEL:
+            prefill_attention(q, kv_cache, block_tables, query_start_loc, seq_lens, scalars[0], out, kv_scale,
+                              threshold, common["KV_FP8"])
+        else:
+            launch(_tile_config(True, False, group_pad, head_dim, ieee), 2, 1, (out, out, out))
         return out
 
     splits = num_kv_splits if num_kv_splits is not None else \

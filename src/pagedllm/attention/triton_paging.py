@@ -1,0 +1,39 @@
+"""Triton helpers shared by the paged-attention kernels: which sequence a program serves, and
+which cache blocks a tile of keys lives in."""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def load_block_ids(bt_row, tile, tile_hi, kv_stop, n, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """Physical block of each key of tile ``tile`` (one id when the tile lies in one block)."""
+    if BLOCK_SIZE % BLOCK_N == 0:
+        ids = tl.load(bt_row + (tile * BLOCK_N) // BLOCK_SIZE, mask=tile < tile_hi, other=0)
+    else:
+        k_pos = tile * BLOCK_N + n
+        ids = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=k_pos < kv_stop, other=0)
+    return ids
+
+
+@triton.jit
+def find_seq(qsl_ptr, pid, num_seqs, BLOCK_Q: tl.constexpr):
+    """The last sequence whose first program is at or before ``pid``."""
+    lo = tl.zeros([], dtype=tl.int32)
+    hi = tl.zeros([], dtype=tl.int32) + num_seqs - 1
+    if BLOCK_Q == 1:  # decode batches: token t is sequence t, two loads instead of a search
+        guess = tl.minimum(pid, num_seqs - 1)
+        hit = (tl.load(qsl_ptr + guess) <= pid) & (pid < tl.load(qsl_ptr + guess + 1))
+        lo = tl.where(hit, guess, lo)
+        hi = tl.where(hit, guess, hi)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        first = tl.load(qsl_ptr + mid)
+        if BLOCK_Q > 1:
+            first = first // BLOCK_Q + mid
+        if first <= pid:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

@@ -1,0 +1,105 @@
+"""The prefill kernel (attention/triton_prefill.py: long causal query runs, one head per program,
+unmasked key tiles then the diagonal) against the float64 softmax, in batches that mix fresh
+prompts, chunks after cached prefixes that end off a tile boundary, decodes and padding; over
+key tiles smaller and larger than the cache's blocks, head groups that are not powers of two
+and padded head dims. The cache is NaN outside the sequences' slots, so a key read past a run's
+end shows. ``PAGEDLLM_PREFILL_KERNEL=0`` sends the same runs to the unified kernel."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tests.attention.test_triton_attention import TOL, check, make_batch, run_kernels
+from tests.triton_env import ON_GPU
+
+# (block_size, kv_heads, group, head_dim, dtype, runs as (cached context, query length), tiles or None)
+CASES = [
+    (16, 2, 2, 64, torch.float32, [(0, 70), (37, 45), (5, 1), (100, 33)], None),
+    (8, 1, 3, 80, torch.float32, [(64, 40), (0, 17), (3, 1)], None),
+    (64, 2, 1, 32, torch.float32, [(16, 48), (0, 96)], dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)),
+    (16, 1, 2, 64, torch.float32, [(50, 90), (1, 2)], dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=2)),
+    (16, 2, 4, 64, torch.bfloat16, [(20, 50), (0, 140), (9, 1)], None),
+    (32, 1, 2, 256, torch.float16, [(40, 30), (0, 70)], None),
+]
+if ON_GPU:  # longer runs, where most key tiles are unmasked
+    CASES += [(16, 8, 4, 128, dt, [(0, 2048), (1000, 777), (3, 1), (4095, 300)], None)
+              for dt in (torch.bfloat16, torch.float16)]
+
+
+@pytest.fixture
+def spy(kernels, monkeypatch):
+    """Counts the prefill kernel's launches."""
+    calls = []
+    real = kernels.prefill_attention
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(kernels, "prefill_attention", counted)
+    return calls
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_prefill_kernel_matches_float64_softmax(kernels, spy, monkeypatch, case):
+    block_size, kvh, group, hd, dtype, runs, tiles = CASES[case]
+    if tiles is not None:
+        from pagedllm.attention import triton_prefill
+
+        monkeypatch.setattr(triton_prefill, "prefill_tile_config", lambda head_dim, ieee: tiles)
+    rng = random.Random(case)
+    b = make_batch(rng, block_size=block_size, num_kv_heads=kvh, group=group, head_dim=hd, dtype=dtype, runs=runs,
+                   num_pad_seqs=1, num_pad_rows=2)
+    scale = hd ** -0.5
+    rels = {}
+    for on in ("1", "0"):
+        monkeypatch.setenv("PAGEDLLM_PREFILL_KERNEL", on)
+        spy.clear()
+        out = run_kernels(kernels, b, scale, None, max_query_len=max(q for _, q in runs))
+        assert len(spy) == (on == "1"), f"prefill kernel launches with PAGEDLLM_PREFILL_KERNEL={on}: {spy}"
+        rels[on] = check(out, b, scale, None, dtype, (CASES[case][:5], runs, on))
+        assert out[b.qsl[-1].item():].isnan().all()  # rows past the last sequence: untouched
+    assert rels["1"] < TOL[dtype]
+
+
+def test_windows_soft_caps_and_encoders_stay_on_the_unified_kernel(kernels, spy):
+    """What the prefill kernel does not implement never reaches it (and stays exact)."""
+    rng = random.Random(7)
+    runs = [(10, 40), (0, 33)]
+    b = make_batch(rng, block_size=16, num_kv_heads=2, group=2, head_dim=64, dtype=torch.float32, runs=runs)
+    for window, cap in ((9, None), (None, 4.0)):
+        out = run_kernels(kernels, b, 0.125, window, max_query_len=40, logits_soft_cap=cap)
+        check(out, b, 0.125, window, torch.float32, (window, cap), soft_cap=cap)
+    assert spy == []
+
+
+def test_prefill_kernel_compiles_for_sm90_with_wgmma_and_pipelined_loads(tmp_path):
+    """The bf16 tiles compile for an H100 to ``wgmma`` dots fed by 16-byte ``cp.async`` K/V loads
+    (what Triton's pipeliner emits when it keeps tiles in flight), fp8 caches too."""
+    from tests.triton_env import HAS_TRITON, compile_for_sm90
+
+    if not HAS_TRITON:
+        pytest.skip("triton is not installed")
+    body = r'''
+from pagedllm.attention import triton_prefill as tp
+sig = {"q_ptr": "*bf16", "out_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16",
+       "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "qsl_ptr": "*i32", "kv_scale_ptr": "*fp32",
+       "scale_log2": "fp32", "num_seqs": "i32", "stride_qt": "i32", "stride_qh": "i32", "stride_ot": "i32",
+       "stride_oh": "i32", "stride_c_block": "i32", "stride_c_slot": "i32", "stride_c_head": "i32", "stride_bt": "i32"}
+sig.update({k: c for k in ("NUM_HEADS", "GROUP", "BLOCK_M", "BLOCK_N", "BLOCK_SIZE", "HEAD_DIM", "DIM_PAD",
+                           "Q_LEN_THRESHOLD", "IEEE", "KV_FP8")})
+divisible = [a for a in sig if a.endswith("_ptr") or (a.startswith("stride") and a != "stride_bt")]
+for hd in (128, 256):
+    for fp8 in (False, True):
+        cfg = tp.prefill_tile_config(hd, False)
+        cons = dict(NUM_HEADS=32, GROUP=4, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_SIZE=16, HEAD_DIM=hd,
+                    DIM_PAD=hd, Q_LEN_THRESHOLD=4, IEEE=False, KV_FP8=fp8)
+        s = dict(sig, k_cache_ptr="*fp8e4nv", v_cache_ptr="*fp8e4nv") if fp8 else sig
+        compile_(f"hd {hd} fp8 {fp8}", tp._prefill_kernel, s, cons, num_warps=cfg["num_warps"],
+                 options={"num_stages": cfg["num_stages"]}, want_ptx=("wgmma.mma_async", "cp.async.cg.shared.global"),
+                 divisible=divisible)
+'''
+    results = compile_for_sm90(body, tmp_path)
+    assert results and all(v is True for v in results.values()), results
