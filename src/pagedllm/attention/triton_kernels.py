@@ -295,7 +295,8 @@ def _num_sms(device: torch.device) -> int:
     return 132  # the interpreter on CPU: behave as on an H100
 
 
-def _tile_config(long_queries: bool, block_q_1: bool, group_pad: int, head_dim: int, ieee: bool) -> dict:
+def _tile_config(long_queries: bool, block_q_1: bool, group_pad: int, head_dim: int, ieee: bool,
+                 fp8_unsplit: bool = False) -> dict:
     """Tile shapes and launch settings. Not yet tuned on the device; the reasoning, checked
     against ptxas's report for sm_90 (no spills in any of these):
 
@@ -307,6 +308,11 @@ def _tile_config(long_queries: bool, block_q_1: bool, group_pad: int, head_dim: 
     - Long runs (prefill chunks): ``BLOCK_M`` 128 rows, 8 warps, ``wgmma``; every K/V tile is
       used by 128 query rows, so a long prompt re-reads its context few times; 64-key tiles,
       2 stages (~96 KB of shared memory, ~180 registers: one program per SM).
+    - Short runs over an fp8 cache without split-KV (``fp8_unsplit``): 128-key tiles, 2 stages.
+      An fp8 tile holds half the bytes, and the widening to q's dtype costs issue slots; on the
+      H100 (``kernel_bench --kv-cache-dtype fp8``) 32-key tiles reached 0.60-0.64 of copy
+      bandwidth at 64-256 sequences x 1-2k tokens, 128-key tiles 0.65-0.76. Split decodes
+      (few sequences, short parts) keep 32-key tiles.
     - head_dim 256 halves the tiles to keep the fp32 accumulator in registers.
     - fp32 (IEEE dots on CUDA cores; exact checks only, never the fast path): 16-key tiles and
       at most 32 rows, where larger tiles spill kilobytes.
@@ -323,9 +329,11 @@ def _tile_config(long_queries: bool, block_q_1: bool, group_pad: int, head_dim: 
         return dict(BLOCK_Q=block_m // group_pad, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=2)
     block_q = 1 if block_q_1 else max(1, 16 // group_pad)
     block_m = max(16, block_q * group_pad)
-    block_n = 16 if (big or ieee) else 32
+    block_n, stages = (16 if (big or ieee) else 32), (2 if big else 3)
+    if fp8_unsplit and not (big or ieee):
+        block_n, stages = 128, 2
     return dict(BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=8 if (big and ieee) else 4,
-                num_stages=2 if big else 3)
+                num_stages=stages)
 
 
 def _check_attention_inputs(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
@@ -397,13 +405,13 @@ def unified_attention(
     scalars = _scalar_args(q, out, kv_cache, block_tables, scale, num_seqs, sliding_window, logits_soft_cap)
 
     decode_only = max_query_len == 1
-    short_cfg = _tile_config(False, decode_only, group_pad, head_dim, ieee)
+    short_cfg, unsplit_cfg = (_tile_config(False, decode_only, group_pad, head_dim, ieee, fp8)
+                              for fp8 in (False, common["KV_FP8"]))  # fp8 keys take larger tiles unless split
     threshold = short_cfg["BLOCK_Q"]  # a run that fits one short tile is short
     # Shape-only facts: no sequence can have more query tokens than the batch has.
     has_long = num_tokens > threshold and (max_query_len is None or max_query_len > threshold)
 
     def launch(cfg, q_len_filter, splits, parts):
-        cfg = dict(cfg)
         bq = cfg["BLOCK_Q"]
         grid_q = num_tokens if bq == 1 else num_tokens // bq + num_seqs
         grid = (grid_q * num_kv_heads,) if splits == 1 else (grid_q * num_kv_heads, splits)
@@ -413,7 +421,7 @@ def unified_attention(
         )
 
     if has_long:  # short runs in short tiles; long ones in the prefill kernel where it applies
-        launch(short_cfg, 1, 1, (out, out, out))
+        launch(unsplit_cfg, 1, 1, (out, out, out))
         if causal and sliding_window is None and logits_soft_cap is None and envs.PAGEDLLM_PREFILL_KERNEL:
             prefill_attention(q, kv_cache, block_tables, query_start_loc, seq_lens, scalars[0], out, kv_scale,
                               threshold, common["KV_FP8"])
@@ -426,7 +434,7 @@ def unified_attention(
     if splits <= 1:
         # Every query run here fits a short tile, so the short-run filter skips nothing; a
         # mixed batch without long runs reuses the variant compiled for mixed batches with them.
-        launch(short_cfg, 0 if decode_only else 1, 1, (out, out, out))
+        launch(unsplit_cfg, 0 if decode_only else 1, 1, (out, out, out))
         return out
     if splits > MAX_SPLITS:
         raise ValueError(f"num_kv_splits={splits} must be at most {MAX_SPLITS}")
