@@ -22,13 +22,6 @@ CASES = [
     (16, 1, 2, 64, torch.float32, [(50, 90), (1, 2)], dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=2)),
     (16, 2, 4, 64, torch.bfloat16, [(20, 50), (0, 140), (9, 1)], None),
     (32, 1, 2, 256, torch.float16, [(40, 30), (0, 70)], None),
-    # a head group's rows packed into one program (padded when the group is not a power of two)
-    (16, 2, 4, 64, torch.float32, [(37, 45), (0, 20), (5, 1)], dict(BLOCK_M=32, BLOCK_N=16, num_warps=4, num_stages=2,
-                                                                     PACK_GQA=True)),
-    (8, 1, 3, 80, torch.float32, [(64, 40), (0, 17)], dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2,
-                                                           PACK_GQA=True)),
-    (16, 2, 2, 64, torch.bfloat16, [(20, 150), (3, 1)], dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2,
-                                                             PACK_GQA=True)),
 ]
 if ON_GPU:  # longer runs, where most key tiles are unmasked
     CASES += [(16, 8, 4, 128, dt, [(0, 2048), (1000, 777), (3, 1), (4095, 300)], None)
@@ -95,13 +88,13 @@ sig = {"q_ptr": "*bf16", "out_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_pt
        "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "qsl_ptr": "*i32", "kv_scale_ptr": "*fp32",
        "scale_log2": "fp32", "num_seqs": "i32", "stride_qt": "i32", "stride_qh": "i32", "stride_ot": "i32",
        "stride_oh": "i32", "stride_c_block": "i32", "stride_c_slot": "i32", "stride_c_head": "i32", "stride_bt": "i32"}
-sig.update({k: c for k in ("NUM_HEADS", "GROUP", "HEADS_PER_PROG", "ROW_PAD", "BLOCK_M", "BLOCK_N", "BLOCK_SIZE", "HEAD_DIM", "DIM_PAD",
+sig.update({k: c for k in ("NUM_HEADS", "GROUP", "BLOCK_M", "BLOCK_N", "BLOCK_SIZE", "HEAD_DIM", "DIM_PAD",
                            "Q_LEN_THRESHOLD", "IEEE", "KV_FP8")})
 divisible = [a for a in sig if a.endswith("_ptr") or (a.startswith("stride") and a != "stride_bt")]
 for hd in (128, 256):
     for fp8 in (False, True):
         cfg = tp.prefill_tile_config(hd, False)
-        cons = dict(NUM_HEADS=32, GROUP=4, HEADS_PER_PROG=1, ROW_PAD=1, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_SIZE=16, HEAD_DIM=hd,
+        cons = dict(NUM_HEADS=32, GROUP=4, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_SIZE=16, HEAD_DIM=hd,
                     DIM_PAD=hd, Q_LEN_THRESHOLD=4, IEEE=False, KV_FP8=fp8)
         s = dict(sig, k_cache_ptr="*fp8e4nv", v_cache_ptr="*fp8e4nv") if fp8 else sig
         compile_(f"hd {hd} fp8 {fp8}", tp._prefill_kernel, s, cons, num_warps=cfg["num_warps"],

@@ -96,10 +96,7 @@ def main(argv=None) -> None:
     variants = [("prefill", None), ("unified", {})]
     if args.sweep:
         variants += [(f"prefill m{m} n{n} w{w} s{s}", dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s))
-                     for m, n, w, s in ((128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3))]
-        variants += [(f"prefill gqa m{m} n{n} w{w} s{s}",
-                      dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s, PACK_GQA=True))
-                     for m, n, w, s in ((128, 128, 8, 3), (128, 64, 8, 3), (256, 64, 8, 2), (64, 128, 4, 2))]
+                     for m, n, w, s in ((128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (64, 128, 8, 3))]
     rows = []
     default_prefill_tiles = tp.prefill_tile_config
     for shape, runs in CASES:

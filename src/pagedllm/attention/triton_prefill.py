@@ -81,21 +81,17 @@ def _prefill_kernel(
     q_ptr, out_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr, kv_scale_ptr,
     scale_log2, num_seqs, stride_qt, stride_qh, stride_ot, stride_oh,
     stride_c_block, stride_c_slot, stride_c_head, stride_bt,
-    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEADS_PER_PROG: tl.constexpr, ROW_PAD: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    DIM_PAD: tl.constexpr, Q_LEN_THRESHOLD: tl.constexpr, IEEE: tl.constexpr, KV_FP8: tl.constexpr,
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, Q_LEN_THRESHOLD: tl.constexpr,
+    IEEE: tl.constexpr, KV_FP8: tl.constexpr,
 ):
-    # Row m of the tile: query token q_start + m // ROW_PAD, head m % ROW_PAD of the program's
-    # HEADS_PER_PROG (1: one head per program; a head group: the group's heads share each K/V tile).
     # Heads fastest; q-tiles from the last down (the causal tiles with the most keys first).
-    n_hp: tl.constexpr = NUM_HEADS // HEADS_PER_PROG
-    block_q: tl.constexpr = BLOCK_M // ROW_PAD
-    pid = tl.num_programs(0) // n_hp - 1 - tl.program_id(0) // n_hp
-    hp = tl.program_id(0) % n_hp
-    s = find_seq(qsl_ptr, pid, num_seqs, block_q)
+    pid = tl.num_programs(0) // NUM_HEADS - 1 - tl.program_id(0) // NUM_HEADS
+    head = tl.program_id(0) % NUM_HEADS
+    s = find_seq(qsl_ptr, pid, num_seqs, BLOCK_M)
     q_begin = tl.load(qsl_ptr + s)
     q_len = tl.load(qsl_ptr + s + 1) - q_begin
-    q_start = (pid - (q_begin // block_q + s)) * block_q
+    q_start = (pid - (q_begin // BLOCK_M + s)) * BLOCK_M
     if q_start >= q_len:
         return
     if q_len <= Q_LEN_THRESHOLD:  # a short run: the unified kernel's short tiles took it
@@ -104,15 +100,13 @@ def _prefill_kernel(
 
     m = tl.arange(0, BLOCK_M)
     d = tl.arange(0, DIM_PAD)
-    q_tok = q_start + m // ROW_PAD
-    head = hp * HEADS_PER_PROG + m % ROW_PAD
-    row_ok = (q_tok < q_len) & (m % ROW_PAD < HEADS_PER_PROG)
-    tok = (q_begin + q_tok).to(tl.int64)
+    row_ok = q_start + m < q_len
+    tok = (q_begin + q_start + m).to(tl.int64)
     q_mask = row_ok[:, None] & (d[None, :] < HEAD_DIM)
-    q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0)
-    q_pos = context_len + q_tok
+    q = tl.load(q_ptr + tok[:, None] * stride_qt + head * stride_qh + d[None, :], mask=q_mask, other=0.0)
+    q_pos = context_len + q_start + m
     first_pos = context_len + q_start
-    kv_stop = context_len + tl.minimum(q_start + block_q, q_len)  # one past the program's last visible key
+    kv_stop = context_len + tl.minimum(q_start + BLOCK_M, q_len)  # one past the program's last visible key
     full_tiles = (first_pos + 1) // BLOCK_N  # tiles whose every key the first row (so every row) sees
 
     if KV_FP8:  # k_scale folded into the score multiplier, v_scale into the output
@@ -121,7 +115,7 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, DIM_PAD], dtype=tl.float32)
     bt_row = block_tables_ptr + s.to(tl.int64) * stride_bt
-    head_off = (hp * HEADS_PER_PROG // GROUP) * stride_c_head
+    head_off = (head // GROUP) * stride_c_head
     acc, l_i, m_i = _key_tiles(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_row, head_off, q_pos, kv_stop,
                                0, full_tiles, scale_log2, stride_c_block, stride_c_slot,
                                BLOCK_N, BLOCK_SIZE, HEAD_DIM, DIM_PAD, False, IEEE, KV_FP8)
@@ -131,7 +125,7 @@ def _prefill_kernel(
     if KV_FP8:
         acc = acc * tl.load(kv_scale_ptr + 1)
     out = acc / l_i[:, None]  # every row saw key 0: l >= 1
-    o_ptr = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+    o_ptr = out_ptr + tok[:, None] * stride_ot + head * stride_oh + d[None, :]
     tl.store(o_ptr, out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
@@ -161,17 +155,14 @@ def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: tor
     left to the unified kernel's short tiles); arguments as ``unified_attention``'s, checked there.
     The grid depends only on shapes (CUDA-graph safe)."""
     num_tokens, num_heads, head_dim = q.shape
-    num_seqs, group = seq_lens.shape[0], num_heads // kv_cache.shape[3]
+    num_seqs = seq_lens.shape[0]
     cfg = dict(config or prefill_tile_config(head_dim, q.dtype == torch.float32))
-    # PACK_GQA: the head group's rows in one program (at least two query tokens per program)
-    pack = cfg.pop("PACK_GQA", False) and cfg["BLOCK_M"] >= 2 * triton.next_power_of_2(group)
-    heads_per_prog, row_pad = (group, triton.next_power_of_2(group)) if pack else (1, 1)
-    grid = ((num_tokens // (cfg["BLOCK_M"] // row_pad) + num_seqs) * (num_heads // heads_per_prog),)
+    grid = ((num_tokens // cfg["BLOCK_M"] + num_seqs) * num_heads,)
     _prefill_kernel[grid](
         q, out, *kv_cache.unbind(), block_tables, seq_lens, query_start_loc, q if kv_scale is None else kv_scale,
         scale_log2, num_seqs, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_tables.stride(0),
-        NUM_HEADS=num_heads, GROUP=group, HEADS_PER_PROG=heads_per_prog, ROW_PAD=row_pad, BLOCK_SIZE=kv_cache.shape[2], HEAD_DIM=head_dim,
+        NUM_HEADS=num_heads, GROUP=num_heads // kv_cache.shape[3], BLOCK_SIZE=kv_cache.shape[2], HEAD_DIM=head_dim,
         DIM_PAD=max(16, triton.next_power_of_2(head_dim)), Q_LEN_THRESHOLD=q_len_threshold, IEEE=q.dtype == torch.float32,
         KV_FP8=kv_fp8, **cfg,
     )
