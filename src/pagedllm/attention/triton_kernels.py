@@ -44,7 +44,7 @@ import triton.language as tl
 from pagedllm import envs
 from pagedllm.attention.kv_quant import FP8_MAX, is_fp8
 from pagedllm.attention.triton_prefill import prefill_attention
-from pagedllm.attention.triton_paging import find_seq, load_block_ids
+from pagedllm.attention.triton_paging import add_values, find_seq, key_scores, load_block_ids
 
 LOG2_E = math.log2(math.e)
 MAX_SPLITS = 16  # split-KV parts per (token, head) at most
@@ -217,14 +217,7 @@ def _attention_kernel(
         kv_mask = k_ok[:, None]
         if DIM_PAD != HEAD_DIM:
             kv_mask = kv_mask & (d[None, :] < HEAD_DIM)
-        k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if KV_FP8:
-            k = k.to(q.dtype)
-        if IEEE:
-            sc = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            sc = tl.dot(q, tl.trans(k))
-        sc = sc * scale_log2
+        sc = key_scores(q, k_cache_ptr + kv_off[:, None] + d[None, :], kv_mask, KV_FP8, IEEE) * scale_log2
         if SOFTCAP:  # Gemma 2: cap * tanh(s / cap); scale_log2 is scale / cap, softcap_log2 cap * log2(e)
             sc = _tanh(sc) * softcap_log2
         if CAUSAL:
@@ -239,14 +232,7 @@ def _attention_kernel(
         p = tl.math.exp2(sc - m_safe[:, None])
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if KV_FP8:
-            v = v.to(q.dtype)
-        acc = acc * alpha[:, None]
-        if IEEE:
-            acc = tl.dot(p, v, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(p.to(v.dtype), v, acc)
+        acc = add_values(acc, alpha, p, v_cache_ptr + kv_off[:, None] + d[None, :], kv_mask, q.dtype, KV_FP8, IEEE)
         m_i = m_new
 
     d_mask = d[None, :] < HEAD_DIM

@@ -1,5 +1,6 @@
-"""Triton helpers shared by the paged-attention kernels: which sequence a program serves, and
-which cache blocks a tile of keys lives in."""
+"""Triton helpers shared by the paged-attention kernels (``triton_kernels``, ``triton_prefill``):
+which sequence a program serves, which cache blocks a tile of keys lives in, and the two dots of
+a key tile (scores from K, the output from V), each widening an fp8 tile to q's dtype."""
 from __future__ import annotations
 
 import triton
@@ -37,3 +38,30 @@ def find_seq(qsl_ptr, pid, num_seqs, BLOCK_Q: tl.constexpr):
         else:
             hi = mid - 1
     return lo
+
+
+@triton.jit
+def key_scores(q, k_ptrs, kv_mask, KV_FP8: tl.constexpr, IEEE: tl.constexpr):
+    """``q @ K^T`` for one key tile (masked keys read as 0)."""
+    k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+    if KV_FP8:
+        k = k.to(q.dtype)
+    if IEEE:
+        sc = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        sc = tl.dot(q, tl.trans(k))
+    return sc
+
+
+@triton.jit
+def add_values(acc, alpha, p, v_ptrs, kv_mask, dtype: tl.constexpr, KV_FP8: tl.constexpr, IEEE: tl.constexpr):
+    """The running output rescaled by ``alpha`` plus ``p @ V`` for one key tile."""
+    v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+    if KV_FP8:
+        v = v.to(dtype)
+    acc = acc * alpha[:, None]
+    if IEEE:
+        acc = tl.dot(p, v, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(p.to(v.dtype), v, acc)
+    return acc

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.attention.triton_paging import find_seq, load_block_ids
+from pagedllm.attention.triton_paging import add_values, find_seq, key_scores, load_block_ids
 
 
 @triton.jit
@@ -47,13 +47,7 @@ def _key_tiles(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_row, head_off, q_p
             kv_mask = (k_pos < kv_stop)[:, None] & (d[None, :] < HEAD_DIM)
         else:
             kv_mask = d[None, :] < HEAD_DIM  # all true (folded away) unless head_dim is padded
-        k = tl.load(k_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
-        if KV_FP8:
-            k = k.to(q.dtype)
-        if IEEE:
-            sc = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            sc = tl.dot(q, tl.trans(k))
+        sc = key_scores(q, k_cache_ptr + kv_ptrs, kv_mask, KV_FP8, IEEE)
         if MASKED:
             sc = tl.where(k_pos[None, :] <= q_pos[:, None], sc * scale_log2, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(sc, axis=1))
@@ -63,14 +57,7 @@ def _key_tiles(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_row, head_off, q_p
             p = tl.math.exp2(sc * scale_log2 - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
-        if KV_FP8:
-            v = v.to(q.dtype)
-        acc = acc * alpha[:, None]
-        if IEEE:
-            acc = tl.dot(p, v, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(p.to(v.dtype), v, acc)
+        acc = add_values(acc, alpha, p, v_cache_ptr + kv_ptrs, kv_mask, q.dtype, KV_FP8, IEEE)
         m_i = m_new
     return acc, l_i, m_i
 
