@@ -4,18 +4,20 @@ split on their own axes (column-parallel by output features, row-parallel by inp
 groups), so TP=2 matches the same transformers reference as TP=1 (tests/model/test_quantization.py,
 same tolerances). One difference is by design (vLLM's too): dynamic per-token activation scales
 of a row-parallel layer are each rank's, over the slice of the features it holds, so that
-reference fake-quantizes o_proj's and down_proj's inputs per half. fp8 experts of a mixture of
-experts split with their experts (intermediate rows, or whole experts under expert parallelism)."""
+reference fake-quantizes o_proj's and down_proj's inputs per half. fp8 and int4 experts of a mixture
+of experts split with their experts (intermediate rows, or whole experts under expert parallelism:
+int4 experts then stay packed whole, words, scales and zero points, and give TP=1's tokens)."""
 from __future__ import annotations
 
 import multiprocessing
 
 import pytest
+import torch
 
 from tests.model import quant_checkpoints as qc
-from tests.model.test_fp8_moe import write_fp8_moe
-from tests.model.test_int4_moe import write_int4_moe
-from tests.model.test_quantization import W4A16_TOL, W8A8_TOL, check_against_reference, make_llm
+from tests.model.test_fp8_moe import EXPERTS, _experts, write_fp8_moe
+from tests.model.test_int4_moe import GROUP, write_int4_moe
+from tests.model.test_quantization import W4A16_TOL, W8A8_TOL, check_against_reference, engine_greedy, make_llm
 
 CASES = {
     "gptq-asym-g32": (lambda d: qc.write_gptq(d, group=32, symmetric=False), W4A16_TOL),
@@ -54,3 +56,43 @@ def test_pp2_quantized_matches_reference(tmp_path):
     finally:
         llm.llm_engine.engine_core.shutdown()
     assert multiprocessing.active_children() == []
+
+
+def expert_parameters(worker) -> tuple:
+    """(rank, each MoE layer's expert parameters by name, layer 0's expert map)."""
+    experts = [layer.mlp.experts for layer in worker.model_runner.model.model.layers]
+    return (worker.rank, [{n: p.detach().cpu().clone() for n, p in e.named_parameters()} for e in experts],
+            experts[0].expert_map.tolist())
+
+
+# int4 experts under expert parallelism (zero points included): each rank holds E / 2 whole experts,
+# packed, with the intermediate size of 32 whole (one group of 32: too small to slice over two ranks).
+@pytest.mark.parametrize("fmt", ["gptq", "ct"])
+def test_int4_experts_under_expert_parallel_equal_tp1(tmp_path, fmt):
+    write_int4_moe(str(tmp_path), fmt, symmetric=False)
+    tp1 = make_llm(str(tmp_path))
+    want_ids, want_lps = engine_greedy(tp1)
+    whole = [{n: p.detach().cpu().clone() for n, p in e.named_parameters()} for e in _experts(tp1)]
+    llm = make_llm(str(tmp_path), tensor_parallel_size=2, enable_expert_parallel=True)
+    try:
+        ids, lps = engine_greedy(llm)
+        ranks = llm.collective_rpc(expert_parameters)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    assert multiprocessing.active_children() == []
+    assert ids == want_ids
+    for got, want in zip(lps, want_lps):
+        assert got == pytest.approx(want, abs=W4A16_TOL)
+    half, hidden, inter = EXPERTS // 2, 64, 32
+    for rank, layers, expert_map in ranks:
+        mine = slice(rank * half, (rank + 1) * half)
+        assert [i for i, e in enumerate(expert_map) if e >= 0] == list(range(EXPERTS))[mine]
+        for local, full in zip(layers, whole):
+            assert local["gate_up_proj"].dtype == torch.int32
+            assert local["gate_up_proj"].shape == (half, hidden // 8, 2 * inter)  # words [E / 2, H / 8, 2I]
+            assert local["down_proj"].shape == (half, inter // 8, hidden)  # words [E / 2, I / 8, H]
+            assert local["gate_up_proj_scale"].shape == local["gate_up_proj_zeros"].shape == (half, 2 * inter, 2)
+            assert local["down_proj_scale"].shape == local["down_proj_zeros"].shape == (half, hidden, inter // GROUP)
+            assert local.keys() == full.keys()  # no per-expert linears left
+            for name, tensor in local.items():  # TP=1's experts [r E / 2, (r + 1) E / 2), bit for bit
+                assert torch.equal(tensor, full[name][mine]), name

@@ -132,31 +132,48 @@ def write_awq(out_dir: str, group: int = 32, **kw):
     return model
 
 
+def _ct_int4_scheme(group: int, symmetric: bool):
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=symmetric, strategy="group", group_size=group)
+    return QuantizationScheme(targets=["Linear"], weights=args)
+
+
+def ct_int4_tensors(w: torch.Tensor, group: int, symmetric: bool) -> tuple[dict, torch.Tensor]:
+    """One weight [N, K] packed by compressed-tensors' own qparams and compressor (its tensors by
+    name: weight_packed, weight_scale, ...), and the weight its decompressor gives back."""
+    from compressed_tensors.compressors import PackedQuantizationCompressor
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    scheme = _ct_int4_scheme(group, symmetric)
+    g = w.view(w.shape[0], -1, group)
+    scale, zp = calculate_qparams(g.amin(-1), g.amax(-1), scheme.weights)
+    state = {"weight": w, "weight_scale": scale}
+    if not symmetric:
+        state["weight_zero_point"] = zp
+    out = PackedQuantizationCompressor.compress(state, scheme)
+    back = PackedQuantizationCompressor.decompress(dict(out), scheme)
+    return out, back["weight"].float()
+
+
+def ct_int4_config(group: int, symmetric: bool) -> dict:
+    from compressed_tensors.quantization import QuantizationConfig
+
+    qc = QuantizationConfig(config_groups={"group_0": _ct_int4_scheme(group, symmetric)}, format="pack-quantized",
+                            quantization_status="compressed", ignore=["lm_head"])
+    return qc.model_dump(mode="json", exclude_none=True)
+
+
 def write_ct_int4(out_dir: str, group: int = 32, symmetric: bool = True, **kw):
     """pack-quantized W4A16 by compressed-tensors' own qparams and compressor; the reference
     weights by its decompressor."""
-    from compressed_tensors.compressors import PackedQuantizationCompressor
-    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
-    from compressed_tensors.quantization.utils import calculate_qparams
-
     model = tiny_llama(out_dir, **kw)
-    args = QuantizationArgs(num_bits=4, type="int", symmetric=symmetric, strategy="group", group_size=group)
-    scheme = QuantizationScheme(targets=["Linear"], weights=args)
     tensors, sd = {}, model.state_dict()
     for name in _projection_names(model):
-        w = sd[name + ".weight"]
-        g = w.view(w.shape[0], -1, group)
-        scale, zp = calculate_qparams(g.amin(-1), g.amax(-1), args)
-        state = {"weight": w, "weight_scale": scale}
-        if not symmetric:
-            state["weight_zero_point"] = zp
-        out = PackedQuantizationCompressor.compress(state, scheme)
+        out, back = ct_int4_tensors(sd[name + ".weight"], group, symmetric)
         tensors.update({f"{name}.{k}": v for k, v in out.items()})
-        back = PackedQuantizationCompressor.decompress(dict(out), scheme)
-        sd[name + ".weight"].copy_(back["weight"].float())
-    qc = QuantizationConfig(config_groups={"group_0": scheme}, format="pack-quantized",
-                            quantization_status="compressed", ignore=["lm_head"])
-    _save(model, out_dir, tensors, qc.model_dump(mode="json", exclude_none=True))
+        sd[name + ".weight"].copy_(back)
+    _save(model, out_dir, tensors, ct_int4_config(group, symmetric))
     return model
 
 

@@ -120,12 +120,11 @@ def test_online_fp8_quantizes_the_experts_per_channel(tmp_path):
 
 
 def test_expert_formats_the_kernels_cannot_run_are_refused(tmp_path):
-    """GGUF experts have no kernel (their MoE checkpoints are refused); int4 experts are not yet
-    placed whole per rank (expert parallelism is refused for them, before any worker starts)."""
+    """GGUF experts have no kernel: their MoE checkpoints are refused before any worker starts.
+    (int4 experts run under expert parallelism too: tests/distributed/test_tensor_parallel_quant.py.)"""
     from pagedllm import EngineArgs
     from pagedllm.engine.model_options import model_quantization
     from pagedllm.model import resolve_model
-    from tests.model.test_int4_moe import write_int4_moe
 
     _dense_moe(tmp_path / "dense")
     args = EngineArgs(model=str(tmp_path / "dense"), quantization="gguf")
@@ -133,7 +132,3 @@ def test_expert_formats_the_kernels_cannot_run_are_refused(tmp_path):
     with pytest.raises(ValueError, match=r"quantization 'gguf' is not supported for the experts of mixture-of-experts "
                                          r"models \(Qwen3MoeForCausalLM\); supported there: fp8"):
         model_quantization(args, resolved)
-    write_int4_moe(tmp_path / "gptq", "gptq")
-    args = EngineArgs(model=str(tmp_path / "gptq"), tensor_parallel_size=2, enable_expert_parallel=True)
-    with pytest.raises(ValueError, match="'gptq' .int4. MoE experts cannot be combined with enable_expert_parallel"):
-        args.create_engine_config()

@@ -1,6 +1,6 @@
 """int4 experts of a mixture of experts (issue 17 after issue 16): a tiny Qwen3-MoE saved as GPTQ
-(zero points stored minus one, or symmetric) and AWQ (its [0, 2, 4, 6, 1, 3, 5, 7] packing) write
-them, one set of tensors per expert and projection as Qwen3-30B-A3B-GPTQ-Int4 ships, attention
+(zero points stored minus one, or symmetric), AWQ (its [0, 2, 4, 6, 1, 3, 5, 7] packing) and
+compressed-tensors pack-quantized (by the library's own compressor, with zero points) write them, one set of tensors per expert and projection as Qwen3-30B-A3B-GPTQ-Int4 ships, attention
 quantized too: through the engine (chunked prefill) the greedy tokens and logprobs of a
 transformers model holding the same dequantized weights (W4A16_TOL: exact dequant math). The
 experts stay packed after loading (int32 words, per-row group scales), and the per-expert
@@ -23,6 +23,8 @@ GROUP = 32
 
 def _int4_tensors(w: torch.Tensor, fmt: str, symmetric: bool) -> tuple[dict, torch.Tensor]:
     """One projection's checkpoint tensors in ``fmt`` and its dequantized weight."""
+    if fmt == "ct":
+        return qc.ct_int4_tensors(w, GROUP, symmetric)
     q, s, z = qc.quantize_int4(w, GROUP, symmetric)
     if fmt == "gptq":
         out = {"qweight": qc._pack_gptq_rows(q.t()), "qzeros": qc._pack_cols((z.t() - 1) & 0xF),
@@ -34,7 +36,7 @@ def _int4_tensors(w: torch.Tensor, fmt: str, symmetric: bool) -> tuple[dict, tor
 
 
 def write_int4_moe(out_dir, fmt: str, symmetric: bool = False, **overrides):
-    """Experts and attention in ``fmt``; returns the reference holding the dequantized weights."""
+    """Experts and attention in ``fmt`` ("gptq", "awq", "ct"); returns the reference holding the dequantized weights."""
     model = _dense_moe(out_dir, **overrides)
     tensors = load_file(f"{out_dir}/model.safetensors")
     names = [f"model.layers.{i}.self_attn.{p}" for i in range(LAYERS) for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
@@ -57,12 +59,13 @@ def write_int4_moe(out_dir, fmt: str, symmetric: bool = False, **overrides):
     config = json.loads(open(f"{out_dir}/config.json").read())
     config["quantization_config"] = (
         {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": False, "sym": symmetric} if fmt == "gptq"
+        else qc.ct_int4_config(GROUP, symmetric) if fmt == "ct"
         else {"quant_method": "awq", "bits": 4, "group_size": GROUP, "zero_point": True, "version": "gemm"})
     open(f"{out_dir}/config.json", "w").write(json.dumps(config))
     return model
 
 
-@pytest.mark.parametrize("fmt,symmetric", [("gptq", False), ("gptq", True), ("awq", False)])
+@pytest.mark.parametrize("fmt,symmetric", [("gptq", False), ("gptq", True), ("awq", False), ("ct", False)])
 def test_int4_expert_checkpoints_give_the_dequantized_reference(tmp_path, fmt, symmetric):
     reference = write_int4_moe(tmp_path, fmt, symmetric)
     llm = make_llm(str(tmp_path), max_num_batched_tokens=16, max_num_seqs=4)  # every prompt's prefill chunked

@@ -19,12 +19,10 @@ def model_quantization(args: Any, resolved: Any) -> str | None:
     # A config we cannot run fails here, not in a worker.
     config = None if gguf else get_quantization_config(method, resolved.hf_config)
     if num_experts_of(resolved.hf_config) is not None:
-        from pagedllm.model.quantization.base import experts_unsupported, experts_without_expert_parallel
+        from pagedllm.model.quantization.base import experts_unsupported
 
         if not getattr(config, "experts_supported", False):
             raise experts_unsupported(method, (getattr(resolved.hf_config, "architectures", None) or ["this model"])[0])
-        if args.enable_expert_parallel and args.tensor_parallel_size > 1 and not config.experts_expert_parallel:
-            raise experts_without_expert_parallel(method)
     return method
 
 def routed_experts_option(args: Any, hf_config: Any) -> bool:

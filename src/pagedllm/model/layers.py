@@ -291,12 +291,13 @@ class RowParallelLinear(Linear):
 
 class MergedLinear(Linear):
     """Several projections of one input stacked on the output dim (gate/up: shard ids 0, 1),
-    column-parallel: each rank holds its slice of every projection's rows, stacked."""
+    column-parallel: each rank holds its slice of every projection's rows, stacked
+    (``replicated``: every row on every rank, as an expert held whole under expert parallelism)."""
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
-                 sizes_per_rank: list[int] | None = None, quantizable: bool = True):
+                 sizes_per_rank: list[int] | None = None, quantizable: bool = True, replicated: bool = False):
         nn.Module.__init__(self)
-        self.tp_size, self.tp_rank = get_tp_size(), get_tp_rank()
+        self.tp_size, self.tp_rank = (1, 0) if replicated else (get_tp_size(), get_tp_rank())
         sizes_per_rank = sizes_per_rank or [
             _divide(size, self.tp_size, "output size of a column-parallel linear") for size in output_sizes]
         self._set_sizes(input_size, input_size, output_sizes, sizes_per_rank)

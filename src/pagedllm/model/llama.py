@@ -275,6 +275,8 @@ class LlamaForCausalLM(nn.Module):
             if load_kv_scale(self, name, tensor):  # an fp8 KV cache's k_scale / v_scale: a buffer
                 continue
             name, shard_id = self.stacked_name(name)
+            if name is None:
+                continue  # a tensor this rank holds no parameter for (another rank's whole expert)
             if name not in params and quant_config is not None and (name.endswith(".bias")
                                                                      or quant_config.skips_tensor(name)):
                 # GPTQ checkpoints may store zero biases of layers that have none; compressed-tensors'
@@ -292,7 +294,7 @@ class LlamaForCausalLM(nn.Module):
 
     def stacked_name(self, name: str) -> tuple[str, object]:
         """(our parameter name, shard id) of a checkpoint tensor: a fused parameter's part gets
-        its shard id, any other tensor None."""
+        its shard id, any other tensor None; name None: not this rank's (skipped)."""
         for part, (fused_part, shard) in self.stacked_params.items():
             if part in name:
                 return name.replace(part, fused_part), shard

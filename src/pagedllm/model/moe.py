@@ -180,7 +180,8 @@ class SparseMoeBlock(nn.Module):
 
 # experts.{e}.{projection}.{tensor} in a checkpoint -> (fused parameter, shard part); part None: down.
 # fp8 checkpoints' weight_scale (per tensor or channel) / weight_scale_inv (blocks) go to its scales;
-# int4 experts' tensors (qweight, scales, weight_packed, ...) to the expert's own linears until stacked.
+# int4 experts' tensors (qweight, scales, weight_packed, ...) to the expert's own linears until stacked
+# (under expert parallelism only this rank's experts have them: the others' tensors are skipped).
 _EXPERT_NAME = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.(\w+)$")
 _FP8_SCALES = ("weight_scale", "weight_scale_inv")
 
@@ -226,6 +227,8 @@ class MoeForCausalLM(LlamaForCausalLM):
             experts, expert, part = match.group(1), int(match.group(2)), self.expert_projections[match.group(3)]
             tensor = match.group(4)
             if self._int4_experts:  # the expert's own linear (gate and up: MergedLinear shards 0, 1)
+                if self.get_submodule(experts)._local_index(expert) is None:
+                    return None, None  # another rank's expert (expert parallelism)
                 linear = "down_proj" if part is None else "gate_up_proj"
                 return f"{experts}.int4_experts.{expert}.{linear}.{tensor}", part
             if tensor in ("weight", *_FP8_SCALES):

@@ -49,7 +49,6 @@ class AWQConfig(QuantizationConfig):
                    qc.get("modules_to_not_convert"))
 
     experts_supported = True
-    experts_expert_parallel = False
 
     def method_for(self, layer, prefix, checkpoint_prefixes):
         if matches_ignore(checkpoint_prefixes, self.ignored, substring=True):

@@ -47,8 +47,6 @@ class QuantizationConfig:
         raise NotImplementedError
 
     experts_supported = False  # whether a mixture of experts' routed experts run quantized (experts.py)
-    # int4 experts load through per-expert linears that TP-slice: not yet whole experts per rank.
-    experts_expert_parallel = True
 
     def skips_tensor(self, name: str) -> bool:
         """Whether a checkpoint tensor is not a parameter of ours (read elsewhere or not at all;
@@ -59,11 +57,6 @@ class QuantizationConfig:
 def experts_unsupported(method: str, model_name: str) -> ValueError:
     return ValueError(f"quantization {method!r} is not supported for the experts of mixture-of-experts models "
                       f"({model_name}); supported there: fp8 (online and checkpoints), awq, gptq, compressed-tensors")
-
-
-def experts_without_expert_parallel(method: str) -> ValueError:
-    return ValueError(f"quantization {method!r} (int4) MoE experts cannot be combined with enable_expert_parallel yet: "
-                      "run them tensor-parallel (without expert parallelism), or use fp8 experts")
 
 
 class QuantizationMethod:

@@ -123,10 +123,6 @@ class CompressedTensorsConfig(QuantizationConfig):
 
     experts_supported = True  # fp8 (fp8_moe.py) and int4 (int4_moe.py)
 
-    @property
-    def experts_expert_parallel(self) -> bool:
-        return not any(isinstance(self._method(w, a, f), CompressedTensorsW4A16) for _, w, a, f in self.groups)
-
     def method_for(self, layer, prefix, checkpoint_prefixes):
         if matches_ignore(checkpoint_prefixes, self.ignore):
             return None

@@ -72,7 +72,6 @@ class GPTQConfig(QuantizationConfig):
                    str(qc.get("checkpoint_format", "gptq")))
 
     experts_supported = True
-    experts_expert_parallel = False
 
     def method_for(self, layer, prefix, checkpoint_prefixes):
         return GPTQLinearMethod(self.group_size, self.symmetric, self.zero_offset)

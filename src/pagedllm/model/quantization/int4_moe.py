@@ -9,6 +9,12 @@ do. Once loaded, each is turned into the canonical layout (``model/quantization/
 experts are stacked: words [E, K / 8, N], scales [E, N, K / G] (per output row, in the
 checkpoint's dtype) and zero points unpacked [E, N, K / G] uint8 (none when symmetric), which the
 fused-MoE kernels read (``ops.moe_scales.ExpertScales``). The per-expert linears are then dropped.
+
+Under tensor parallelism the per-expert linears are the usual column/row-parallel ones (every
+expert's slice of the intermediate size on each rank). With expert parallelism a rank holds its
+``E / tp`` experts whole: their linears are built unsliced (nothing is narrowed at load), keyed by
+the global expert index as the checkpoint names them (``int4_experts.{e}``; ``MoeForCausalLM``
+skips the other ranks' experts), and the stacked tensors keep the full intermediate size.
 """
 from __future__ import annotations
 
@@ -17,7 +23,6 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from pagedllm.model.quantization.base import experts_without_expert_parallel
 from pagedllm.model.quantization.int4 import Int4LinearMethod
 from pagedllm.ops.moe_scales import ExpertScales
 from pagedllm.ops.int4_layout import unpack_cols
@@ -34,23 +39,18 @@ class Int4MoEMethod:
         self.group_size, self.method_name = sample.group_size, sample.method_name
 
     def create_weights(self, moe: nn.Module) -> None:
-        from pagedllm.model.layers import MergedLinear, RowParallelLinear
-
-        if moe.expert_parallel and moe.tp_size > 1:  # the engine args refuse it first
-            raise experts_without_expert_parallel(self.method_name)
-        hidden, inter = moe.hidden_size, moe.intermediate_size
         del moe.gate_up_proj, moe.down_proj  # stacked from the per-expert linears after loading
-        experts = nn.ModuleList()
-        for _ in range(moe.num_local_experts):
-            gate_up, down = MergedLinear(hidden, [inter, inter]), RowParallelLinear(inter, hidden)
+        experts = nn.ModuleDict()  # keyed by the global expert index (this rank's experts under expert parallelism)
+        for local in range(moe.num_local_experts):
+            gate_up, down = _expert_linears(moe.hidden_size, moe.intermediate_size, moe.expert_parallel)
             gate_up.set_quant_method(self.make_method())
             down.set_quant_method(self.make_method())
-            experts.append(nn.ModuleDict({"gate_up_proj": gate_up, "down_proj": down}))
+            experts[str(moe.first_expert + local)] = nn.ModuleDict({"gate_up_proj": gate_up, "down_proj": down})
         moe.int4_experts = experts
 
     def process_after_loading(self, moe: nn.Module) -> None:
         """Runs after each per-expert linear's own (the loader visits children first)."""
-        experts = moe.int4_experts
+        experts = list(moe.int4_experts.values())  # in local order
         for name in PROJECTIONS:
             layers = [expert[name] for expert in experts]
             words = torch.stack([layer.qweight.data for layer in layers])  # [E, K / 8, N]
@@ -68,3 +68,12 @@ class Int4MoEMethod:
         return ExpertScales(moe.gate_up_proj_scale, moe.down_proj_scale, group=self.group_size,
                             w13_zeros=moe.gate_up_proj_zeros, w2_zeros=moe.down_proj_zeros)
 
+
+def _expert_linears(hidden: int, inter: int, whole: bool) -> tuple[nn.Module, nn.Module]:
+    """One expert's gate/up and down linears: tensor-parallel slices of the intermediate size, or
+    (``whole``: expert parallelism) the whole expert, loaded as the checkpoint holds it."""
+    from pagedllm.model.layers import Linear, MergedLinear, RowParallelLinear
+
+    if not whole:
+        return MergedLinear(hidden, [inter, inter]), RowParallelLinear(inter, hidden)
+    return MergedLinear(hidden, [inter, inter], replicated=True), Linear(inter, hidden)
