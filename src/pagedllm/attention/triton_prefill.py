@@ -121,9 +121,10 @@ def prefill_tile_config(head_dim: int, ieee: bool) -> dict:
 
     bf16/fp16 at head_dim <= 128: 128 query rows per program on 8 warps (two warpgroups'
     ``wgmma``), 128-key tiles, 3 stages (224 KB of shared memory at head_dim 128, one program
-    per SM). Measured on an H100 (``python -m pagedllm.attention.prefill_bench --sweep``): the
-    fastest of the tilings tried from 2,048-token prompts up (433-468 TFLOP/s at 8-16k tokens,
-    against 419-431 for 64-key tiles and 296-301 for the unified kernel), level at 1,024.
+    per SM). Measured on an H100 (``python -m pagedllm.attention.prefill_bench --sweep``, three
+    calls): the fastest of the tilings tried from 2,048-token prompts up (435-476 TFLOP/s at
+    8-16k tokens, against 411-439 for 64-key tiles and 274-301 for the unified kernel); level
+    with the unified kernel at 1,024 (214 vs 203), behind it at 8 prompts of 512 (133 vs 144).
     head_dim 256 halves the rows to keep the fp32 accumulator in registers. fp32 (IEEE dots on
     CUDA cores, exact checks only): small tiles that do not spill.
     """
@@ -136,14 +137,13 @@ def prefill_tile_config(head_dim: int, ieee: bool) -> dict:
 
 def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                       query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale_log2: float, out: torch.Tensor,
-                      kv_scale: torch.Tensor | None, q_len_threshold: int, kv_fp8: bool,
-                      config: dict | None = None) -> None:
+                      kv_scale: torch.Tensor | None, q_len_threshold: int, kv_fp8: bool) -> None:
     """Causal attention of every query run longer than ``q_len_threshold`` tokens (the others are
     left to the unified kernel's short tiles); arguments as ``unified_attention``'s, checked there.
     The grid depends only on shapes (CUDA-graph safe)."""
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = seq_lens.shape[0]
-    cfg = dict(config or prefill_tile_config(head_dim, q.dtype == torch.float32))
+    cfg = prefill_tile_config(head_dim, q.dtype == torch.float32)
     grid = ((num_tokens // cfg["BLOCK_M"] + num_seqs) * num_heads,)
     _prefill_kernel[grid](
         q, out, *kv_cache.unbind(), block_tables, seq_lens, query_start_loc, q if kv_scale is None else kv_scale,
