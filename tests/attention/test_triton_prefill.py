@@ -64,15 +64,18 @@ def test_prefill_kernel_matches_float64_softmax(kernels, spy, monkeypatch, case)
     assert rels["1"] < TOL[dtype]
 
 
-def test_windows_soft_caps_and_encoders_stay_on_the_unified_kernel(kernels, spy):
-    """What the prefill kernel does not implement never reaches it (and stays exact)."""
+def test_windows_soft_caps_and_the_argument_keep_runs_on_the_unified_kernel(kernels, spy):
+    """What the prefill kernel does not implement never reaches it (and stays exact), nor does
+    anything when ``prefill_kernel=False`` (the benchmarks' A/B); by default it is taken."""
     rng = random.Random(7)
     runs = [(10, 40), (0, 33)]
     b = make_batch(rng, block_size=16, num_kv_heads=2, group=2, head_dim=64, dtype=torch.float32, runs=runs)
-    for window, cap in ((9, None), (None, 4.0)):
-        out = run_kernels(kernels, b, 0.125, window, max_query_len=40, logits_soft_cap=cap)
-        check(out, b, 0.125, window, torch.float32, (window, cap), soft_cap=cap)
+    for window, cap, kw in ((9, None, {}), (None, 4.0, {}), (None, None, {"prefill_kernel": False})):
+        out = run_kernels(kernels, b, 0.125, window, max_query_len=40, logits_soft_cap=cap, **kw)
+        check(out, b, 0.125, window, torch.float32, (window, cap, kw), soft_cap=cap)
     assert spy == []
+    run_kernels(kernels, b, 0.125, None, max_query_len=40)
+    assert len(spy) == 1
 
 
 def test_prefill_kernel_compiles_for_sm90_with_wgmma_and_pipelined_loads(tmp_path):

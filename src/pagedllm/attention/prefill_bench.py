@@ -7,14 +7,13 @@ TFLOP/s. The Triton path is timed as the model runner runs it (KV write + attent
 paged cache, in a CUDA graph); torch's SDPA backends (cuDNN, flash, memory-efficient) run on
 contiguous q/k/v of one sequence at a time (``enable_gqa``), as a prefill-only fast path could.
 Rows: ``prefill`` (the prefill kernel, attention/triton_prefill.py, what a causal long run takes
-by default), ``unified`` (the unified kernel's long tiles, ``PAGEDLLM_PREFILL_KERNEL=0``).
+by default), ``unified`` (the unified kernel's long tiles, as ``PAGEDLLM_PREFILL_KERNEL=0`` runs them).
 ``--sweep`` also times other tilings of both. One JSON line per result, a table last.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 
 import torch
@@ -106,13 +105,12 @@ def main(argv=None) -> None:
         case = make_case(heads, kvh, hd, runs, dtype, gen)
         for variant, over in variants:
             unified = variant.startswith("unified")
-            os.environ["PAGEDLLM_PREFILL_KERNEL"] = "0" if unified else "1"
             original, patched = with_long_tiles(**(over if unified else {}))
             tk._tile_config = patched
             if not unified and over:
                 tp.prefill_tile_config = lambda head_dim, ieee, over=over: over
             try:
-                t = time_graphs([case], 5)
+                t = time_graphs([case], 5, prefill_kernel=not unified)
                 err = rel_error(case) if runs[0][1] <= 8192 else float("nan")
             except Exception as e:  # noqa: BLE001 - a tiling that does not compile or fit: report, go on
                 rows.append(dict(case=name, path=variant, error=repr(e)[:160]))

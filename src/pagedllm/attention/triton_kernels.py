@@ -363,22 +363,24 @@ def unified_attention(
     logits_soft_cap: float | None = None,
     causal: bool = True,
     kv_scale: torch.Tensor | None = None,
+    prefill_kernel: bool | None = None,
 ) -> torch.Tensor:
     """Causal paged attention for a flat batch (``causal=False``: bidirectional, for encoders,
     whose whole sequence is in the step); writes ``out`` rows of every token that belongs to a
     sequence (rows past ``query_start_loc[-1]`` are left as they are). ``max_query_len`` is only
-    a hint that picks the launch shape (1: decode tiles, one program per token; otherwise short
-    and long query runs in separate launches, the long ones in the prefill kernel,
-    ``triton_prefill``, where it applies); any value gives correct results. ``num_kv_splits``
-    forces the split-KV path (None: split only decode batches too small to fill the GPU).
-    ``logits_soft_cap``: scores ``cap * tanh(s / cap)`` before masking (None: no cap)."""
+    a hint that picks the launch shape (1: decode tiles, one program per token; else short and
+    long query runs in separate launches, long ones in ``triton_prefill`` where it applies); any
+    value gives correct results. ``num_kv_splits`` forces the split-KV path (None: split only
+    decodes too few to fill the GPU). ``logits_soft_cap``: ``cap * tanh(s / cap)`` (None: no cap).
+    ``prefill_kernel``: False keeps long runs on this kernel (None: ``PAGEDLLM_PREFILL_KERNEL``)."""
     num_tokens, num_heads, head_dim = q.shape
     num_seqs, num_kv_heads = seq_lens.shape[0], kv_cache.shape[3]
     if num_tokens == 0 or num_seqs == 0:
         return out
     _check_attention_inputs(q, kv_cache, out, sliding_window, logits_soft_cap, kv_scale)
     group = num_heads // num_kv_heads
-    group_pad = triton.next_power_of_2(group)
+    group_pad, prefill_kernel = triton.next_power_of_2(group), envs.PAGEDLLM_PREFILL_KERNEL \
+        if prefill_kernel is None else prefill_kernel
     dim_pad = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16
     ieee = q.dtype == torch.float32
     common = dict(
@@ -408,7 +410,7 @@ def unified_attention(
 
     if has_long:  # short runs in short tiles; long ones in the prefill kernel where it applies
         launch(unsplit_cfg, 1, 1, (out, out, out))
-        if causal and sliding_window is None and logits_soft_cap is None and envs.PAGEDLLM_PREFILL_KERNEL:
+        if causal and sliding_window is None and logits_soft_cap is None and prefill_kernel:
             prefill_attention(q, kv_cache, block_tables, query_start_loc, seq_lens, scalars[0], out, kv_scale,
                               threshold, common["KV_FP8"])
         else:
@@ -422,8 +424,6 @@ def unified_attention(
         # mixed batch without long runs reuses the variant compiled for mixed batches with them.
         launch(unsplit_cfg, 0 if decode_only else 1, 1, (out, out, out))
         return out
-    if splits > MAX_SPLITS:
-        raise ValueError(f"num_kv_splits={splits} must be at most {MAX_SPLITS}")
     parts = _split_buffers(num_tokens, num_heads, splits, dim_pad, q.device)
     launch(short_cfg, 0, splits, parts)
     _merge_splits(out, parts, query_start_loc, num_seqs, dim_pad)
@@ -447,6 +447,8 @@ def _scalar_args(q, out, kv_cache, block_tables, scale: float, num_seqs: int, sl
 def _split_buffers(num_tokens: int, num_heads: int, splits: int, dim_pad: int,
                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Each split's partial output, running max and sum (float32), merged by _merge_splits."""
+    if splits > MAX_SPLITS:
+        raise ValueError(f"num_kv_splits={splits} must be at most {MAX_SPLITS}")
     part_out = torch.empty(num_tokens, num_heads, splits, dim_pad, dtype=torch.float32, device=device)
     part_m = torch.empty(num_tokens, num_heads, splits, dtype=torch.float32, device=device)
     return part_out, part_m, torch.empty_like(part_m)
