@@ -8,7 +8,7 @@ paged cache, in a CUDA graph); torch's SDPA backends (cuDNN, flash, memory-effic
 contiguous q/k/v of one sequence at a time (``enable_gqa``), as a prefill-only fast path could.
 Rows: ``prefill`` (the prefill kernel, attention/triton_prefill.py, what a causal long run takes
 by default), ``unified`` (the unified kernel's long tiles, as ``PAGEDLLM_PREFILL_KERNEL=0`` runs them).
-``--sweep`` also times other tilings of both. One JSON line per result, a table last.
+``--sweep`` also times other tilings of the prefill kernel. One JSON line per result, a table last.
 """
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from pagedllm.attention import triton_kernels as tk
 from pagedllm.attention import triton_prefill as tp
 from pagedllm.attention.kernel_bench import SHAPES, make_case, rel_error, time_graphs
 
@@ -70,31 +69,17 @@ def sdpa_run(seqs, runs):
                                            enable_gqa=True)
 
 
-def with_long_tiles(**over):
-    original = tk._tile_config
-
-    def patched(long_queries, *args):
-        cfg = original(long_queries, *args)
-        if long_queries:
-            cfg = dict(cfg, **over)
-            group_pad = args[1]
-            cfg["BLOCK_Q"] = cfg["BLOCK_M"] // group_pad
-        return cfg
-
-    return original, patched
-
-
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sweep", action="store_true", help="also time other long-query tilings of the Triton kernel")
+    ap.add_argument("--sweep", action="store_true", help="also time other tilings of the prefill kernel")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(0)
     dtype = torch.bfloat16
     print(f"device {torch.cuda.get_device_name()}", flush=True)
-    variants = [("prefill", None), ("unified", {})]
+    variants = [("prefill", None, True), ("unified", None, False)]  # (name, prefill tiles, prefill kernel)
     if args.sweep:
-        variants += [(f"prefill m{m} n{n} w{w} s{s}", dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s))
+        variants += [(f"prefill m{m} n{n} w{w} s{s}", dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s), True)
                      for m, n, w, s in ((128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (64, 128, 8, 3))]
     rows = []
     default_prefill_tiles = tp.prefill_tile_config
@@ -103,21 +88,17 @@ def main(argv=None) -> None:
         flops = causal_flops(runs, heads, hd)
         name = f"{shape} {len(runs)}x(ctx {runs[0][0]}, q {runs[0][1]})"
         case = make_case(heads, kvh, hd, runs, dtype, gen)
-        for variant, over in variants:
-            unified = variant.startswith("unified")
-            original, patched = with_long_tiles(**(over if unified else {}))
-            tk._tile_config = patched
-            if not unified and over:
-                tp.prefill_tile_config = lambda head_dim, ieee, over=over: over
+        for variant, tiles, prefill in variants:
+            if tiles is not None:
+                tp.prefill_tile_config = lambda head_dim, ieee, tiles=tiles: tiles
             try:
-                t = time_graphs([case], 5, prefill_kernel=not unified)
+                t = time_graphs([case], 5, prefill_kernel=prefill)
                 err = rel_error(case) if runs[0][1] <= 8192 else float("nan")
             except Exception as e:  # noqa: BLE001 - a tiling that does not compile or fit: report, go on
                 rows.append(dict(case=name, path=variant, error=repr(e)[:160]))
                 print(json.dumps(rows[-1]), flush=True)
                 continue
             finally:
-                tk._tile_config = original
                 tp.prefill_tile_config = default_prefill_tiles
             rows.append(dict(case=name, path=variant, ms=round(t * 1e3, 3), tflops=round(flops / t / 1e12, 1),
                              rel_err=float(f"{err:.2e}")))

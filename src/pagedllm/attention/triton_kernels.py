@@ -379,8 +379,7 @@ def unified_attention(
         return out
     _check_attention_inputs(q, kv_cache, out, sliding_window, logits_soft_cap, kv_scale)
     group = num_heads // num_kv_heads
-    group_pad, prefill_kernel = triton.next_power_of_2(group), envs.PAGEDLLM_PREFILL_KERNEL \
-        if prefill_kernel is None else prefill_kernel
+    group_pad = triton.next_power_of_2(group)
     dim_pad = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16
     ieee = q.dtype == torch.float32
     common = dict(
@@ -410,7 +409,7 @@ def unified_attention(
 
     if has_long:  # short runs in short tiles; long ones in the prefill kernel where it applies
         launch(unsplit_cfg, 1, 1, (out, out, out))
-        if causal and sliding_window is None and logits_soft_cap is None and prefill_kernel:
+        if _takes_prefill_kernel(causal, sliding_window, logits_soft_cap, prefill_kernel):
             prefill_attention(q, kv_cache, block_tables, query_start_loc, seq_lens, scalars[0], out, kv_scale,
                               threshold, common["KV_FP8"])
         else:
@@ -428,6 +427,14 @@ def unified_attention(
     launch(short_cfg, 0, splits, parts)
     _merge_splits(out, parts, query_start_loc, num_seqs, dim_pad)
     return out
+
+
+def _takes_prefill_kernel(causal: bool, sliding_window: int | None, logits_soft_cap: float | None,
+                          forced: bool | None) -> bool:
+    """Whether long query runs go to ``triton_prefill`` (causal, no window, no cap; ``forced`` or
+    ``PAGEDLLM_PREFILL_KERNEL`` says whether it is on)."""
+    on = envs.PAGEDLLM_PREFILL_KERNEL if forced is None else forced
+    return on and causal and sliding_window is None and logits_soft_cap is None
 
 
 def _scalar_args(q, out, kv_cache, block_tables, scale: float, num_seqs: int, sliding_window: int | None,

@@ -18,11 +18,10 @@ def model_quantization(args: Any, resolved: Any) -> str | None:
                          "only GGUF weights do")
     # A config we cannot run fails here, not in a worker.
     config = None if gguf else get_quantization_config(method, resolved.hf_config)
-    if num_experts_of(resolved.hf_config) is not None:
+    if num_experts_of(resolved.hf_config) is not None and not getattr(config, "experts_supported", False):
         from pagedllm.model.quantization.base import experts_unsupported
 
-        if not getattr(config, "experts_supported", False):
-            raise experts_unsupported(method, (getattr(resolved.hf_config, "architectures", None) or ["this model"])[0])
+        raise experts_unsupported(method, (getattr(resolved.hf_config, "architectures", None) or ["this model"])[0])
     return method
 
 def routed_experts_option(args: Any, hf_config: Any) -> bool:

@@ -195,8 +195,8 @@ def default_config(n: int) -> dict:
 
 def decode_config(m: int, n: int, k: int) -> dict | None:
     """The small-row kernel's config for ``m`` rows of an [N, K] weight: the table's entry for the
-    smallest tuned row bucket holding ``m``, else the default up to ``DEFAULT_SMALL_M_ROWS`` rows. None: ``torch._scaled_mm`` (more than 32 rows, or
-    the table found it faster there)."""
+    smallest tuned row bucket holding ``m``, else the default up to ``DEFAULT_SMALL_M_ROWS`` rows.
+    None: ``torch._scaled_mm`` (more than 32 rows, or the table found it faster there)."""
     if m > M_BUCKETS[-1]:
         return None
     tuned = _config_table().get(config_key(n, k), {})

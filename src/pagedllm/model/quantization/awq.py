@@ -54,4 +54,3 @@ class AWQConfig(QuantizationConfig):
         if matches_ignore(checkpoint_prefixes, self.ignored, substring=True):
             return None
         return AWQLinearMethod(self.group_size, symmetric=False)
-

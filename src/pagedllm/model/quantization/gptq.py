@@ -75,4 +75,3 @@ class GPTQConfig(QuantizationConfig):
 
     def method_for(self, layer, prefix, checkpoint_prefixes):
         return GPTQLinearMethod(self.group_size, self.symmetric, self.zero_offset)
-
