@@ -122,8 +122,8 @@ def prefill_tile_config(head_dim: int, ieee: bool) -> dict:
     bf16/fp16 at head_dim <= 128: 128 query rows per program on 8 warps (two warpgroups'
     ``wgmma``), 128-key tiles, 3 stages (224 KB of shared memory at head_dim 128, one program
     per SM). Measured on an H100 (``python -m pagedllm.attention.prefill_bench --sweep``, three
-    calls): the fastest of the tilings tried from 2,048-token prompts up (435-476 TFLOP/s at
-    8-16k tokens, against 411-439 for 64-key tiles and 274-301 for the unified kernel); level
+    calls): the fastest of the tilings tried from 4,096-token prompts up (432-476 TFLOP/s at
+    8-16k tokens, against 405-445 for 64-key tiles and 274-301 for the unified kernel); level
     with the unified kernel at 1,024 (214 vs 203), behind it at 8 prompts of 512 (133 vs 144).
     head_dim 256 halves the rows to keep the fp32 accumulator in registers. fp32 (IEEE dots on
     CUDA cores, exact checks only): small tiles that do not spill.
