@@ -3,7 +3,7 @@
 # short table. Usage (on the device machine, repo root): scripts/gpu_pass.sh [STAGES]
 # STAGES is a comma list of: tests, throughput, throughput8b, latency, long, startup, structured, lora,
 # moetune, moe, quant, quanttune, pooling, embed, embedprof, moedebug, fp8kv, fp8kvbench, structuredab,
-# prefill, prefillab, longprof, structuredub, structuredoverlap, structuredchain, w4tune, fp8tune, fp8norm, spec, loratests, lorakernel, loraprof (default: startup,tests,throughput,throughput8b,latency).
+# prefill, prefillab, longprof, structuredub, structuredoverlap, structuredchain, w4tune, fp8tune, fp8norm, spec, loratests, lorakernel, loraprof, tpar, tpartput (default: startup,tests,throughput,throughput8b,latency).
 # Needs the SmolLM2 tokenizer saved under .gpu/tokenizer (carried with the call), and wheels carried in .whl
 # for what the device lacks: xgrammar with apache-tvm-ffi, llguidance, pydantic (+ pydantic-core,
 # annotated-types, typing-inspection), jsonschema (+ jsonschema-specifications, referencing, rpds-py),
@@ -235,6 +235,24 @@ if stage prefillab; then
 fi
 stage longprof && bench long_profile python scripts/profile_throughput.py --long --num-prompts 16 --shape ${PROF_SHAPE:-qwen3-0.6b}
 stage longprof && tail -40 "$OUT/long_profile.log" | cut -c1-170
+# Issue 19, tensor parallelism (2 GPUs): the peer-memory all-reduce against NCCL, kernels alone then
+# end to end with it on and off (disable_custom_all_reduce), same machine.
+if stage tpar; then
+  bench allreduce python -m pagedllm.benchmarks.all_reduce
+  echo "== tpar tests"
+  python -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_custom_all_reduce.py tests/gpu/test_device_ids.py > "$OUT/tpartests.log" 2>&1
+  echo "   tpar tests rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tpartests.log" | tail -8 | cut -c1-250
+  for off in false true; do
+    bench tp2_latency_car_off_$off timeout 300 python -m pagedllm.benchmarks.latency --shape llama3-8b --batch-sizes 1,32 \
+      --num-iters 3 --engine-args tensor_parallel_size=2,disable_custom_all_reduce=$off
+  done
+fi
+if stage tpartput; then
+  for off in false true; do
+    bench tp2_tput_car_off_$off timeout 280 python -m pagedllm.benchmarks.throughput --shape llama3-8b \
+      --engine-args tensor_parallel_size=2,disable_custom_all_reduce=$off
+  done
+fi
 stage base8b && bench base_latency_8b python -m pagedllm.benchmarks.latency --shape llama3-8b --batch-sizes 1,32
 echo "== results"
 python - "$RES" <<'PY'

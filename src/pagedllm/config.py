@@ -224,6 +224,9 @@ class ParallelConfig:
     device_ids: tuple[int, ...] | None = None  # each rank's GPU among the visible ones (None: rank r on GPU r)
     # MoE layers: each tensor rank holds num_experts / tp whole experts instead of every expert's slice.
     enable_expert_parallel: bool = False
+    # Tensor-parallel all-reduces on GPUs: small ones through peer memory (custom_all_reduce), unless
+    # this is set (vLLM's flag); NCCL for the rest.
+    disable_custom_all_reduce: bool = False
 
     @property
     def world_size(self) -> int:

@@ -20,14 +20,17 @@ _PP_RANK = 0
 _PP_SIZE = 1
 _TP_GROUP = None  # None: the default group (when the whole world is one tensor-parallel group)
 _EXPERT_PARALLEL = False  # MoE layers place whole experts on the tensor-parallel ranks
+_CUSTOM_AR = None  # custom_all_reduce.CustomAllReduce: small CUDA all-reduces through peer memory
 
 
 def init_distributed(rank: int, tp_size: int, pp_size: int, init_method: str, backend: str | None = None,
-                     enable_expert_parallel: bool = False) -> None:
+                     enable_expert_parallel: bool = False, custom_all_reduce_device: torch.device | None = None) -> None:
     """Join the world of ``tp_size * pp_size`` ranks and build the tensor-parallel groups;
     ``backend`` None picks nccl on CUDA, gloo on CPU. ``enable_expert_parallel``: MoE layers
-    hold whole experts per tensor rank instead of every expert's slice."""
-    global _TP_RANK, _TP_SIZE, _PP_RANK, _PP_SIZE, _TP_GROUP, _EXPERT_PARALLEL
+    hold whole experts per tensor rank instead of every expert's slice. ``custom_all_reduce_device``:
+    this rank's GPU, to sum small tensor-parallel messages through peer memory there
+    (custom_all_reduce; None: NCCL for every all-reduce)."""
+    global _TP_RANK, _TP_SIZE, _PP_RANK, _PP_SIZE, _TP_GROUP, _EXPERT_PARALLEL, _CUSTOM_AR
     world_size = tp_size * pp_size
     if tp_size < 1 or pp_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not in a world of {pp_size} pipeline stage(s) x {tp_size} tensor rank(s)")
@@ -48,10 +51,15 @@ def init_distributed(rank: int, tp_size: int, pp_size: int, init_method: str, ba
     _PP_RANK, _TP_RANK = divmod(rank, tp_size)
     _TP_SIZE, _PP_SIZE, _TP_GROUP = tp_size, pp_size, group
     _EXPERT_PARALLEL = bool(enable_expert_parallel)
+    if tp_size > 1 and custom_all_reduce_device is not None and custom_all_reduce_device.type == "cuda":
+        from pagedllm.distributed.custom_all_reduce import make_custom_all_reduce
+
+        _CUSTOM_AR = make_custom_all_reduce(group, custom_all_reduce_device)
 
 
 def destroy_distributed() -> None:
-    global _TP_RANK, _TP_SIZE, _PP_RANK, _PP_SIZE, _TP_GROUP, _EXPERT_PARALLEL
+    global _TP_RANK, _TP_SIZE, _PP_RANK, _PP_SIZE, _TP_GROUP, _EXPERT_PARALLEL, _CUSTOM_AR
+    _CUSTOM_AR = None
     if _TP_SIZE * _PP_SIZE > 1:
         import torch.distributed as dist
 
@@ -106,6 +114,8 @@ def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum of ``x`` over the tensor-parallel ranks (in place where possible); ``x`` itself with one rank."""
     if _TP_SIZE == 1:
         return x
+    if _CUSTOM_AR is not None and _CUSTOM_AR.takes(x):
+        return _CUSTOM_AR.all_reduce(x)
     import torch.distributed as dist
 
     x = x.contiguous()

@@ -98,6 +98,9 @@ class EngineArgs:
     # MoE models: place whole experts on the tensor-parallel ranks (num_experts / tp each) instead of
     # slicing every expert's intermediate size over them.
     enable_expert_parallel: bool = False
+    # Sum tensor-parallel activations with NCCL alone, not through peer GPU memory for small messages
+    # (distributed/custom_all_reduce.py); vLLM's flag.
+    disable_custom_all_reduce: bool = False
     # MoE models, for RL: each CompletionOutput.routed_experts holds the experts every MoE layer chose
     # for every computed token (vLLM's option).
     enable_return_routed_experts: bool = False
@@ -383,7 +386,8 @@ class EngineArgs:
                              f"{num_experts} experts (each rank holds whole experts)")
         return ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=self.pipeline_parallel_size,
                               distributed_executor_backend=backend, device_ids=device_ids,
-                              enable_expert_parallel=expert_parallel)
+                              enable_expert_parallel=expert_parallel,
+                              disable_custom_all_reduce=bool(self.disable_custom_all_reduce))
 
 
 def _derive_max_model_len(hf_config: Any) -> int:

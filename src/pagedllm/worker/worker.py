@@ -48,7 +48,8 @@ class Worker:
                 raise ValueError("a world size > 1 needs a distributed_init_method for the process groups")
             init_distributed(rank, pc.tensor_parallel_size, pc.pipeline_parallel_size, distributed_init_method,
                              backend="nccl" if self.device.type == "cuda" else "gloo",
-                             enable_expert_parallel=pc.enable_expert_parallel)
+                             enable_expert_parallel=pc.enable_expert_parallel,
+                             custom_all_reduce_device=None if pc.disable_custom_all_reduce else self.device)
         mc = config.model_config
         torch.manual_seed(mc.seed)
         resolved = ResolvedModel(path=mc.path, gguf_file=mc.gguf_file, hf_config=mc.hf_config)

@@ -1,0 +1,116 @@
+"""All-reduce of small activations through peer GPU memory instead of NCCL.
+
+Each tensor-parallel rank holds one buffer of torch's symmetric memory
+(``torch.distributed._symmetric_memory``: the same allocation mapped into every rank's address
+space over NVLink through CUDA IPC handles, no multicast). An all-reduce is then one kernel:
+
+- **one-shot** (small messages): every rank copies its input into its own buffer, meets the
+  others at a barrier on the signal pads, and reads all ranks' buffers to add them up; one
+  launch, one trip over NVLink, the latency NCCL's ring pays per step avoided;
+- **two-shot** (medium): a reduce-scatter then an all-gather through the buffers, each rank
+  reading only ``1/tp`` of every peer's data.
+
+Large messages (prefill chunks) stay on NCCL, which saturates the links there. Both kernels
+come from torch (``torch.ops.symm_mem``), replay inside CUDA graphs (their barriers are device
+side), and add in a fixed rank order, so every rank holds bit-identical sums as with NCCL.
+
+The path a tensor takes depends only on its dtype and size, which every rank shares, so the
+ranks always meet in the same collective. Where peer memory is unavailable (no P2P between
+the GPUs, a torch without symmetric memory, a failed rendezvous) the engine logs one line and
+keeps NCCL; ``disable_custom_all_reduce=True`` (vLLM's flag) keeps NCCL by choice.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+logger = logging.getLogger("pagedllm")
+
+# Message sizes (bytes) below which each kernel beats NCCL on H100 pairs over NVLink
+# (benchmarks/all_reduce.py; README "Tensor parallelism").
+ONE_SHOT_MAX_BYTES = 512 << 10
+TWO_SHOT_MAX_BYTES = 8 << 20
+_DTYPES = (torch.bfloat16, torch.float32)  # what torch's symmetric-memory kernels add
+
+
+class CustomAllReduce:
+    """Sums tensors over one tensor-parallel group through a symmetric-memory buffer of
+    ``max_bytes``. Build it on every rank of the group at once (the rendezvous is collective)."""
+
+    def __init__(self, group_name: str, device: torch.device, max_bytes: int = TWO_SHOT_MAX_BYTES,
+                 one_shot_max_bytes: int = ONE_SHOT_MAX_BYTES) -> None:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        if hasattr(symm_mem, "enable_symm_mem_for_group"):  # needed before torch 2.9, harmless after
+            symm_mem.enable_symm_mem_for_group(group_name)
+        self.group_name = group_name
+        self.max_bytes = max_bytes
+        self.one_shot_max_bytes = min(one_shot_max_bytes, max_bytes)
+        self.buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
+        self.handle = symm_mem.rendezvous(self.buffer, group_name)
+        self.world_size = self.handle.world_size
+
+    def takes(self, x: torch.Tensor) -> bool:
+        """Whether ``x`` goes through peer memory (else NCCL); the same answer on every rank."""
+        nbytes = x.numel() * x.element_size()
+        return x.is_cuda and x.dtype in _DTYPES and 0 < nbytes <= self.max_bytes and nbytes % 16 == 0
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of ``x`` over the group, as a new tensor shaped like ``x``."""
+        x = x.contiguous()
+        nbytes = x.numel() * x.element_size()
+        buf = self.buffer[:nbytes].view(x.dtype)
+        out = torch.empty_like(x)
+        if nbytes <= self.one_shot_max_bytes:
+            # The kernel copies x into this rank's buffer itself, then sums every rank's buffer.
+            torch.ops.symm_mem.one_shot_all_reduce_copy_out(buf, x.view(-1), "sum", self.group_name, out.view(-1))
+        else:
+            buf.copy_(x.view(-1))
+            torch.ops.symm_mem.two_shot_all_reduce_out(buf, "sum", self.group_name, out.view(-1))
+        return out
+
+
+def make_custom_all_reduce(group, device: torch.device) -> CustomAllReduce | None:
+    """The group's peer-memory all-reduce, or None (logged) where it cannot work; collective:
+    every rank of ``group`` calls it, and all get one or all get None."""
+    import torch.distributed as dist
+
+    group = group if group is not None else dist.group.WORLD
+    ranks = dist.get_process_group_ranks(group)
+    reason = _unavailable_reason(device, len(ranks))
+    ok = torch.tensor([0 if reason else 1], device=device, dtype=torch.int32)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)  # one rank without P2P: nobody uses it
+    if reason is None and not int(ok.item()):
+        reason = "another rank cannot map peer memory"
+    if reason is None:
+        try:
+            comm = CustomAllReduce(group.group_name, device)
+        except Exception as e:  # noqa: BLE001 - a driver or torch that refuses: NCCL still works
+            reason = f"symmetric-memory rendezvous failed ({type(e).__name__}: {e})"
+        else:
+            if dist.get_rank(group) == 0:
+                logger.info("Custom all-reduce over peer memory on %d GPUs (one-shot up to %d KiB, two-shot up "
+                            "to %d MiB, NCCL above)", len(ranks), comm.one_shot_max_bytes >> 10, comm.max_bytes >> 20)
+            return comm
+    if dist.get_rank(group) == 0:
+        logger.warning("Custom all-reduce off (%s): tensor-parallel all-reduces use NCCL", reason)
+    return None
+
+
+def _unavailable_reason(device: torch.device, world_size: int) -> str | None:
+    if device.type != "cuda":
+        return f"device {device}"
+    if world_size > 8:
+        return f"{world_size} ranks (symmetric-memory kernels handle up to 8)"
+    try:
+        import torch.distributed._symmetric_memory  # noqa: F401
+    except ImportError:
+        return "this torch has no symmetric memory"
+    if not hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out"):
+        return "this torch's symmetric memory lacks one_shot_all_reduce_copy_out"
+    n = torch.cuda.device_count()
+    here = device.index if device.index is not None else torch.cuda.current_device()
+    if not all(torch.cuda.can_device_access_peer(here, other) for other in range(n) if other != here):
+        return "no peer access between this host's GPUs"
+    return None

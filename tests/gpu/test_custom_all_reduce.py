@@ -1,0 +1,106 @@
+"""GPU-only (two GPUs): the peer-memory all-reduce (distributed/custom_all_reduce) gives NCCL's
+sums bit for bit, eagerly and replayed in a CUDA graph, for every size up to its buffer; larger
+and fp16 messages fall back to NCCL; a TP=2 engine with it gives the same tokens as with NCCL."""
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+
+from pagedllm import LLM
+from tests.engine.test_correctness import generate_ids, mixed_prompts
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                                reason="needs two GPUs")
+
+# elements: tiny (one 16-byte vector), decode rows of 4096 bf16 (1, 32 and 64 rows: one- and
+# two-shot), an odd row count, the buffer's whole size and one past it (NCCL).
+SHAPES = [(8,), (1, 4096), (32, 4096), (64, 4096), (37, 4096), (1024, 4096), (1025, 4096)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank(rank: int, port: int, errors) -> None:
+    try:
+        _check_rank(rank, port)
+    except BaseException as e:  # noqa: BLE001 - reported to the test process
+        errors.put(f"rank {rank}: {type(e).__name__}: {e}")
+        raise
+
+
+def _check_rank(rank: int, port: int) -> None:
+    import torch.distributed as dist
+
+    from pagedllm.distributed import parallel_state as ps
+
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    ps.init_distributed(rank, 2, 1, f"tcp://127.0.0.1:{port}", custom_all_reduce_device=device)
+    comm = ps._CUSTOM_AR
+    assert comm is not None, "the custom all-reduce did not start on two GPUs with peer access"
+    comm_bytes = comm.max_bytes
+    for d, dtype in enumerate((torch.bfloat16, torch.float32, torch.float16)):
+        for s, shape in enumerate(SHAPES):
+            gen = torch.Generator(device=device).manual_seed(1000 * rank + 100 * d + s)
+            x = torch.randn(shape, device=device, generator=gen).to(dtype)
+            want = x.clone()
+            dist.all_reduce(want)
+            expect_custom = dtype != torch.float16 and x.numel() * x.element_size() <= comm_bytes
+            assert comm.takes(x) == expect_custom, (shape, dtype)
+            got = ps.tensor_model_parallel_all_reduce(x.clone())
+            assert got.shape == x.shape and torch.equal(got, want), (shape, dtype)
+    # Replayed in a CUDA graph (as decode steps run) with new inputs each replay.
+    static = torch.empty(32, 4096, device=device, dtype=torch.bfloat16)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        ps.tensor_model_parallel_all_reduce(static)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ps.tensor_model_parallel_all_reduce(static * 2)
+    for step in range(3):
+        static.copy_(torch.full_like(static, float(rank + step)))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, torch.full_like(out, 2.0 * (0 + step) + 2.0 * (1 + step))), step
+    dist.barrier()
+    ps.destroy_distributed()
+
+
+def test_custom_all_reduce_equals_nccl_eager_and_in_graphs():
+    ctx = torch.multiprocessing.get_context("spawn")
+    errors = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank, args=(r, port, errors)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=300)
+    messages = [errors.get() for _ in range(errors.qsize())] if not errors.empty() else []
+    assert all(p.exitcode == 0 for p in procs), messages
+
+
+def _custom_all_reduce_on(worker) -> bool:
+    from pagedllm.distributed import parallel_state
+
+    return parallel_state._CUSTOM_AR is not None
+
+
+def test_tp2_tokens_equal_with_and_without_the_custom_all_reduce(tiny_models):
+    prompts = mixed_prompts(4)
+    outs = {}
+    for disable in (False, True):
+        llm = LLM(tiny_models["llama"], dtype="bfloat16", seed=0, tensor_parallel_size=2, gpu_memory_utilization=0.3,
+                  disable_custom_all_reduce=disable)
+        try:
+            assert llm.collective_rpc(_custom_all_reduce_on) == [not disable] * 2
+            outs[disable] = generate_ids(llm, prompts)
+        finally:
+            llm.llm_engine.engine_core.shutdown()
+    assert outs[False] == outs[True]
