@@ -27,9 +27,9 @@ import torch
 
 logger = logging.getLogger("pagedllm")
 
-# Message sizes (bytes) below which each kernel beats NCCL on H100 pairs over NVLink
+# Message sizes (bytes) up to which each kernel beats NCCL on two H200s over NVLink
 # (benchmarks/all_reduce.py; README "Tensor parallelism").
-ONE_SHOT_MAX_BYTES = 512 << 10
+ONE_SHOT_MAX_BYTES = 1 << 20
 TWO_SHOT_MAX_BYTES = 8 << 20
 _DTYPES = (torch.bfloat16, torch.float32)  # what torch's symmetric-memory kernels add
 

@@ -31,6 +31,7 @@ from pagedllm.worker.worker import Worker
 logger = logging.getLogger("pagedllm")
 
 _POLL_S = 0.5  # how often a wait checks that every worker process is still alive
+_SPIN_S = 50e-6  # a worker with a step in flight checks for the engine's next call and the step's tokens
 
 
 class UniProcExecutor(Executor):
@@ -226,17 +227,55 @@ def _worker_main(config: EngineConfig, rank: int, init_method: str, conn) -> Non
         return
     freeze_gc_heap()
     conn.send((-1, True, None))
+    _serve(worker, conn, rank == config.parallel_config.output_rank, bool(config.scheduler_config.async_scheduling))
+    destroy_distributed()
+
+
+def _serve(worker: Worker, conn, is_output_rank: bool, overlap: bool) -> None:
+    """Answer the engine's calls until told to stop or its end of the pipe closes.
+
+    With ``overlap`` (async scheduling) a plain step is launched without waiting for its tokens,
+    and is answered once they land or once the next step is launched, whichever comes first: the
+    engine sends step N+1 while N runs, so the device gets N+1's kernels before this process
+    blocks on N's tokens, as the engine core's own runner does in one process. Every other call
+    answers the step in flight first."""
+    in_flight: tuple[int, Any] | None = None  # (seq, PendingOutput) of the step launched, not answered
+
+    def answer(seq: int, call) -> None:
+        try:
+            result = call()
+        except BaseException:
+            conn.send((seq, False, traceback.format_exc()))
+            return
+        conn.send((seq, True, result if is_output_rank else None))
+
     while True:
+        while in_flight is not None and not conn.poll(_SPIN_S):
+            if in_flight[1].ready():  # its tokens landed before the engine sent more
+                answer(in_flight[0], in_flight[1].result)
+                in_flight = None
         try:
             seq, method, args, kwargs = pickle.loads(conn.recv_bytes())
         except (EOFError, OSError):
             break  # the engine is gone
+        if overlap and method == "execute_model" and not args[0].defer_grammar:
+            try:
+                pending = worker.execute_model(args[0], non_block=True)
+            except BaseException:
+                conn.send((seq, False, traceback.format_exc()))
+                pending = None
+            if in_flight is not None:
+                answer(in_flight[0], in_flight[1].result)
+            in_flight = None if pending is None else (seq, pending)
+            continue
+        if in_flight is not None:
+            answer(in_flight[0], in_flight[1].result)
+            in_flight = None
         if method == "shutdown":
             break
         try:
-            result = serve_call(worker, method, args, kwargs, rank == config.parallel_config.output_rank)
+            result = serve_call(worker, method, args, kwargs, is_output_rank)
         except BaseException:
             conn.send((seq, False, traceback.format_exc()))
             continue
         conn.send((seq, True, result))
-    destroy_distributed()

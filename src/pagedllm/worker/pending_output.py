@@ -48,6 +48,10 @@ class PendingOutput:
         self.event = torch.cuda.Event()
         self.event.record()
 
+    def ready(self) -> bool:
+        """Whether ``result()`` would return without waiting for the device."""
+        return self._result is not None or self.event is None or self.event.query()
+
     def result(self) -> ModelRunnerOutput:
         """Wait for the tokens, hand them to the runner's request rows (once)."""
         if self._result is not None:
