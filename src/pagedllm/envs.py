@@ -98,6 +98,10 @@ _VARS = [
            "0: causal prefill chunks (query runs longer than a decode tile, no sliding window or soft cap) run in the "
            "unified paged-attention kernel's long tiles instead of the prefill kernel (attention/triton_prefill.py; "
            "A/B measurements).", _not_zero),
+    EnvVar("PAGEDLLM_TORCH_PROFILER_DIR", "path", None,
+           "Folder where LLM.start_profile() / stop_profile() write each worker's torch.profiler trace "
+           "(rankN.trace.json) and a table of where its time went (rankN.txt); unset: profiling is off "
+           "(vLLM's VLLM_TORCH_PROFILER_DIR)."),
     EnvVar("PAGEDLLM_SPEC_FORCE_ACCEPT", "bool (1 = on)", False,
            "Benchmarks only: speculative decoding accepts every draft (the machinery's ceiling; outputs are the "
            "draft's).", _is_one),

@@ -8,6 +8,7 @@ from typing import Any, Callable, Sequence
 
 from tqdm.auto import tqdm
 
+from pagedllm import envs
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.chat_utils import ChatMessage, apply_chat_template
@@ -59,6 +60,19 @@ class LLM:
 
     def is_sleeping(self) -> bool:
         return self.llm_engine.is_sleeping()
+
+    def start_profile(self) -> None:
+        """Start torch.profiler in every worker (vLLM's call; PAGEDLLM_TORCH_PROFILER_DIR names
+        the folder and must be set before the engine starts)."""
+        if not envs.PAGEDLLM_TORCH_PROFILER_DIR:  # refused here: a worker that raises stops the engine
+            raise RuntimeError("profiling is off: set PAGEDLLM_TORCH_PROFILER_DIR to the folder for the traces "
+                               "before the engine starts")
+        self.collective_rpc("start_profile")
+
+    def stop_profile(self) -> list[str]:
+        """Stop it; each worker writes ``rank{N}.trace.json`` and ``rank{N}.txt`` (wall time,
+        device busy time, ops by their own time). Returns the summaries' paths, in rank order."""
+        return self.collective_rpc("stop_profile")
 
     def collective_rpc(self, method: str | Callable, timeout: float | None = None, args: tuple = (),
                        kwargs: dict[str, Any] | None = None) -> list[Any]:

@@ -16,6 +16,7 @@ from pagedllm.model.eagle import EagleLlamaHead
 from pagedllm.model.eagle3 import Eagle3LlamaHead
 from pagedllm.model.loader import TORCH_DTYPES, ResolvedModel, load_model
 from pagedllm.worker.model_runner import ModelRunner
+from pagedllm.worker.profiler import WorkerProfiler
 from pagedllm.worker.spec_draft import draft_scope
 
 logger = logging.getLogger("pagedllm")
@@ -72,6 +73,7 @@ class Worker:
         self.num_kv_blocks = 0
         self._weights_asleep: _SleepingWeights | None = None
         self._kv_cache_asleep = False
+        self._profiler: WorkerProfiler | None = None
 
     def kv_cache_bytes_per_block(self) -> int:
         return self.model_runner.kv_cache_bytes_per_block()
@@ -173,6 +175,18 @@ class Worker:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return loaded
+
+    def start_profile(self) -> None:
+        """Start a torch.profiler session in this worker (PAGEDLLM_TORCH_PROFILER_DIR must be set)."""
+        if self._profiler is None:
+            self._profiler = WorkerProfiler(self.rank, self.device)
+        self._profiler.start()
+
+    def stop_profile(self) -> str:
+        """End it; writes this rank's trace and summary, returns the summary's path."""
+        if self._profiler is None:
+            raise RuntimeError("stop_profile() without start_profile()")
+        return self._profiler.stop()
 
     def sleep(self, level: int) -> None:
         """Level 1: weights to (pinned) host memory, KV cache freed. Level 2: both freed."""

@@ -1,0 +1,61 @@
+"""A worker's torch.profiler session (vLLM's ``LLM.start_profile()`` / ``stop_profile()``).
+
+Every worker profiles its own process (host ops and, on a GPU, kernels) between the two calls
+and writes, under ``PAGEDLLM_TORCH_PROFILER_DIR``, ``rank{N}.trace.json`` (open it in Perfetto
+or chrome://tracing) and ``rank{N}.txt``: the wall time of the session, the device's busy time
+(kernels and copies added up) and the ops sorted by their own device time (host time on CPU).
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from pagedllm import envs
+
+
+class WorkerProfiler:
+    def __init__(self, rank: int, device: torch.device) -> None:
+        self.rank, self.device = rank, device
+        self._profile: torch.profiler.profile | None = None
+        self._started = 0.0
+
+    def start(self) -> None:
+        out_dir = envs.PAGEDLLM_TORCH_PROFILER_DIR
+        if not out_dir:
+            raise RuntimeError("profiling is off: set PAGEDLLM_TORCH_PROFILER_DIR to the folder for the traces "
+                               "before the engine starts")
+        if self._profile is not None:
+            raise RuntimeError("start_profile() called twice without stop_profile()")
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+            torch.cuda.synchronize(self.device)
+        self._profile = torch.profiler.profile(activities=activities)
+        self._profile.start()
+        self._started = time.perf_counter()
+
+    def stop(self) -> str:
+        """Ends the session; returns the path of this rank's summary."""
+        if self._profile is None:
+            raise RuntimeError("stop_profile() without start_profile()")
+        on_gpu = self.device.type == "cuda"
+        if on_gpu:
+            torch.cuda.synchronize(self.device)
+        wall_s = time.perf_counter() - self._started
+        profile, self._profile = self._profile, None
+        profile.stop()
+        out_dir = envs.PAGEDLLM_TORCH_PROFILER_DIR
+        os.makedirs(out_dir, exist_ok=True)
+        profile.export_chrome_trace(os.path.join(out_dir, f"rank{self.rank}.trace.json"))
+        averages = profile.key_averages()
+        key = "self_device_time_total" if on_gpu else "self_cpu_time_total"
+        busy_s = sum(getattr(e, key) for e in averages) / 1e6 if on_gpu else None
+        head = f"rank {self.rank}: {wall_s:.4f} s wall"
+        if busy_s is not None:
+            head += f", device busy {busy_s:.4f} s ({busy_s / wall_s:.1%})"
+        path = os.path.join(out_dir, f"rank{self.rank}.txt")
+        with open(path, "w") as f:
+            f.write(head + "\n" + averages.table(sort_by=key, row_limit=40, max_name_column_width=70) + "\n")
+        return path
