@@ -14,31 +14,36 @@ import time
 from pagedllm import LLM, SamplingParams, TokensPrompt, envs
 from pagedllm.benchmarks.common import parse_engine_args, write_shape
 
-p = argparse.ArgumentParser()
-p.add_argument("--shape", default="llama3-8b")
-p.add_argument("--tp", type=int, default=2)
-p.add_argument("--batch", type=int, default=32)
-p.add_argument("--output-len", type=int, default=64)
-p.add_argument("--engine-args", default="")
-args = p.parse_args()
-if not envs.PAGEDLLM_TORCH_PROFILER_DIR:
-    raise SystemExit("set PAGEDLLM_TORCH_PROFILER_DIR")
-llm = LLM(write_shape(args.shape), load_format="dummy", skip_tokenizer_init=True, tensor_parallel_size=args.tp,
-          max_model_len=4096, **parse_engine_args(args.engine_args))
-rng = random.Random(0)
-prompts = [TokensPrompt(prompt_token_ids=[rng.randint(0, 10000) for _ in range(128)]) for _ in range(args.batch)]
-params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=args.output_len, detokenize=False)
-llm.generate(prompts, params, use_tqdm=False)  # warm-up
-first = SamplingParams(temperature=0, ignore_eos=True, max_tokens=1, detokenize=False)
-t = time.perf_counter()
-llm.generate(prompts, first, use_tqdm=False)
-ttft = time.perf_counter() - t
-llm.start_profile()
-t = time.perf_counter()
-llm.generate(prompts, params, use_tqdm=False)
-total = time.perf_counter() - t
-paths = llm.stop_profile()
-print(f"batch {args.batch}: {(total - ttft) * 1e3 / (args.output_len - 1):.3f} ms per decode step "
-      f"(profiled; ttft {ttft * 1e3:.1f} ms)")
-for path in paths:
-    print(open(path).read())
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--shape", default="llama3-8b")
+    p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--engine-args", default="")
+    args = p.parse_args()
+    if not envs.PAGEDLLM_TORCH_PROFILER_DIR:
+        raise SystemExit("set PAGEDLLM_TORCH_PROFILER_DIR")
+    llm = LLM(write_shape(args.shape), load_format="dummy", skip_tokenizer_init=True, tensor_parallel_size=args.tp,
+              max_model_len=4096, **parse_engine_args(args.engine_args))
+    rng = random.Random(0)
+    prompts = [TokensPrompt(prompt_token_ids=[rng.randint(0, 10000) for _ in range(128)]) for _ in range(args.batch)]
+    params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=args.output_len, detokenize=False)
+    llm.generate(prompts, params, use_tqdm=False)  # warm-up
+    first = SamplingParams(temperature=0, ignore_eos=True, max_tokens=1, detokenize=False)
+    t = time.perf_counter()
+    llm.generate(prompts, first, use_tqdm=False)
+    ttft = time.perf_counter() - t
+    llm.start_profile()
+    t = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    total = time.perf_counter() - t
+    paths = llm.stop_profile()
+    print(f"batch {args.batch}: {(total - ttft) * 1e3 / (args.output_len - 1):.3f} ms per decode step "
+          f"(profiled; ttft {ttft * 1e3:.1f} ms)")
+    for path in paths:
+        print(open(path).read())
+
+
+if __name__ == "__main__":  # the worker processes are spawned: they import this file
+    main()
