@@ -14,6 +14,33 @@ import time
 from pagedllm import LLM, SamplingParams, TokensPrompt, envs
 from pagedllm.benchmarks.common import parse_engine_args, write_shape
 
+def time_engine_phases(llm: LLM) -> dict[str, float]:
+    """Seconds the engine process spends in each phase of its steps, from now (wrapped methods)."""
+    core = llm.llm_engine.engine_core
+    spent = {"steps": 0, "step": 0.0, "schedule": 0.0, "update_from_output": 0.0, "send": 0.0, "gather": 0.0}
+
+    def timed(obj, attr: str, key: str) -> None:
+        inner = getattr(obj, attr)
+
+        def wrapper(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return inner(*a, **k)
+            finally:
+                spent[key] += time.perf_counter() - t0
+                if key == "step":
+                    spent["steps"] += 1
+        setattr(obj, attr, wrapper)
+
+    timed(core, "step", "step")
+    timed(core.scheduler, "schedule", "schedule")
+    timed(core.scheduler, "update_from_output", "update_from_output")
+    if hasattr(core.executor, "_send"):
+        timed(core.executor, "_send", "send")
+        timed(core.executor, "_gather", "gather")
+    return spent
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--shape", default="llama3-8b")
@@ -34,11 +61,14 @@ def main() -> None:
     t = time.perf_counter()
     llm.generate(prompts, first, use_tqdm=False)
     ttft = time.perf_counter() - t
+    spent = time_engine_phases(llm)
     llm.start_profile()
     t = time.perf_counter()
     llm.generate(prompts, params, use_tqdm=False)
     total = time.perf_counter() - t
     paths = llm.stop_profile()
+    steps = spent.pop("steps")
+    print("engine process, ms per step: " + ", ".join(f"{k} {v * 1e3 / steps:.3f}" for k, v in spent.items()))
     print(f"batch {args.batch}: {(total - ttft) * 1e3 / (args.output_len - 1):.3f} ms per decode step "
           f"(profiled; ttft {ttft * 1e3:.1f} ms)")
     for path in paths:

@@ -14,6 +14,8 @@ import weakref
 from multiprocessing.connection import wait as wait_for_ready
 from typing import Any
 
+import torch
+
 from pagedllm import envs
 from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import SchedulerOutput
@@ -211,8 +213,6 @@ def _worker_main(config: EngineConfig, rank: int, init_method: str, conn) -> Non
     engine's end of the pipe closes."""
     import sys
 
-    import torch
-
     from pagedllm.distributed import destroy_distributed
 
     world_size = config.parallel_config.world_size
@@ -229,6 +229,10 @@ def _worker_main(config: EngineConfig, rank: int, init_method: str, conn) -> Non
     conn.send((-1, True, None))
     _serve(worker, conn, rank == config.parallel_config.output_rank, bool(config.scheduler_config.async_scheduling))
     destroy_distributed()
+
+
+def _no_span(name: str) -> contextlib.nullcontext:
+    return contextlib.nullcontext()
 
 
 def _serve(worker: Worker, conn, is_output_rank: bool, overlap: bool) -> None:
@@ -250,22 +254,26 @@ def _serve(worker: Worker, conn, is_output_rank: bool, overlap: bool) -> None:
         conn.send((seq, True, result if is_output_rank else None))
 
     while True:
-        while in_flight is not None and not conn.poll(_SPIN_S):
-            if in_flight[1].ready():  # its tokens landed before the engine sent more
-                answer(in_flight[0], in_flight[1].result)
-                in_flight = None
-        try:
-            seq, method, args, kwargs = pickle.loads(conn.recv_bytes())
-        except (EOFError, OSError):
-            break  # the engine is gone
+        span = torch.profiler.record_function if worker.profiling else _no_span  # phases in start_profile()'s trace
+        with span("worker.wait_for_engine"):
+            while in_flight is not None and not conn.poll(_SPIN_S):
+                if in_flight[1].ready():  # its tokens landed before the engine sent more
+                    answer(in_flight[0], in_flight[1].result)
+                    in_flight = None
+            try:
+                seq, method, args, kwargs = pickle.loads(conn.recv_bytes())
+            except (EOFError, OSError):
+                break  # the engine is gone
         if overlap and method == "execute_model" and not args[0].defer_grammar:
             try:
-                pending = worker.execute_model(args[0], non_block=True)
+                with span("worker.launch_step"):
+                    pending = worker.execute_model(args[0], non_block=True)
             except BaseException:
                 conn.send((seq, False, traceback.format_exc()))
                 pending = None
             if in_flight is not None:
-                answer(in_flight[0], in_flight[1].result)
+                with span("worker.answer_step"):
+                    answer(in_flight[0], in_flight[1].result)
             in_flight = None if pending is None else (seq, pending)
             continue
         if in_flight is not None:

@@ -3,7 +3,9 @@
 Every worker profiles its own process (host ops and, on a GPU, kernels) between the two calls
 and writes, under ``PAGEDLLM_TORCH_PROFILER_DIR``, ``rank{N}.trace.json`` (open it in Perfetto
 or chrome://tracing) and ``rank{N}.txt``: the wall time of the session, the device's busy time
-(kernels and copies added up) and the ops sorted by their own device time (host time on CPU).
+(kernels and copies added up), the ops sorted by their own device time (host time on CPU) and,
+on a GPU, by host time (with the serving loop's phases: waiting for the engine, launching a step,
+answering the one before).
 """
 from __future__ import annotations
 
@@ -20,6 +22,10 @@ class WorkerProfiler:
         self.rank, self.device = rank, device
         self._profile: torch.profiler.profile | None = None
         self._started = 0.0
+
+    @property
+    def active(self) -> bool:
+        return self._profile is not None
 
     def start(self) -> None:
         out_dir = envs.PAGEDLLM_TORCH_PROFILER_DIR
@@ -58,4 +64,7 @@ class WorkerProfiler:
         path = os.path.join(out_dir, f"rank{self.rank}.txt")
         with open(path, "w") as f:
             f.write(head + "\n" + averages.table(sort_by=key, row_limit=40, max_name_column_width=70) + "\n")
+            if on_gpu:  # the host's side: the serving loop's phases and the ops that launch the kernels
+                f.write("by host time\n" + averages.table(sort_by="cpu_time_total", row_limit=20,
+                                                           max_name_column_width=70) + "\n")
         return path

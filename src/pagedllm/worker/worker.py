@@ -182,6 +182,11 @@ class Worker:
             self._profiler = WorkerProfiler(self.rank, self.device)
         self._profiler.start()
 
+    @property
+    def profiling(self) -> bool:
+        """A start_profile() session is running (the serving loop then marks its phases)."""
+        return self._profiler is not None and self._profiler.active
+
     def stop_profile(self) -> str:
         """End it; writes this rank's trace and summary, returns the summary's path."""
         if self._profiler is None:
