@@ -66,6 +66,7 @@ def main() -> None:
     t = time.perf_counter()
     llm.generate(prompts, params, use_tqdm=False)
     total = time.perf_counter() - t
+    spent = dict(spent)  # before stop_profile's call to the workers (its trace export) counts too
     paths = llm.stop_profile()
     steps = spent.pop("steps")
     print("engine process, ms per step: " + ", ".join(f"{k} {v * 1e3 / steps:.3f}" for k, v in spent.items()))

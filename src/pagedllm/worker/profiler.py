@@ -57,9 +57,11 @@ class WorkerProfiler:
         profile.export_chrome_trace(os.path.join(out_dir, f"rank{self.rank}.trace.json"))
         averages = profile.key_averages()
         key = "self_device_time_total" if on_gpu else "self_cpu_time_total"
-        busy_s = sum(getattr(e, key) for e in averages) / 1e6 if on_gpu else None
+        # The device's own events (kernels, copies): the ops that launched them carry the same time again.
+        busy_s = sum(e.self_device_time_total for e in averages
+                     if e.device_type != torch.autograd.DeviceType.CPU) / 1e6 if on_gpu else 0.0
         head = f"rank {self.rank}: {wall_s:.4f} s wall"
-        if busy_s is not None:
+        if busy_s:
             head += f", device busy {busy_s:.4f} s ({busy_s / wall_s:.1%})"
         path = os.path.join(out_dir, f"rank{self.rank}.txt")
         with open(path, "w") as f:
