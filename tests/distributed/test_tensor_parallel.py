@@ -264,3 +264,19 @@ def test_tp2_lora_gives_peft_greedy_tokens(tp_models, tmp_path_factory):
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False,
                         lora_request=per_prompt)
     assert [tuple(o.outputs[0].token_ids) for o in outs] == want
+
+
+def _custom_all_reduce_on(worker) -> bool:
+    from pagedllm.distributed import parallel_state
+
+    return parallel_state._CUSTOM_AR is not None
+
+
+def test_custom_all_reduce_is_cuda_only_and_can_be_disabled(tp_models, module_llms):
+    """gloo ranks sum with gloo (the peer-memory all-reduce is for GPUs: tests/gpu/test_custom_all_reduce.py);
+    vLLM's disable_custom_all_reduce reaches the parallel config."""
+    llm = tp2(module_llms, "llama", tp_models["llama"])
+    assert llm.collective_rpc(_custom_all_reduce_on) == [False, False]
+    config = EngineArgs(tp_models["llama"], tensor_parallel_size=2, disable_custom_all_reduce=True).create_engine_config()
+    assert config.parallel_config.disable_custom_all_reduce is True
+    assert EngineArgs(tp_models["llama"]).create_engine_config().parallel_config.disable_custom_all_reduce is False
