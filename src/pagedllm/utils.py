@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import gc
 
+from pagedllm import envs
+
 
 def freeze_gc_heap() -> None:
     """Collect once, then move every object alive now into the collector's permanent
@@ -24,3 +26,11 @@ def held_back(text: str, markers: tuple[str, ...]) -> int:
                 best = max(best, n)
                 break
     return best
+
+
+def check_profiling_on() -> None:
+    """Raises unless PAGEDLLM_TORCH_PROFILER_DIR is set. LLM / AsyncLLM check it in their own
+    process before asking the workers (a worker that raises stops the engine)."""
+    if not envs.PAGEDLLM_TORCH_PROFILER_DIR:
+        raise RuntimeError("profiling is off: set PAGEDLLM_TORCH_PROFILER_DIR to the folder for the traces "
+                           "before the engine starts")

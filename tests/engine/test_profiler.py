@@ -15,9 +15,9 @@ def test_profile_writes_trace_and_summary(tiny_models, tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="PAGEDLLM_TORCH_PROFILER_DIR"):
         llm.start_profile()
     monkeypatch.setenv("PAGEDLLM_TORCH_PROFILER_DIR", str(tmp_path))
+    assert llm.stop_profile() == [None]  # nothing ran: nothing written, the engine keeps serving
     llm.start_profile()
-    with pytest.raises(RuntimeError, match="twice"):
-        llm.start_profile()
+    llm.start_profile()  # a second start keeps the running session
     llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3])], SamplingParams(max_tokens=4), use_tqdm=False)
     paths = llm.stop_profile()
     assert paths == [str(tmp_path / "rank0.txt")]
@@ -25,5 +25,4 @@ def test_profile_writes_trace_and_summary(tiny_models, tmp_path, monkeypatch):
     assert summary.startswith("rank 0: ") and "aten::" in summary  # the model's ops, by their own time
     trace = json.loads((tmp_path / "rank0.trace.json").read_text())
     assert any(e.get("name", "").startswith("aten::") for e in trace["traceEvents"])
-    with pytest.raises(RuntimeError, match="without start_profile"):
-        llm.stop_profile()
+    assert llm.stop_profile() == [None]

@@ -150,6 +150,7 @@ def _wait_all_blocks_free(http, timeout_s: float = 10.0) -> dict:
 def test_models_health_and_version(http, client):
     assert http.get("/health").status_code == 200
     assert http.get("/version").json()["version"]
+    assert http.post("/start_profile").status_code == 404  # profiling routes only with PAGEDLLM_TORCH_PROFILER_DIR
     assert [m.id for m in client.models.list().data] == [MODEL_NAME, "other-name"]
 
 

@@ -25,10 +25,16 @@ def log_path(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def url(tiny_models, log_path):
+def profile_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("limits-server-profile")
+
+
+@pytest.fixture(scope="module")
+def url(tiny_models, log_path, profile_dir):
     args = ["--served-model-name", MODEL_NAME, "--disable-log-stats", "--max-request-body-bytes", str(BODY_LIMIT),
             "--max-num-seqs", str(MAX_NUM_SEQS), "--max-model-len", "256"]
-    yield from _serve(tiny_models["llama"], log_path, args, {"PAGEDLLM_API_KEY": ""})
+    yield from _serve(tiny_models["llama"], log_path, args,
+                      {"PAGEDLLM_API_KEY": "", "PAGEDLLM_TORCH_PROFILER_DIR": str(profile_dir)})
 
 
 def _health_latencies(url: str, stop: threading.Event, out: list[float]) -> None:
@@ -258,3 +264,18 @@ def test_bad_constraints_are_400_and_the_server_serves_on(url, extra, param):
     assert ok.status_code == 200
     stats = httpx.get(f"{url}/internal/stats").json()
     assert stats["num_running"] == 0 and stats["num_free_blocks"] == stats["num_blocks"]
+
+
+def test_profile_routes_write_the_workers_traces(url, profile_dir):
+    """vLLM's /start_profile and /stop_profile (there while PAGEDLLM_TORCH_PROFILER_DIR is set; the
+    main server test module checks they are absent without it)."""
+    with httpx.Client(base_url=url, timeout=60) as c:
+        assert c.post("/stop_profile").status_code == 200  # none running: nothing written, serving goes on
+        assert not list(profile_dir.iterdir())
+        assert c.post("/start_profile").status_code == 200
+        r = c.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 4})
+        assert r.status_code == 200
+        assert c.post("/stop_profile").status_code == 200
+        assert c.get("/health").status_code == 200
+    assert (profile_dir / "rank0.txt").read_text().startswith("rank 0: ")
+    assert (profile_dir / "rank0.trace.json").stat().st_size > 0

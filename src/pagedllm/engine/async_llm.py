@@ -16,7 +16,7 @@ from pagedllm.engine.stat_logger import LoggingStatLogger
 from pagedllm.inputs import PromptType
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.utils import freeze_gc_heap
+from pagedllm.utils import check_profiling_on, freeze_gc_heap
 
 logger = logging.getLogger("pagedllm")
 
@@ -201,6 +201,16 @@ class AsyncLLM(EngineFrontend):
         """Run ``method`` on every worker (see LLM.collective_rpc). Arguments and results cross a
         process boundary: they must pickle (CPU tensors do)."""
         return await self._utility("collective_rpc", method, tuple(args), kwargs)
+
+    async def start_profile(self) -> None:
+        """LLM.start_profile: torch.profiler in every worker (PAGEDLLM_TORCH_PROFILER_DIR)."""
+        check_profiling_on()
+        await self.collective_rpc("start_profile")
+
+    async def stop_profile(self) -> list[str | None]:
+        """LLM.stop_profile: each worker writes its trace and summary; their paths, in rank order."""
+        check_profiling_on()
+        return await self.collective_rpc("stop_profile")
 
     async def update_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
         """LLM.update_weights: collective_rpc("load_weights"), the pairs listed to cross to the core."""

@@ -8,7 +8,6 @@ from typing import Any, Callable, Sequence
 
 from tqdm.auto import tqdm
 
-from pagedllm import envs
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.chat_utils import ChatMessage, apply_chat_template
@@ -21,6 +20,7 @@ from pagedllm.outputs import (
 )
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+from pagedllm.utils import check_profiling_on
 
 
 class LLM:
@@ -64,14 +64,14 @@ class LLM:
     def start_profile(self) -> None:
         """Start torch.profiler in every worker (vLLM's call; PAGEDLLM_TORCH_PROFILER_DIR names
         the folder and must be set before the engine starts)."""
-        if not envs.PAGEDLLM_TORCH_PROFILER_DIR:  # refused here: a worker that raises stops the engine
-            raise RuntimeError("profiling is off: set PAGEDLLM_TORCH_PROFILER_DIR to the folder for the traces "
-                               "before the engine starts")
+        check_profiling_on()
         self.collective_rpc("start_profile")
 
-    def stop_profile(self) -> list[str]:
+    def stop_profile(self) -> list[str | None]:
         """Stop it; each worker writes ``rank{N}.trace.json`` and ``rank{N}.txt`` (wall time,
-        device busy time, ops by their own time). Returns the summaries' paths, in rank order."""
+        device busy time, ops by their own time). Returns the summaries' paths, in rank order
+        (None for a rank where no session ran)."""
+        check_profiling_on()
         return self.collective_rpc("stop_profile")
 
     def collective_rpc(self, method: str | Callable, timeout: float | None = None, args: tuple = (),

@@ -15,6 +15,7 @@ import time
 import torch
 
 from pagedllm import envs
+from pagedllm.utils import check_profiling_on
 
 
 class WorkerProfiler:
@@ -28,12 +29,9 @@ class WorkerProfiler:
         return self._profile is not None
 
     def start(self) -> None:
-        out_dir = envs.PAGEDLLM_TORCH_PROFILER_DIR
-        if not out_dir:
-            raise RuntimeError("profiling is off: set PAGEDLLM_TORCH_PROFILER_DIR to the folder for the traces "
-                               "before the engine starts")
+        check_profiling_on()
         if self._profile is not None:
-            raise RuntimeError("start_profile() called twice without stop_profile()")
+            return  # already running (a second start, e.g. from another client of the server, keeps it)
         activities = [torch.profiler.ProfilerActivity.CPU]
         if self.device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -42,10 +40,11 @@ class WorkerProfiler:
         self._profile.start()
         self._started = time.perf_counter()
 
-    def stop(self) -> str:
-        """Ends the session; returns the path of this rank's summary."""
+    def stop(self) -> str | None:
+        """Ends the session; returns the path of this rank's summary (None: no session was running).
+        Neither call raises on a worker once profiling is on: a failing call would stop the engine."""
         if self._profile is None:
-            raise RuntimeError("stop_profile() without start_profile()")
+            return None
         on_gpu = self.device.type == "cuda"
         if on_gpu:
             torch.cuda.synchronize(self.device)

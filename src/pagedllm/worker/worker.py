@@ -187,11 +187,9 @@ class Worker:
         """A start_profile() session is running (the serving loop then marks its phases)."""
         return self._profiler is not None and self._profiler.active
 
-    def stop_profile(self) -> str:
-        """End it; writes this rank's trace and summary, returns the summary's path."""
-        if self._profiler is None:
-            raise RuntimeError("stop_profile() without start_profile()")
-        return self._profiler.stop()
+    def stop_profile(self) -> str | None:
+        """End it; writes this rank's trace and summary, returns the summary's path (None: none ran)."""
+        return self._profiler.stop() if self._profiler is not None else None
 
     def sleep(self, level: int) -> None:
         """Level 1: weights to (pinned) host memory, KV cache freed. Level 2: both freed."""

@@ -207,6 +207,20 @@ def _add_routes(app: FastAPI, engine: AsyncLLM, served_model_names: list[str], s
             metrics_registry.set_queue_gauges(stats["num_running"], stats["num_waiting"], stats["kv_cache_usage"])
         return Response(metrics_registry.render(), media_type=CONTENT_TYPE_LATEST)
 
+    if envs.PAGEDLLM_TORCH_PROFILER_DIR:  # vLLM's routes, there only while profiling is configured
+        logger.warning("Profiling on: POST /start_profile and /stop_profile write the workers' traces to %s",
+                       envs.PAGEDLLM_TORCH_PROFILER_DIR)
+
+        @app.post("/start_profile")
+        async def start_profile() -> Response:
+            await engine.start_profile()
+            return Response(status_code=200)
+
+        @app.post("/stop_profile")
+        async def stop_profile() -> Response:
+            await engine.stop_profile()
+            return Response(status_code=200)
+
     @app.get("/internal/stats")
     async def internal_stats() -> dict[str, Any]:
         """KV blocks and queue sizes of the engine core, for tests and debugging."""
