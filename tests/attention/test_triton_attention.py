@@ -378,3 +378,16 @@ def test_decode_step_replays_in_a_cuda_graph_with_new_metadata(kernels, max_seqs
         graph.replay()
         torch.cuda.synchronize()
         check(out, b, hd ** -0.5, None, dtype, (max_seqs, trial, n))
+
+
+def test_wide_decode_batches_match_reference(kernels):
+    """A decode launch of WIDE_DECODE_ROWS tokens or more over a 16-bit cache takes 64-key tiles
+    with 2 stages (not split): contexts that end inside, at and past a key tile, plus padding."""
+    assert kernels._tile_config(False, True, 2, 64, False, wide_decode=True)["BLOCK_N"] == 64  # the path under test
+    rng = random.Random(7)
+    n = kernels.WIDE_DECODE_ROWS + 3
+    runs = [(rng.choice([0, 1, 63, 64, 65, rng.randint(2, 140)]), 1) for _ in range(n)]
+    b = make_batch(rng, block_size=16, num_kv_heads=1, group=2, head_dim=64, dtype=torch.float16, runs=runs,
+                   num_pad_seqs=1)
+    out = run_kernels(kernels, b, 0.125, None, max_query_len=1, num_kv_splits=1)
+    check(out, b, 0.125, None, torch.float16, "wide decode")
