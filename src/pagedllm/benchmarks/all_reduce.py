@@ -34,7 +34,9 @@ def _reduce(path: str, comm, x: torch.Tensor) -> torch.Tensor:
 
 
 def _time(fn, iters: int, repeats: int, graph: bool) -> float:
-    """Median µs per call of ``fn`` (iters calls per timed unit)."""
+    """Median µs per call of ``fn`` (iters calls per timed unit). Fixed counts, not the shared
+    timers (triton's ``do_bench_cudagraph`` picks its counts per process): every rank must launch
+    the same collectives."""
     if graph:
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())

@@ -72,9 +72,13 @@ class CustomAllReduce:
 
 
 def make_custom_all_reduce(group, device: torch.device) -> CustomAllReduce | None:
-    """The group's peer-memory all-reduce, or None (logged) where it cannot work; collective:
-    every rank of ``group`` calls it, and all get one or all get None."""
+    """The group's peer-memory all-reduce, or None where it cannot work (logged, except on CPU
+    devices: gloo ranks have no peer memory); collective on GPUs: every rank of ``group`` calls
+    it, and all get one or all get None."""
     import torch.distributed as dist
+
+    if device.type != "cuda":
+        return None
 
     group = group if group is not None else dist.group.WORLD
     ranks = dist.get_process_group_ranks(group)
@@ -99,8 +103,6 @@ def make_custom_all_reduce(group, device: torch.device) -> CustomAllReduce | Non
 
 
 def _unavailable_reason(device: torch.device, world_size: int) -> str | None:
-    if device.type != "cuda":
-        return f"device {device}"
     if world_size > 8:
         return f"{world_size} ranks (symmetric-memory kernels handle up to 8)"
     try:

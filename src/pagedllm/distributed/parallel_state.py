@@ -28,8 +28,8 @@ def init_distributed(rank: int, tp_size: int, pp_size: int, init_method: str, ba
     """Join the world of ``tp_size * pp_size`` ranks and build the tensor-parallel groups;
     ``backend`` None picks nccl on CUDA, gloo on CPU. ``enable_expert_parallel``: MoE layers
     hold whole experts per tensor rank instead of every expert's slice. ``custom_all_reduce_device``:
-    this rank's GPU, to sum small tensor-parallel messages through peer memory there
-    (custom_all_reduce; None: NCCL for every all-reduce)."""
+    this rank's device, to sum small tensor-parallel messages through peer memory where it is a
+    GPU (custom_all_reduce; None: NCCL for every all-reduce)."""
     global _TP_RANK, _TP_SIZE, _PP_RANK, _PP_SIZE, _TP_GROUP, _EXPERT_PARALLEL, _CUSTOM_AR
     world_size = tp_size * pp_size
     if tp_size < 1 or pp_size < 1 or not 0 <= rank < world_size:
@@ -51,7 +51,7 @@ def init_distributed(rank: int, tp_size: int, pp_size: int, init_method: str, ba
     _PP_RANK, _TP_RANK = divmod(rank, tp_size)
     _TP_SIZE, _PP_SIZE, _TP_GROUP = tp_size, pp_size, group
     _EXPERT_PARALLEL = bool(enable_expert_parallel)
-    if tp_size > 1 and custom_all_reduce_device is not None and custom_all_reduce_device.type == "cuda":
+    if tp_size > 1 and custom_all_reduce_device is not None:
         from pagedllm.distributed.custom_all_reduce import make_custom_all_reduce
 
         _CUSTOM_AR = make_custom_all_reduce(group, custom_all_reduce_device)

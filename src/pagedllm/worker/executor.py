@@ -253,13 +253,18 @@ def _serve(worker: Worker, conn, is_output_rank: bool, overlap: bool) -> None:
             return
         conn.send((seq, True, result if is_output_rank else None))
 
+    def answer_in_flight() -> None:
+        nonlocal in_flight
+        if in_flight is not None:
+            (seq, pending), in_flight = in_flight, None
+            answer(seq, pending.result)
+
     while True:
         span = torch.profiler.record_function if worker.profiling else _no_span  # phases in start_profile()'s trace
         with span("worker.wait_for_engine"):
             while in_flight is not None and not conn.poll(_SPIN_S):
                 if in_flight[1].ready():  # its tokens landed before the engine sent more
-                    answer(in_flight[0], in_flight[1].result)
-                    in_flight = None
+                    answer_in_flight()
             try:
                 seq, method, args, kwargs = pickle.loads(conn.recv_bytes())
             except (EOFError, OSError):
@@ -271,14 +276,11 @@ def _serve(worker: Worker, conn, is_output_rank: bool, overlap: bool) -> None:
             except BaseException:
                 conn.send((seq, False, traceback.format_exc()))
                 pending = None
-            if in_flight is not None:
-                with span("worker.answer_step"):
-                    answer(in_flight[0], in_flight[1].result)
+            with span("worker.answer_step"):
+                answer_in_flight()
             in_flight = None if pending is None else (seq, pending)
             continue
-        if in_flight is not None:
-            answer(in_flight[0], in_flight[1].result)
-            in_flight = None
+        answer_in_flight()
         if method == "shutdown":
             break
         try:
