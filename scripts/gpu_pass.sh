@@ -3,7 +3,7 @@
 # short table. Usage (on the device machine, repo root): scripts/gpu_pass.sh [STAGES]
 # STAGES is a comma list of: tests, throughput, throughput8b, latency, long, startup, structured, lora,
 # moetune, moe, quant, quanttune, pooling, embed, embedprof, moedebug, fp8kv, fp8kvbench, structuredab,
-# prefill, prefillab, longprof, structuredub, structuredoverlap, structuredchain, w4tune, fp8tune, fp8norm, spec, loratests, lorakernel, loraprof, tpar, tpartput (default: startup,tests,throughput,throughput8b,latency).
+# prefill, prefillab, longprof, structuredub, structuredoverlap, structuredchain, w4tune, fp8tune, fp8norm, spec, loratests, lorakernel, loraprof, tpar, tpartput, gemvtune, gemvab (default: startup,tests,throughput,throughput8b,latency).
 # Needs the SmolLM2 tokenizer saved under .gpu/tokenizer (carried with the call), and wheels carried in .whl
 # for what the device lacks: xgrammar with apache-tvm-ffi, llguidance, pydantic (+ pydantic-core,
 # annotated-types, typing-inspection), jsonschema (+ jsonschema-specifications, referencing, rpds-py),
@@ -100,6 +100,20 @@ stage moetune && bench moe_tune python -m pagedllm.benchmarks.moe_kernel --shape
 stage moe && bench moe_kernel python -m pagedllm.benchmarks.moe_kernel --shape qwen3-30b-a3b
 stage moe && bench moe_throughput python -m pagedllm.benchmarks.throughput --shape qwen3-30b-a3b
 stage moe && bench moe_latency python -m pagedllm.benchmarks.latency --shape qwen3-30b-a3b --batch-sizes 1,32
+# 16-bit small-row GEMMs (issue 19): --tune merges each shape's projections (TP=2 shards too) into
+# the table the engine reads (src/pagedllm/ops/gemv_configs.json here; copied to $OUT after each),
+# then the dispatch against cuBLAS, then the decode steps it serves with and without the table.
+if stage gemvtune; then
+  for spec in "qwen3-30b-a3b 1 qkv,o,lm_head" "llama3-8b 2 qkv,o,gate_up,down,lm_head" \
+              "llama3-8b 1 qkv,o,gate_up,down,lm_head" "qwen3-0.6b 1 qkv,o,gate_up,down,lm_head"; do
+    set -- $spec
+    bench gemv_tune_$1_tp$2 python -m pagedllm.benchmarks.gemv_kernel --tune --shape $1 --tp $2 --projections $3
+    cp src/pagedllm/ops/gemv_configs.json "$OUT/" 2>/dev/null
+  done
+  bench gemv_dispatch python -m pagedllm.benchmarks.gemv_kernel --shape llama3-8b --tp 2
+fi
+stage gemvab && bench gemv_latency_moe python -m pagedllm.benchmarks.latency --shape qwen3-30b-a3b --batch-sizes 1,32
+stage gemvab && bench gemv_latency_8b python -m pagedllm.benchmarks.latency --shape llama3-8b --batch-sizes 1,32
 # Pooling (issue 22): the encoders' non-causal Triton path and the pooling engine on the GPU against
 # sentence-transformers / transformers (the server tests need fastapi, not on the device), then
 # embedding throughput against sentence-transformers in the same run.

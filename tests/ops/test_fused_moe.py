@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from pagedllm.ops.fused_moe import fused_experts_bmm_loop, fused_experts_torch, route
 from pagedllm.ops.moe_scales import ExpertScales
+from pagedllm.ops.tile_tables import TileTable
 from tests.ops.conftest import DEVICE
 
 NUM_EXPERTS, HIDDEN, INTER = 6, 40, 24
@@ -203,14 +204,10 @@ def test_tile_config_table_lookup(triton_fused_moe, tmp_path, monkeypatch):
     tuned = {"BLOCK_M": 32, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}
     path = tmp_path / "configs.json"
     path.write_text('{"E=8,H=64,I=32": {"32": %s}}' % str(tuned).replace("'", '"'))
-    monkeypatch.setattr(triton_fused_moe, "CONFIG_FILE", str(path))
-    triton_fused_moe.reload_config_table()
-    try:
-        assert triton_fused_moe.get_config(8, 64, 32, 20, 2) == tuned  # 20 tokens: the 32 bucket
-        assert triton_fused_moe.get_config(8, 64, 32, 300, 2) == triton_fused_moe.default_config(300, 2, 8)
-        assert triton_fused_moe.get_config(16, 64, 32, 20, 2) == triton_fused_moe.default_config(20, 2, 16)
-    finally:
-        triton_fused_moe.reload_config_table()
+    monkeypatch.setattr(triton_fused_moe, "_config_table", TileTable(str(path)))
+    assert triton_fused_moe.get_config(8, 64, 32, 20, 2) == tuned  # 20 tokens: the 32 bucket
+    assert triton_fused_moe.get_config(8, 64, 32, 300, 2) == triton_fused_moe.default_config(300, 2, 8)
+    assert triton_fused_moe.get_config(16, 64, 32, 20, 2) == triton_fused_moe.default_config(20, 2, 16)
 
 
 def test_warm_up_runs_each_batch_sizes_tiles_once(triton_fused_moe, monkeypatch):

@@ -12,6 +12,7 @@ import torch
 from pagedllm.model.quantization.fp8 import (
     FP8_DTYPE, block_scales_to_elements, fp8_block_linear, quantize_per_token_group,
 )
+from pagedllm.ops.tile_tables import TileTable
 from tests.ops.conftest import DEVICE
 
 
@@ -107,8 +108,7 @@ def test_fp8_decode_config_reads_the_tuned_table(triton_fp8, tmp_path, monkeypat
     table = tmp_path / "fp8.json"
     table.write_text(json.dumps({"_doc": "x", "N=4096,K=4096": {"1": {**tuned, "ms": 0.01},
                                                                 "32": {"kernel": "scaled_mm", "ms": 0.02}}}))
-    monkeypatch.setattr(triton_fp8, "CONFIG_FILE", str(table))
-    triton_fp8.reload_config_table()
+    monkeypatch.setattr(triton_fp8, "_config_table", TileTable(str(table)))
     try:
         assert triton_fp8.decode_config(1, 4096, 4096) == tuned
         assert triton_fp8.decode_config(2, 4096, 4096) is None and triton_fp8.decode_config(32, 4096, 4096) is None

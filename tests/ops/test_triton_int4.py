@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from pagedllm.model.quantization.int4 import dequantize, pack_cols, pack_rows
+from pagedllm.ops.tile_tables import TileTable
 from tests.ops.conftest import DEVICE
 
 TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
@@ -149,8 +150,7 @@ def test_decode_dispatch_reads_the_tuning_table(triton_int4, monkeypatch, tmp_pa
     # otherwise; about two programs per SM.
     empty = tmp_path / "empty.json"
     empty.write_text("{}")
-    monkeypatch.setattr(triton_int4, "CONFIG_FILE", str(empty))
-    triton_int4.reload_config_table()
+    monkeypatch.setattr(triton_int4, "_config_table", TileTable(str(empty)))
     c = triton_int4.decode_config(1, 4096, 4096, 128, "cpu")
     assert c["USE_DOT"] and c["BLOCK_M"] == 16 and triton_int4.triton.cdiv(4096, c["BLOCK_N"]) * c["SPLIT_K"] >= 240
     assert triton_int4.decode_config(20, 4096, 4096, 128, "cpu")["BLOCK_M"] == 32
@@ -166,8 +166,7 @@ def test_decode_dispatch_reads_the_tuning_table(triton_int4, monkeypatch, tmp_pa
                                   "8": {"kernel": "tiled"}}}
     path = tmp_path / "w4a16_configs.json"
     path.write_text(__import__("json").dumps(table))
-    monkeypatch.setattr(triton_int4, "CONFIG_FILE", str(path))
-    triton_int4.reload_config_table()
+    monkeypatch.setattr(triton_int4, "_config_table", TileTable(str(path)))
     try:
         assert triton_int4.decode_config(1, 96, 256, 128)["BLOCK_N"] == 32
         assert triton_int4.decode_config(5, 96, 256, 128) is None  # bucket 8: the tiled kernel won

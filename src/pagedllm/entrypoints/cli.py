@@ -20,7 +20,8 @@ from pagedllm.entrypoints.openai.cli_args import FrontendArgs, add_frontend_args
 BENCHMARKS = {"throughput": "throughput", "latency": "latency", "startup": "startup", "serve": "serve",
               "cpu": "cpu_vs_hf", "structured": "structured", "spec": "spec_decode", "moe": "moe_kernel",
               "embed": "embed", "quant": "quant_kernel", "long-prompt": "long_prompt", "shared-prefix": "shared_prefix",
-              "lora": "lora", "lora-kernel": "lora_kernel", "fp8-kernel": "fp8_kernel"}
+              "lora": "lora", "lora-kernel": "lora_kernel", "fp8-kernel": "fp8_kernel",
+              "gemv-kernel": "gemv_kernel"}
 
 
 def _json_value(text: str) -> Any:

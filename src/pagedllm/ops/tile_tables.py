@@ -6,6 +6,24 @@ import json
 import os
 
 
+class TileTable:
+    """One kernel module's table, the file ``filename`` beside the modules (or an absolute path):
+    read on first use and kept; ``reload`` (after a --tune run rewrote it) reads it again on the
+    next call."""
+
+    def __init__(self, filename: str) -> None:
+        self.path = os.path.join(os.path.dirname(__file__), filename)
+        self._table: dict | None = None
+
+    def __call__(self) -> dict:
+        if self._table is None:
+            self._table = read_table(self.path)
+        return self._table
+
+    def reload(self) -> None:
+        self._table = None
+
+
 def read_table(path: str) -> dict:
     """The table at ``path`` ({} if there is none); top-level keys starting with ``_`` are notes."""
     if not os.path.isfile(path):

@@ -13,14 +13,12 @@ output features' fp8 weight once (K split or not), tilings per (N, K, row bucket
 """
 from __future__ import annotations
 
-import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from pagedllm.ops.tile_tables import read_table
+from pagedllm.ops.tile_tables import TileTable
 from pagedllm.ops.triton_pdl import launch_args, pdl_enter
 from pagedllm.ops.triton_splitk import counters, finish_split, split_for
 
@@ -169,18 +167,12 @@ def _fp8_small_m_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, part_ptr, c
 
 # ---- the small-row kernel's configs (written by pagedllm.benchmarks.fp8_kernel --tune) ---------
 
-CONFIG_FILE = os.path.join(os.path.dirname(__file__), "fp8_configs.json")
+_config_table = TileTable("fp8_configs.json")
+CONFIG_FILE = _config_table.path
+reload_config_table = _config_table.reload
 M_BUCKETS = (1, 2, 4, 8, 16, 32)  # the table's row buckets (a row count takes the next bucket up)
 DEFAULT_SMALL_M_ROWS = 16  # untuned shapes: up to this many rows the small-row kernel, more _scaled_mm
 
-
-@functools.lru_cache(maxsize=1)
-def _config_table() -> dict:
-    return read_table(CONFIG_FILE)
-
-
-def reload_config_table() -> None:
-    _config_table.cache_clear()
 
 
 def config_key(n: int, k: int) -> str:

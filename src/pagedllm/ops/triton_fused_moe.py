@@ -13,8 +13,6 @@ split in registers, their scales in the epilogue or per K tile.
 """
 from __future__ import annotations
 
-import functools
-import os
 
 import torch
 import triton
@@ -23,9 +21,11 @@ import triton.language as tl
 from pagedllm.ops.moe_scales import ExpertScales, expert_dims
 from pagedllm.ops.triton_moe_routing import align_pairs, align_pairs_triton, moe_pdl
 from pagedllm.ops.triton_pdl import pdl_enter
-from pagedllm.ops.tile_tables import read_table
+from pagedllm.ops.tile_tables import TileTable
 
-CONFIG_FILE = os.path.join(os.path.dirname(__file__), "fused_moe_configs.json")
+_config_table = TileTable("fused_moe_configs.json")
+CONFIG_FILE = _config_table.path
+reload_config_table = _config_table.reload
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 # Larger batches run in chunks of this many tokens: the intermediate buffers stay bounded.
 CHUNK_TOKENS = 8192
@@ -228,14 +228,6 @@ def batch_bucket(num_tokens: int) -> int:
 def config_key(num_experts: int, hidden: int, inter: int) -> str:
     return f"E={num_experts},H={hidden},I={inter}"
 
-
-@functools.lru_cache(maxsize=1)
-def _config_table() -> dict:
-    return read_table(CONFIG_FILE)
-
-
-def reload_config_table() -> None:
-    _config_table.cache_clear()
 
 
 def get_config(num_experts: int, hidden: int, inter: int, num_tokens: int, top_k: int) -> dict:

@@ -14,55 +14,71 @@ no launch and no second pass over the output (a decode step's adapter overhead i
 """
 from __future__ import annotations
 
+
 import torch
 import triton
 import triton.language as tl
 
 from pagedllm.ops.triton_lora import block_r_for, partial_sums
 from pagedllm.ops.triton_pdl import decode_pdl, gdc_wait, launch_early, pdl_enter
+from pagedllm.ops.tile_tables import TileTable
+from pagedllm.ops.triton_splitk import counters, finish_split, split_for
 
 MAX_ROWS = 32  # the dot's padded row count at most
 
 
-@triton.jit(do_not_specialize=["M"])
+@triton.jit(do_not_specialize=["M", "K_TILES_PER_SPLIT", "SPLIT_K"])
 def _small_m_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                          t_ptr, lb_ptr, ls_ptr, R, NUM_SLOTS, stride_ts, stride_tm, stride_lbs, stride_lbn,
+                         part_ptr, cnt_ptr, K_TILES_PER_SPLIT, SPLIT_K,
                          HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr, HAS_LORA: tl.constexpr, SPLIT: tl.constexpr,
-                         BLOCK_R: tl.constexpr, PDL: tl.constexpr, ENTER: tl.constexpr):
+                         BLOCK_R: tl.constexpr, PDL: tl.constexpr, ENTER: tl.constexpr, USE_SPLIT: tl.constexpr):
+    """Program (pid_n, pid_k) owns BLOCK_N output features for all rows and walks the ``pid_k``-th
+    slice of K (``K_TILES_PER_SPLIT`` tiles; all of K without the split). USE_SPLIT (never with
+    LoRA): the partials meet in ``triton_splitk.finish_split``."""
     pdl_enter(ENTER)
+    pid_k = tl.program_id(1)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, BLOCK_M)
     kk = tl.arange(0, BLOCK_K)
     n_ok = n < N
     m_ok = m < M
-    w_ptrs = w_ptr + n.to(tl.int64)[:, None] * stride_wn + kk[None, :]
-    x_ptrs = x_ptr + m[None, :] * stride_xm + kk[:, None]
+    k_lo = pid_k * K_TILES_PER_SPLIT * BLOCK_K
+    k_hi = tl.minimum(k_lo + K_TILES_PER_SPLIT * BLOCK_K, K)
+    w_ptrs = w_ptr + n.to(tl.int64)[:, None] * stride_wn + (k_lo + kk)[None, :]
+    x_ptrs = x_ptr + m[None, :] * stride_xm + (k_lo + kk)[:, None]
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    for _ in range(0, K, BLOCK_K):  # K % BLOCK_K == 0 (the wrapper checks)
+    for _ in range(k_lo, k_hi, BLOCK_K):  # K % BLOCK_K == 0 (the wrapper checks)
         w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
         x = tl.load(x_ptrs, mask=m_ok[None, :], other=0.0)
         acc = tl.dot(w, x, acc)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-    if HAS_LORA:  # acc[:, rows of slot s] += B[s] t[rows]^T, slot by slot (a handful of adapters)
-        if PDL:  # launched while the shrink runs: its t complete and visible from here on
-            gdc_wait()
-        row_slot = tl.load(ls_ptr + m, mask=m_ok, other=-1)
-        for r0 in range(0, R, BLOCK_R):
-            r = r0 + tl.arange(0, BLOCK_R)
-            r_ok = r < R
-            t = partial_sums(t_ptr, m, row_slot >= 0, r, r_ok, stride_ts, stride_tm, SPLIT).to(w_ptr.dtype.element_ty)
-            for slot in range(0, NUM_SLOTS):
-                sel = row_slot == slot
-                if tl.max(sel.to(tl.int32), axis=0) > 0:
-                    bw = tl.load(lb_ptr + slot * stride_lbs + n.to(tl.int64)[:, None] * stride_lbn + r[None, :],
-                                 mask=n_ok[:, None] & r_ok[None, :], other=0.0)
-                    acc = tl.dot(bw.to(w_ptr.dtype.element_ty), tl.trans(tl.where(sel[:, None], t, 0.0)), acc)
-    tl.store(y_ptr + m[None, :] * stride_ym + n[:, None], acc.to(y_ptr.dtype.element_ty),
-             mask=n_ok[:, None] & m_ok[None, :])
+    if USE_SPLIT:
+        finish_split(acc, part_ptr + m[None, :] * N + n[:, None], M * N, y_ptr + m[None, :] * stride_ym + n[:, None],
+                     b_ptr + n[:, None] + 0 * m[None, :], n_ok[:, None] & m_ok[None, :], cnt_ptr, tl.program_id(0),
+                     pid_k, SPLIT_K, HAS_BIAS)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+        if HAS_LORA:  # acc[:, rows of slot s] += B[s] t[rows]^T, slot by slot (a handful of adapters)
+            if PDL:  # launched while the shrink runs: its t complete and visible from here on
+                gdc_wait()
+            row_slot = tl.load(ls_ptr + m, mask=m_ok, other=-1)
+            for r0 in range(0, R, BLOCK_R):
+                r = r0 + tl.arange(0, BLOCK_R)
+                r_ok = r < R
+                t = partial_sums(t_ptr, m, row_slot >= 0, r, r_ok, stride_ts, stride_tm, SPLIT)
+                t = t.to(w_ptr.dtype.element_ty)
+                for slot in range(0, NUM_SLOTS):
+                    sel = row_slot == slot
+                    if tl.max(sel.to(tl.int32), axis=0) > 0:
+                        bw = tl.load(lb_ptr + slot * stride_lbs + n.to(tl.int64)[:, None] * stride_lbn + r[None, :],
+                                     mask=n_ok[:, None] & r_ok[None, :], other=0.0)
+                        acc = tl.dot(bw.to(w_ptr.dtype.element_ty), tl.trans(tl.where(sel[:, None], t, 0.0)), acc)
+        tl.store(y_ptr + m[None, :] * stride_ym + n[:, None], acc.to(y_ptr.dtype.element_ty),
+                 mask=n_ok[:, None] & m_ok[None, :])
 
 
 @triton.jit
@@ -116,11 +132,53 @@ def block_k_for(k: int, largest: int = 512) -> int | None:
     return None
 
 
+# ---- which kernel and tiling a decode projection takes (the table: pagedllm.benchmarks.gemv_kernel --tune) ----
+
+_config_table = TileTable("gemv_configs.json")
+CONFIG_FILE = _config_table.path
+reload_config_table = _config_table.reload
+M_BUCKETS = (1, 2, 4, 8, 16, 32)  # the table's row buckets (a row count takes the next tuned bucket up)
+
+
+
+def config_key(n: int, k: int) -> str:
+    return f"N={n},K={k}"
+
+
+def default_config(m: int, n: int, k: int) -> dict | None:
+    """Untuned shapes (``scripts/bench_gemv.py``, H100, graph-timed): one row always takes the
+    one-row kernel (llama3-8b's projections 4-16% faster than cuBLAS, the LM head 372 -> 338 us);
+    2-16 rows the dot kernel for weights of 4M elements and up (2-14% faster; smaller ones lose);
+    17-32 rows for 20M and up (2-7% faster). None: cuBLAS."""
+    block_k = block_k_for(k)
+    if block_k is None:
+        return None
+    if m == 1:
+        return dict(kernel="gemv", block_n=8, block_k=block_k, split_k=1, num_warps=4, num_stages=3)
+    if n * k >= (4 << 20 if m <= 16 else 20 << 20):
+        return dict(kernel="dot", block_n=64, block_k=min(block_k, 256), split_k=1, num_warps=4, num_stages=4)
+    return None
+
+
+def decode_config(m: int, n: int, k: int) -> dict | None:
+    """``small_m_linear``'s keyword arguments for ``m`` rows (1..32) of an [N, K] weight: the tuned
+    table's entry for the smallest tuned row bucket holding ``m``, else ``default_config``. None:
+    cuBLAS (the table found it faster, or the shape does not fit the kernels)."""
+    tuned = _config_table().get(config_key(n, k), {})
+    entry = next((tuned[str(b)] for b in M_BUCKETS if b >= m and str(b) in tuned), None)
+    if entry is None:
+        return default_config(m, n, k)
+    if entry["kernel"] == "cublas" or k % entry["block_k"]:
+        return None
+    return {key: value for key, value in entry.items() if key != "us"}
+
+
 def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                    block_n: int = 32, block_k: int | None = None, num_warps: int = 4, num_stages: int = 4,
-                   kernel: str = "dot", lora=None) -> torch.Tensor:
+                   kernel: str = "dot", split_k: int = 1, lora=None) -> torch.Tensor:
     """``F.linear`` for 2-D ``x`` of at most 32 rows, half precision, K divisible by 64; plus the
-    adapters' delta of ``lora`` (a ``triton_lora.LoRADelta`` with ``token_slots``) if given."""
+    adapters' delta of ``lora`` (a ``triton_lora.LoRADelta`` with ``token_slots``) if given.
+    ``split_k`` (the dot kernel without ``lora``): K split that many ways, rounded to whole tiles."""
     m, k = x.shape
     n = weight.shape[0]
     if m > MAX_ROWS or weight.shape[1] != k or x.dtype != weight.dtype or x.stride(-1) != 1 \
@@ -152,7 +210,11 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         ts, _, lbs, lbn = lora_strides
         _gemv_kernel[grid](x, weight, b, y, n, k, weight.stride(0), t, lb, ls, r, ts, lbs, lbn, **common)
     else:
-        _small_m_gemm_kernel[grid](x, weight, b, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
-                                   t, lb, ls, r, lb.shape[0] if lora is not None else 0, *lora_strides,
-                                   BLOCK_M=16 if m <= 16 else 32, **common)
+        per_split, split = split_for(k // block_k, split_k if lora is None else 1)
+        part, cnt = (torch.empty(split, m, n, dtype=torch.float32, device=x.device), counters(x.device, grid[0])) \
+            if split > 1 else (y, y)
+        _small_m_gemm_kernel[(grid[0], split)](
+            x, weight, b, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0), t, lb, ls, r,
+            lb.shape[0] if lora is not None else 0, *lora_strides, part, cnt, per_split, split,
+            BLOCK_M=16 if m <= 16 else 32, USE_SPLIT=split > 1, **common)
     return y

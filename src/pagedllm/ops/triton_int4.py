@@ -15,13 +15,12 @@ prefills dequantize the weight once (a second kernel) and hand the product to cu
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from pagedllm.ops.tile_tables import read_table
+from pagedllm.ops.tile_tables import TileTable
 from pagedllm.ops.triton_pdl import decode_pdl, launch_early, pdl_enter
 from pagedllm.ops.triton_splitk import counters, finish_split, split_for
 
@@ -240,7 +239,9 @@ def tiles_for(m: int, n: int, group: int) -> dict:
 
 # ---- the split-K decode kernel's configs ---------------------------------------------------
 
-CONFIG_FILE = os.path.join(os.path.dirname(__file__), "w4a16_configs.json")
+_config_table = TileTable("w4a16_configs.json")
+CONFIG_FILE = _config_table.path
+reload_config_table = _config_table.reload
 M_BUCKETS = (1, 2, 4, 8, 16, 32)  # the table's row buckets (a row count takes the next bucket up)
 FMA_ROWS = 4  # up to this many rows the FMA variant serves groups under 128 (the dot needs 128-wide tiles)
 TARGET_PROGRAMS_PER_SM = 2
@@ -253,14 +254,6 @@ def m_bucket(m: int) -> int:
 def config_key(n: int, k: int, group: int) -> str:
     return f"N={n},K={k},G={group}"
 
-
-@functools.lru_cache(maxsize=1)
-def _config_table() -> dict:
-    return read_table(CONFIG_FILE)
-
-
-def reload_config_table() -> None:
-    _config_table.cache_clear()
 
 
 @functools.lru_cache(maxsize=8)

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from pagedllm.ops.triton_fp8 import FP8_MAX, MIN_SCALE
-from pagedllm.ops.triton_gemv import block_k_for, small_m_linear
+from pagedllm.ops.triton_gemv import decode_config, small_m_linear
 from pagedllm.ops.triton_lora import pdl_supported
 from pagedllm.ops.triton_pdl import gdc_launch_dependents
 
@@ -283,28 +283,18 @@ def qk_norm_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, lora=None) -> torch.Tensor:
     """``F.linear``; decode batches of up to 32 rows in half precision go to the small-row kernels
-    where they read the weight faster than cuBLAS does (``scripts/bench_gemv.py``, H100,
-    graph-timed). One row: always (llama3-8b's projections 4-16% faster, the 4096 x 4096 o_proj
-    16.5 -> 13.8 us, the LM head 372 -> 338 us). 2-16 rows: weights of 4M elements and up
-    (2-14% faster; smaller ones lose). 17-32 rows: 20M and up (2-7% faster; the 16.8M o_proj
-    loses by 4%). ``lora``: a ``triton_lora.LoRADelta`` whose expand is added, in the small-row
-    kernel's epilogue where one runs, else by its own launch."""
+    where they read the weight faster than cuBLAS does: the tiling (K split or not) and the
+    choice against cuBLAS per (N, K, row bucket) come from ``triton_gemv.decode_config`` (the tuned
+    table, else the measured default rule). ``lora``: a ``triton_lora.LoRADelta`` whose expand is
+    added, in the small-row kernel's epilogue where one runs, else by its own launch."""
     m = x.shape[0]
-    kernel = None
-    block_k = block_k_for(x.shape[1])
+    config = None
     if x.dim() == 2 and 1 <= m <= 32 and x.dtype != torch.float32 and x.dtype == weight.dtype \
-            and x.stride(-1) == 1 and weight.is_contiguous() and block_k is not None:
-        if m == 1:
-            kernel = "gemv"
-        elif weight.numel() >= (4 << 20 if m <= 16 else 20 << 20):
-            kernel = "dot"
-    fuse = kernel is not None and lora is not None and lora.token_slots is not None and lora.b.dtype == weight.dtype
-    if kernel == "gemv":
-        y = small_m_linear(x, weight, bias, kernel="gemv", block_n=8, block_k=block_k, num_warps=4, num_stages=3,
-                           lora=lora if fuse else None)
-    elif kernel == "dot":
-        y = small_m_linear(x, weight, bias, kernel="dot", block_n=64, block_k=min(block_k, 256), num_warps=4,
-                           num_stages=4, lora=lora if fuse else None)
+            and x.stride(-1) == 1 and weight.is_contiguous():
+        config = decode_config(m, weight.shape[0], x.shape[1])
+    fuse = config is not None and lora is not None and lora.token_slots is not None and lora.b.dtype == weight.dtype
+    if config is not None:
+        y = small_m_linear(x, weight, bias, **config, lora=lora if fuse else None)
     else:
         y = F.linear(x, weight, bias)
     return y if lora is None or fuse else lora.expand_into(y)
