@@ -14,6 +14,7 @@ ray = pytest.importorskip("ray")
 psutil = pytest.importorskip("psutil")
 
 from pagedllm import LLM  # noqa: E402
+from pagedllm.worker import ray_executor  # noqa: E402
 from pagedllm.worker.executor_base import WorkerFailedError  # noqa: E402
 from pagedllm.worker.ray_executor import STRATEGY_ENV, RayExecutor  # noqa: E402
 from tests.distributed.test_tensor_parallel import generate_with_logprobs  # noqa: E402
@@ -119,8 +120,17 @@ def test_ranks_on_two_ray_nodes_give_single_device_outputs(tiny_models, ray_clus
     nodes = [node for node, _ in llm.collective_rpc(_rank_node_and_pid)]
     assert nodes == executor.node_ids and len(set(nodes)) == tp * pp
     assert set(nodes) == {n["NodeID"] for n in ray.nodes() if n["Alive"]}
-    ids, lps = generate_with_logprobs(llm, PROMPTS)
+    sent = []
+    with mock.patch.object(executor, "_send", side_effect=lambda method, *a, **kw: sent.append(method) or
+                           RayExecutor._send(executor, method, *a, **kw)):
+        ids, lps = generate_with_logprobs(llm, PROMPTS)
     assert ids == ref_ids
+    launches = [m for m in sent if m in (ray_executor._LAUNCH, ray_executor._COLLECT)]
+    if pp == 1:  # async scheduling: step N+1 reached the actors before N's output was asked for
+        assert launches.count(ray_executor._LAUNCH) == launches.count(ray_executor._COLLECT) > 2
+        assert any(a == b == ray_executor._LAUNCH for a, b in zip(launches, launches[1:]))
+    else:
+        assert launches == []
     for got, want in zip(lps, ref_lps):  # row-parallel sums add in another order: equal up to the last bits
         assert got == pytest.approx(want, abs=1e-4)
     # A large call (full weights) goes through the object store once for every rank.

@@ -4,6 +4,7 @@ MultiprocExecutor; ray is an optional extra (``pip install "pagedllm[ray]"``).""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import os
 import socket
@@ -17,7 +18,9 @@ from typing import Any
 from pagedllm import envs
 from pagedllm.config import EngineConfig
 from pagedllm.utils import freeze_gc_heap
-from pagedllm.worker.executor_base import WorkerFailedError, WorkerGroupExecutor, WorkerMethod, serve_call
+from pagedllm.worker.executor_base import (
+    PendingStep, WorkerFailedError, WorkerGroupExecutor, WorkerMethod, serve_call,
+)
 
 try:
     import ray
@@ -36,6 +39,9 @@ _POLL_S = 0.5  # how often a wait wakes up to notice a dead actor or a passed de
 _INLINE_BYTES = 64 * 1024
 _FAILURE_GRACE_S = 2.0  # after one rank fails, how long the others get to say whether they died
 # The driver's settings the actors need too: Ray starts them from the raylet's environment, not ours.
+# Under async scheduling a step is two calls to each actor: launch (answered at once) and collect
+# (its output), so the next step's launch reaches the actor before this step's collect.
+_LAUNCH, _COLLECT = "_launch_step", "_collect_step"
 _ENV_PREFIXES = ("PAGEDLLM_", "HF_", "TRANSFORMERS_", "TOKENIZERS_")
 
 
@@ -49,6 +55,11 @@ class RayExecutor(WorkerGroupExecutor):
     """Every call goes to all ranks' actors (each step's SchedulerOutput included: the scheduler
     runs once, here). Actors are synchronous (max_concurrency=1) and Ray runs one caller's
     tasks to an actor in submission order, so steps in flight run in order on every rank.
+    Under async scheduling a step launched without waiting (``non_block``) is a launch call,
+    which returns once the step's work is queued, and a collect call sent only when the engine
+    asks for its output: the engine sends step N+1 while N runs, so N+1's launch reaches each
+    actor before N's collect and the device gets N+1's kernels before the actor blocks on N's
+    tokens (what the mp workers do through their pipe).
     Replies are awaited with ``ray.wait`` and a short timeout: a rank that raises or whose actor
     dies makes the call raise WorkerFailedError (naming the rank) at once, and every actor is
     killed, so no peer is left stuck in a collective."""
@@ -62,6 +73,8 @@ class RayExecutor(WorkerGroupExecutor):
         self.node_ids: list[str] = []  # the Ray node each rank's actor runs on
         self.node_ips: list[str] = []
         self._failure: str | None = None
+        self._overlap = bool(config.scheduler_config.async_scheduling)
+        self._step_seq = itertools.count()
         self._state: dict[str, Any] = {"actors": self.actors, "pg": None}
         self._finalizer = weakref.finalize(self, _stop_actors, self._state)
         start_timeout_s = envs.PAGEDLLM_WORKER_START_TIMEOUT_S
@@ -133,6 +146,18 @@ class RayExecutor(WorkerGroupExecutor):
               " (PAGEDLLM_WORKER_START_TIMEOUT_S sets the wait).")
 
     # ---- calls to every actor -----------------------------------------------------------
+    def execute_model(self, sched, non_block: bool = False):
+        if not (self._overlap and non_block) or sched.defer_grammar:
+            return super().execute_model(sched, non_block)
+        seq = next(self._step_seq)
+        launched = self._send(_LAUNCH, (seq, sched))
+
+        def wait():
+            self._gather(launched, "execute_model()")  # a rank that failed to launch is named first
+            return self._gather(self._send(_COLLECT, (seq,)), "execute_model()")[self.output_rank]
+
+        return PendingStep(wait)
+
     def _check_alive(self) -> None:
         if self._failure is not None:
             raise WorkerFailedError(self._failure)
@@ -288,6 +313,8 @@ class _RayWorker:
         self.worker = None
         self.rank = -1
         self.output_rank = 0
+        self.in_flight: dict[int, Any] = {}  # seq -> PendingOutput of a launched step, in launch order
+        self.finished: dict[int, tuple[bool, Any]] = {}  # seq -> the reply its collect call gets
 
     def node_info(self) -> tuple[bool, tuple[str, str]]:
         return True, (ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address())
@@ -327,9 +354,33 @@ class _RayWorker:
         try:
             if self.worker is None:
                 raise RuntimeError("the worker was not started")
+            if method == _COLLECT:
+                return self._collect(*args)
+            if method == _LAUNCH:
+                seq, sched = args
+                pending = self.worker.execute_model(sched, non_block=True)
+                self._finish(seq)  # the steps before it end now, while this one runs
+                self.in_flight[seq] = pending
+                return True, None
+            self._finish(None)  # any other call runs after the steps in flight have ended
             return True, serve_call(self.worker, method, args, kwargs, self.rank == self.output_rank)
         except BaseException:
             return False, traceback.format_exc()
+
+    def _finish(self, before: int | None) -> None:
+        """Wait for the steps in flight launched before ``before`` (all of them: None) and keep
+        each one's reply for its collect call."""
+        for seq in [s for s in self.in_flight if before is None or s < before]:
+            pending = self.in_flight.pop(seq)
+            try:
+                output = pending.result()
+                self.finished[seq] = (True, output if self.rank == self.output_rank else None)
+            except BaseException:
+                self.finished[seq] = (False, traceback.format_exc())
+
+    def _collect(self, seq: int) -> tuple[bool, Any]:
+        self._finish(seq + 1)
+        return self.finished.pop(seq)
 
     def shutdown(self) -> None:
         from pagedllm.distributed import destroy_distributed
