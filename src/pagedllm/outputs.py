@@ -71,6 +71,30 @@ class RequestOutput:
     kv_transfer_params: dict | None = field(default=None, repr=False)
 
 
+def join_outputs(first: RequestOutput, then: RequestOutput) -> RequestOutput:
+    """Two DELTA outputs of one request, in order, as one (``first`` updated and returned): each
+    completion's text, token ids and logprobs appended, everything else as ``then`` says."""
+    by_index = {o.index: o for o in first.outputs}
+    for o in then.outputs:
+        mine = by_index.get(o.index)
+        if mine is None:
+            first.outputs.append(o)
+            by_index[o.index] = o
+            continue
+        mine.text += o.text
+        mine.token_ids = list(mine.token_ids) + list(o.token_ids)
+        if o.logprobs is not None:
+            mine.logprobs = (mine.logprobs or []) + o.logprobs
+        mine.cumulative_logprob, mine.finish_reason, mine.stop_reason = (o.cumulative_logprob, o.finish_reason,
+                                                                          o.stop_reason)
+        if o.routed_experts is not None:
+            mine.routed_experts = o.routed_experts
+    first.finished, first.metrics, first.num_cached_tokens = then.finished, then.metrics, then.num_cached_tokens
+    if then.kv_transfer_params is not None:
+        first.kv_transfer_params = then.kv_transfer_params
+    return first
+
+
 # ---- pooling models (vLLM's classes and fields) ---------------------------------------------------
 @dataclass
 class PoolingOutput:

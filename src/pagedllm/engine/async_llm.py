@@ -14,8 +14,8 @@ from pagedllm.engine.frontend import EngineFrontend
 from pagedllm.engine.output_processor import register_request
 from pagedllm.engine.stat_logger import LoggingStatLogger
 from pagedllm.inputs import PromptType
-from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.outputs import RequestOutput, join_outputs
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 from pagedllm.utils import check_profiling_on, freeze_gc_heap
 
 logger = logging.getLogger("pagedllm")
@@ -64,16 +64,26 @@ class AsyncLLM(EngineFrontend):
         except BaseException:
             self.abort(request_id)
             raise
-        return self._stream(request_id, q)
+        return self._stream(request_id, q, params.output_kind == RequestOutputKind.DELTA)
 
-    async def _stream(self, request_id: str, q: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+    async def _stream(self, request_id: str, q: asyncio.Queue, delta: bool) -> AsyncIterator[RequestOutput]:
+        """The request's outputs. A consumer that fell behind (outputs queued since its last read)
+        gets them as one: DELTA outputs joined, cumulative ones the newest (as vLLM's collector
+        does), so a loaded API process writes one event for several steps instead of one each."""
         finished = False
+        error: BaseException | None = None  # met while joining: raised after what came before it
         try:
             while True:
-                item = await q.get()
+                item, error = (error, None) if error is not None else (await q.get(), None)
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
+                while not item.finished and not q.empty():
+                    later = q.get_nowait()
+                    if isinstance(later, BaseException):
+                        error = later
+                        break
+                    item = join_outputs(item, later) if delta else later
                 finished = item.finished
                 yield item
                 if finished:
