@@ -37,6 +37,9 @@ class AttentionMetadata:
     # group 0's. Empty: every layer reads this one (one group, or a start-up forward whose
     # scratch cache any table addresses).
     group_metadata: tuple["AttentionMetadata", ...] = ()
+    # What a backend derives from this step's metadata once and every layer reuses (the torch
+    # backend's decode gather ids and key mask); its own per object, groups included.
+    backend_cache: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_reqs(self) -> int:
@@ -50,7 +53,7 @@ class AttentionMetadata:
 
     def with_groups(self, tables: list[tuple[torch.Tensor, torch.Tensor]]) -> "AttentionMetadata":
         """This metadata (group 0's) with groups 1..'s (block_tables, slot_mapping) attached."""
-        self.group_metadata = tuple(dataclasses.replace(self, block_tables=bt, slot_mapping=sm)
+        self.group_metadata = tuple(dataclasses.replace(self, block_tables=bt, slot_mapping=sm, backend_cache={})
                                     for bt, sm in tables)
         return self
 

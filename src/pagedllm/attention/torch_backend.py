@@ -117,44 +117,62 @@ class TorchAttentionBackend(AttentionBackend):
         """One query token per request, all requests in one padded batch.
 
         K and V of every request are gathered with one copy each, then one fused SDPA call
-        attends over them in place (strided views; GQA without expanding K/V; float32
-        accumulation for half types; on CPU half types are attended in float32, see below).
+        attends over them in place (strided views; float32 accumulation for half types; on CPU
+        half types are attended in float32, see below). The query heads sharing a K/V head ride
+        as that head's query rows, so K/V are neither expanded nor re-read per query head.
         """
-        device = query.device
-        qsl = metadata.query_start_loc_cpu
-        if reqs == list(range(reqs[0], reqs[-1] + 1)):
-            tok = slice(qsl[reqs[0]], qsl[reqs[-1]] + 1)
-            req_sel = slice(reqs[0], reqs[-1] + 1)
-        else:
-            tok = torch.tensor([qsl[i] for i in reqs], device=device)
-            req_sel = torch.tensor(reqs, device=device)
-        b = len(reqs)
         block_size, num_kv_heads, head_dim = read.cache.shape[2:]
-        max_blocks = -(-max(metadata.seq_lens_cpu[i] for i in reqs) // block_size)
-        block_ids = metadata.block_tables[req_sel, :max_blocks].reshape(-1)
+        tok, block_ids, valid = _decode_plan(metadata, reqs, block_size, sliding_window)
+        b = len(reqs)
         # On a 2-D [blocks, block_bytes] view index_select is one memcpy per block; on the
         # 4-D cache (or along another dim) it copies slice by slice, several times slower.
         k = read(read.cache[0].flatten(1).index_select(0, block_ids), 0).view(b, -1, num_kv_heads, head_dim)
         v = read(read.cache[1].flatten(1).index_select(0, block_ids), 1).view(b, -1, num_kv_heads, head_dim)
-        seq_lens = metadata.seq_lens[req_sel].to(torch.long)[:, None]
-        k_pos = torch.arange(k.shape[1], device=device)[None, :]
-        valid = k_pos < seq_lens
-        if sliding_window is not None:
-            valid &= k_pos >= seq_lens - sliding_window
         q = query[tok]
         if soft_cap is not None:
             o = _soft_capped_attention(q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2),
-                                       valid[:, None, None, :], scale, soft_cap)
+                                       valid[:, None, None, :], scale, soft_cap).squeeze(2)
         else:
-            if device.type == "cpu" and q.dtype != torch.float32:
+            if query.device.type == "cpu" and q.dtype != torch.float32:
                 # torch's CPU flash kernel is ~6x slower in bfloat16 than in float32 for one
                 # query row (measured, docs/cpu_performance.md); the upcast copies cost far less.
                 q, k, v = q.float(), k.float(), v.float()
+            group = q.shape[1] // num_kv_heads  # query head h reads K/V head h // group (HF's repeat_kv)
             o = F.scaled_dot_product_attention(
-                q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=valid[:, None, None, :],
-                scale=scale, enable_gqa=query.shape[1] != num_kv_heads,
-            )  # [B, H, 1, D]
-        out[tok] = o.squeeze(2)
+                q.view(b, num_kv_heads, group, head_dim), k.transpose(1, 2), v.transpose(1, 2),
+                attn_mask=valid[:, None, None, :], scale=scale,
+            ).reshape(b, -1, head_dim)  # [B, H, D]
+        out[tok] = o.to(out.dtype)
+
+
+def _decode_plan(metadata: AttentionMetadata, reqs: list[int], block_size: int, sliding_window: int | None):
+    """The decode batch's token rows, the block ids its K/V gathers read and its key mask
+    [B, blocks * block_size]: the same for every layer of a step. On the CPU they are made once per
+    step (kept in ``metadata.backend_cache``; the runner builds each forward's metadata anew).
+    Elsewhere every layer makes its own: a CUDA graph must capture them from its static inputs."""
+    device = metadata.block_tables.device
+    key = ("torch_decode", tuple(reqs), block_size, sliding_window) if device.type == "cpu" else None
+    plan = metadata.backend_cache.get(key) if key is not None else None
+    if plan is not None:
+        return plan
+    qsl = metadata.query_start_loc_cpu
+    if reqs == list(range(reqs[0], reqs[-1] + 1)):
+        tok = slice(qsl[reqs[0]], qsl[reqs[-1]] + 1)
+        req_sel = slice(reqs[0], reqs[-1] + 1)
+    else:
+        tok = torch.tensor([qsl[i] for i in reqs], device=device)
+        req_sel = torch.tensor(reqs, device=device)
+    max_blocks = -(-max(metadata.seq_lens_cpu[i] for i in reqs) // block_size)
+    block_ids = metadata.block_tables[req_sel, :max_blocks].reshape(-1)
+    seq_lens = metadata.seq_lens[req_sel].to(torch.long)[:, None]
+    k_pos = torch.arange(max_blocks * block_size, device=device)[None, :]
+    valid = k_pos < seq_lens
+    if sliding_window is not None:
+        valid &= k_pos >= seq_lens - sliding_window
+    plan = (tok, block_ids, valid)
+    if key is not None:
+        metadata.backend_cache[key] = plan
+    return plan
 
 
 class _CacheReader:

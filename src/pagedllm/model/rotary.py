@@ -77,7 +77,22 @@ class RotaryEmbedding(nn.Module):
             rd = self.rotary_dim
             return (torch.cat([_rotate(q[..., :rd], cos, sin), q[..., rd:]], dim=-1),
                     torch.cat([_rotate(k[..., :rd], cos, sin), k[..., rd:]], dim=-1))
+        qk = _adjacent_heads(q, k)
+        if qk is not None:  # k's heads follow q's in each row (one qkv projection): one pass for both
+            return _rotate(qk, cos, sin).split([q.shape[1], k.shape[1]], dim=1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _adjacent_heads(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+    """q [T, H, D] and k [T, KVH, D] as one [T, H + KVH, D] view where k's heads follow q's in
+    each row with the same row stride (both slices of one projection's output), else None."""
+    if q.dim() != 3 or k.dim() != 3 or q.dtype != k.dtype or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
+        return None
+    d = q.shape[2]
+    if q.stride()[1:] != (d, 1) or k.stride() != (q.stride(0), d, 1) or q.shape[0] == 0 \
+            or k.data_ptr() != q.data_ptr() + q.shape[1] * d * q.element_size():
+        return None
+    return q.as_strided((q.shape[0], q.shape[1] + k.shape[1], d), q.stride())
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
