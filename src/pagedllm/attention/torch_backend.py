@@ -122,7 +122,10 @@ class TorchAttentionBackend(AttentionBackend):
         as that head's query rows, so K/V are neither expanded nor re-read per query head.
         """
         block_size, num_kv_heads, head_dim = read.cache.shape[2:]
-        tok, block_ids, valid = _decode_plan(metadata, reqs, block_size, sliding_window)
+        # On CPU half types are attended in float32 (below): the additive mask is made in that dtype.
+        upcast = query.device.type == "cpu" and query.dtype != torch.float32
+        tok, block_ids, valid, bias = _decode_plan(metadata, reqs, block_size, sliding_window,
+                                                   torch.float32 if upcast else query.dtype)
         b = len(reqs)
         # On a 2-D [blocks, block_bytes] view index_select is one memcpy per block; on the
         # 4-D cache (or along another dim) it copies slice by slice, several times slower.
@@ -133,25 +136,27 @@ class TorchAttentionBackend(AttentionBackend):
             o = _soft_capped_attention(q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2),
                                        valid[:, None, None, :], scale, soft_cap).squeeze(2)
         else:
-            if query.device.type == "cpu" and q.dtype != torch.float32:
+            if upcast:
                 # torch's CPU flash kernel is ~6x slower in bfloat16 than in float32 for one
                 # query row (measured, docs/cpu_performance.md); the upcast copies cost far less.
                 q, k, v = q.float(), k.float(), v.float()
             group = q.shape[1] // num_kv_heads  # query head h reads K/V head h // group (HF's repeat_kv)
             o = F.scaled_dot_product_attention(
                 q.view(b, num_kv_heads, group, head_dim), k.transpose(1, 2), v.transpose(1, 2),
-                attn_mask=valid[:, None, None, :], scale=scale,
+                attn_mask=bias[:, None, None, :], scale=scale,
             ).reshape(b, -1, head_dim)  # [B, H, D]
         out[tok] = o.to(out.dtype)
 
 
-def _decode_plan(metadata: AttentionMetadata, reqs: list[int], block_size: int, sliding_window: int | None):
+def _decode_plan(metadata: AttentionMetadata, reqs: list[int], block_size: int, sliding_window: int | None,
+                 dtype: torch.dtype):
     """The decode batch's token rows, the block ids its K/V gathers read and its key mask
-    [B, blocks * block_size]: the same for every layer of a step. On the CPU they are made once per
-    step (kept in ``metadata.backend_cache``; the runner builds each forward's metadata anew).
+    [B, blocks * block_size], as booleans and as ``dtype`` 0 / -inf (what SDPA turns a boolean
+    mask into on every call): the same for every layer of a step. On the CPU they are made once
+    per step (kept in ``metadata.backend_cache``; the runner builds each forward's metadata anew).
     Elsewhere every layer makes its own: a CUDA graph must capture them from its static inputs."""
     device = metadata.block_tables.device
-    key = ("torch_decode", tuple(reqs), block_size, sliding_window) if device.type == "cpu" else None
+    key = ("torch_decode", tuple(reqs), block_size, sliding_window, dtype) if device.type == "cpu" else None
     plan = metadata.backend_cache.get(key) if key is not None else None
     if plan is not None:
         return plan
@@ -169,7 +174,8 @@ def _decode_plan(metadata: AttentionMetadata, reqs: list[int], block_size: int, 
     valid = k_pos < seq_lens
     if sliding_window is not None:
         valid &= k_pos >= seq_lens - sliding_window
-    plan = (tok, block_ids, valid)
+    bias = torch.zeros(valid.shape, dtype=dtype, device=device).masked_fill_(~valid, float("-inf"))
+    plan = (tok, block_ids, valid, bias)
     if key is not None:
         metadata.backend_cache[key] = plan
     return plan
