@@ -13,7 +13,6 @@ output features' fp8 weight once (K split or not), tilings per (N, K, row bucket
 """
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl
@@ -172,7 +171,6 @@ CONFIG_FILE = _config_table.path
 reload_config_table = _config_table.reload
 M_BUCKETS = (1, 2, 4, 8, 16, 32)  # the table's row buckets (a row count takes the next bucket up)
 DEFAULT_SMALL_M_ROWS = 16  # untuned shapes: up to this many rows the small-row kernel, more _scaled_mm
-
 
 
 def config_key(n: int, k: int) -> str:

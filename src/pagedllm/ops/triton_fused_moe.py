@@ -13,7 +13,6 @@ split in registers, their scales in the epilogue or per K tile.
 """
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl
@@ -227,7 +226,6 @@ def batch_bucket(num_tokens: int) -> int:
 
 def config_key(num_experts: int, hidden: int, inter: int) -> str:
     return f"E={num_experts},H={hidden},I={inter}"
-
 
 
 def get_config(num_experts: int, hidden: int, inter: int, num_tokens: int, top_k: int) -> dict:

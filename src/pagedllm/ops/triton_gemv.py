@@ -14,14 +14,13 @@ no launch and no second pass over the output (a decode step's adapter overhead i
 """
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl
 
+from pagedllm.ops.tile_tables import TileTable
 from pagedllm.ops.triton_lora import block_r_for, partial_sums
 from pagedllm.ops.triton_pdl import decode_pdl, gdc_wait, launch_early, pdl_enter
-from pagedllm.ops.tile_tables import TileTable
 from pagedllm.ops.triton_splitk import counters, finish_split, split_for
 
 MAX_ROWS = 32  # the dot's padded row count at most
@@ -138,7 +137,6 @@ _config_table = TileTable("gemv_configs.json")
 CONFIG_FILE = _config_table.path
 reload_config_table = _config_table.reload
 M_BUCKETS = (1, 2, 4, 8, 16, 32)  # the table's row buckets (a row count takes the next tuned bucket up)
-
 
 
 def config_key(n: int, k: int) -> str:

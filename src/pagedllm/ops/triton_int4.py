@@ -81,7 +81,6 @@ def _w4a16_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, strid
              mask=m_ok[:, None] & n_ok[None, :])
 
 
-
 @triton.jit
 def _nibble_f32(words, i: tl.constexpr):
     """Nibble ``i`` of each word as float32 without an int -> float conversion: the value's bits OR'd
@@ -253,7 +252,6 @@ def m_bucket(m: int) -> int:
 
 def config_key(n: int, k: int, group: int) -> str:
     return f"N={n},K={k},G={group}"
-
 
 
 @functools.lru_cache(maxsize=8)
