@@ -64,7 +64,8 @@ class AsyncLLM(EngineFrontend):
         except BaseException:
             self.abort(request_id)
             raise
-        return self._stream(request_id, q, params.output_kind == RequestOutputKind.DELTA)
+        # Pooling requests (PoolingParams) have one output and no output_kind.
+        return self._stream(request_id, q, getattr(params, "output_kind", None) == RequestOutputKind.DELTA)
 
     async def _stream(self, request_id: str, q: asyncio.Queue, delta: bool) -> AsyncIterator[RequestOutput]:
         """The request's outputs. A consumer that fell behind (outputs queued since its last read)
