@@ -162,8 +162,8 @@ def decode_config(m: int, n: int, k: int) -> dict | None:
     """``small_m_linear``'s keyword arguments for ``m`` rows (1..32) of an [N, K] weight: the tuned
     table's entry for the smallest tuned row bucket holding ``m``, else ``default_config``. None:
     cuBLAS (the table found it faster, or the shape does not fit the kernels)."""
-    tuned = _config_table().get(config_key(n, k), {})
-    entry = next((tuned[str(b)] for b in M_BUCKETS if b >= m and str(b) in tuned), None)
+    tuned = _config_table().get(config_key(n, k))  # called per projection per eager step: untuned is cheap
+    entry = None if not tuned else next((tuned[str(b)] for b in M_BUCKETS if b >= m and str(b) in tuned), None)
     if entry is None:
         return default_config(m, n, k)
     if entry["kernel"] == "cublas" or k % entry["block_k"]:

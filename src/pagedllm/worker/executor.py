@@ -26,6 +26,7 @@ from pagedllm.worker.executor_base import (
     WorkerGroupExecutor,
     WorkerMethod,
     call_worker,
+    finish_step,
     serve_call,
 )
 from pagedllm.worker.worker import Worker
@@ -245,19 +246,11 @@ def _serve(worker: Worker, conn, is_output_rank: bool, overlap: bool) -> None:
     answers the step in flight first."""
     in_flight: tuple[int, Any] | None = None  # (seq, PendingOutput) of the step launched, not answered
 
-    def answer(seq: int, call) -> None:
-        try:
-            result = call()
-        except BaseException:
-            conn.send((seq, False, traceback.format_exc()))
-            return
-        conn.send((seq, True, result if is_output_rank else None))
-
     def answer_in_flight() -> None:
         nonlocal in_flight
         if in_flight is not None:
             (seq, pending), in_flight = in_flight, None
-            answer(seq, pending.result)
+            conn.send((seq, *finish_step(pending, is_output_rank)))
 
     while True:
         span = torch.profiler.record_function if worker.profiling else _no_span  # phases in start_profile()'s trace

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import abc
+import traceback
 from collections.abc import ItemsView, Iterator, KeysView, ValuesView
 from typing import Any, Callable, Union
 
@@ -48,6 +49,16 @@ def serve_call(worker: Worker, method: WorkerMethod, args: tuple, kwargs: dict |
         result = getattr(worker, method)(args[0])
         return result if is_output_rank else None
     return call_worker(worker, method, args, kwargs)
+
+
+def finish_step(pending, is_output_rank: bool) -> tuple[bool, Any]:
+    """A step launched with non_block, waited for, as a worker replies: (True, its output; the
+    output rank's only, as serve_call returns it) or (False, the traceback)."""
+    try:
+        output = pending.result()
+    except BaseException:
+        return False, traceback.format_exc()
+    return True, output if is_output_rank else None
 
 
 class Executor(abc.ABC):

@@ -19,7 +19,7 @@ from pagedllm import envs
 from pagedllm.config import EngineConfig
 from pagedllm.utils import freeze_gc_heap
 from pagedllm.worker.executor_base import (
-    PendingStep, WorkerFailedError, WorkerGroupExecutor, WorkerMethod, serve_call,
+    PendingStep, WorkerFailedError, WorkerGroupExecutor, WorkerMethod, finish_step, serve_call,
 )
 
 try:
@@ -371,12 +371,7 @@ class _RayWorker:
         """Wait for the steps in flight launched before ``before`` (all of them: None) and keep
         each one's reply for its collect call."""
         for seq in [s for s in self.in_flight if before is None or s < before]:
-            pending = self.in_flight.pop(seq)
-            try:
-                output = pending.result()
-                self.finished[seq] = (True, output if self.rank == self.output_rank else None)
-            except BaseException:
-                self.finished[seq] = (False, traceback.format_exc())
+            self.finished[seq] = finish_step(self.in_flight.pop(seq), self.rank == self.output_rank)
 
     def _collect(self, seq: int) -> tuple[bool, Any]:
         self._finish(seq + 1)
