@@ -5,6 +5,10 @@ from __future__ import annotations
 import json
 import os
 
+# The decode tables' row buckets (the small-row GEMMs: 16-bit, fp8, int4): a row count takes the next up.
+# Here, beside the tables, so start-up's warm-up can read them without importing Triton.
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32)
+
 
 class TileTable:
     """One kernel module's table, the file ``filename`` beside the modules (or an absolute path):

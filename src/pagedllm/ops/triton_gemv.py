@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.ops.tile_tables import TileTable
+from pagedllm.ops.tile_tables import ROW_BUCKETS, TileTable
 from pagedllm.ops.triton_lora import block_r_for, partial_sums
 from pagedllm.ops.triton_pdl import decode_pdl, gdc_wait, launch_early, pdl_enter
 from pagedllm.ops.triton_splitk import counters, finish_split, split_for
@@ -136,7 +136,7 @@ def block_k_for(k: int, largest: int = 512) -> int | None:
 _config_table = TileTable("gemv_configs.json")
 CONFIG_FILE = _config_table.path
 reload_config_table = _config_table.reload
-M_BUCKETS = (1, 2, 4, 8, 16, 32)  # the table's row buckets (a row count takes the next tuned bucket up)
+M_BUCKETS = ROW_BUCKETS  # the table's row buckets (a row count takes the next tuned bucket up)
 
 
 def config_key(n: int, k: int) -> str:

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.ops.tile_tables import TileTable
+from pagedllm.ops.tile_tables import ROW_BUCKETS, TileTable
 from pagedllm.ops.triton_pdl import decode_pdl, launch_early, pdl_enter
 from pagedllm.ops.triton_splitk import counters, finish_split, split_for
 
@@ -241,7 +241,7 @@ def tiles_for(m: int, n: int, group: int) -> dict:
 _config_table = TileTable("w4a16_configs.json")
 CONFIG_FILE = _config_table.path
 reload_config_table = _config_table.reload
-M_BUCKETS = (1, 2, 4, 8, 16, 32)  # the table's row buckets (a row count takes the next bucket up)
+M_BUCKETS = ROW_BUCKETS  # the table's row buckets (a row count takes the next bucket up)
 FMA_ROWS = 4  # up to this many rows the FMA variant serves groups under 128 (the dot needs 128-wide tiles)
 TARGET_PROGRAMS_PER_SM = 2
 

@@ -19,6 +19,7 @@ from torch import nn
 
 from pagedllm.attention.backend import AttentionMetadata
 from pagedllm.model.moe import FusedMoE
+from pagedllm.ops.tile_tables import ROW_BUCKETS
 from pagedllm.sample.sampler import SamplingMetadata
 from pagedllm.worker.device_buffers import DeviceBuffers
 
@@ -247,9 +248,9 @@ def warm_up_kernels(runner) -> None:
         logits = model.compute_logits(hidden[1:])
         runner.sampler(logits, SamplingMetadata(temperature=torch.tensor([1.0, 0.0], device=dev),
                                                 all_greedy=False, all_random=False))
-        # The LM head runs outside the decode graphs, on as many rows as sample: its
-        # small-row kernels have one variant for 1 row, one up to 16 and one up to 32.
-        for rows in sorted({1, min(17, runner.max_num_reqs)}):
+        # The LM head runs outside the decode graphs, on as many rows as sample: its small-row
+        # GEMM takes a tiling per row bucket (the tuned table's), each its own kernel variant.
+        for rows in sorted({min(bucket, runner.max_num_reqs) for bucket in ROW_BUCKETS}):
             model.compute_logits(torch.zeros(rows, hidden.shape[-1], dtype=hidden.dtype, device=dev))
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
