@@ -284,3 +284,19 @@ def test_the_import_parser_sees_lazy_imports_and_skips_type_checking(source, exp
         assert set(_imports(module)[0]) == expected
     finally:
         _imports.cache_clear()
+
+
+def test_data_files_ship_in_the_wheel():
+    """Every non-Python file the package reads at run time (the tuned tile tables) is matched by
+    pyproject's package-data, or a wheel install would run on the untuned defaults."""
+    import fnmatch
+    import tomllib
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "pyproject.toml"), "rb") as f:
+        patterns = tomllib.load(f)["tool"]["setuptools"]["package-data"]["pagedllm"]
+    package = os.path.join(root, "src", "pagedllm")
+    data = [os.path.relpath(os.path.join(d, name), package) for d, _, names in os.walk(package) for name in names
+            if name.endswith(".json")]
+    assert data, "no data files found"
+    assert [path for path in data if not any(fnmatch.fnmatch(path, p) for p in patterns)] == []
