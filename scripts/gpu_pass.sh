@@ -3,7 +3,7 @@
 # short table. Usage (on the device machine, repo root): scripts/gpu_pass.sh [STAGES]
 # STAGES is a comma list of: tests, throughput, throughput8b, latency, long, startup, structured, lora,
 # moetune, moe, quant, quanttune, pooling, embed, embedprof, moedebug, fp8kv, fp8kvbench, structuredab,
-# prefill, prefillab, longprof, structuredub, structuredoverlap, structuredchain, w4tune, fp8tune, fp8norm, spec, loratests, lorakernel, loraprof, tpar, tpartput, gemvtune, gemvab (default: startup,tests,throughput,throughput8b,latency).
+# prefill, prefillab, longprof, structuredub, structuredoverlap, structuredchain, w4tune, fp8tune, fp8norm, spec, loratests, lorakernel, loraprof, tpar, tpartput, gemvtune, gemvab, moequanttune (default: startup,tests,throughput,throughput8b,latency).
 # Needs the SmolLM2 tokenizer saved under .gpu/tokenizer (carried with the call), and wheels carried in .whl
 # for what the device lacks: xgrammar with apache-tvm-ffi, llguidance, pydantic (+ pydantic-core,
 # annotated-types, typing-inspection), jsonschema (+ jsonschema-specifications, referencing, rpds-py),
@@ -97,6 +97,14 @@ fi
 # and the later moe stages run with it when it is copied in first.
 stage moetune && bench moe_tune python -m pagedllm.benchmarks.moe_kernel --shape qwen3-30b-a3b --tune \
   --tokens 1,2,4,8,16,32,64,128,256,512,1024,2048,4096 --config-out "$OUT/fused_moe_configs.json"
+# Quantized experts (issue 17): their own tiles, under ",W=<format>" keys of the same table (merged in place).
+if stage moequanttune; then
+  for fmt in fp8 int4; do
+    bench moe_tune_$fmt python -m pagedllm.benchmarks.moe_kernel --shape qwen3-30b-a3b --tune --weight-format $fmt \
+      --tokens 1,2,4,8,16,32,64,128,256
+    cp src/pagedllm/ops/fused_moe_configs.json "$OUT/"
+  done
+fi
 stage moe && bench moe_kernel python -m pagedllm.benchmarks.moe_kernel --shape qwen3-30b-a3b
 stage moe && bench moe_throughput python -m pagedllm.benchmarks.throughput --shape qwen3-30b-a3b
 stage moe && bench moe_latency python -m pagedllm.benchmarks.latency --shape qwen3-30b-a3b --batch-sizes 1,32

@@ -296,6 +296,15 @@ def test_moe_kernel_times_the_torch_paths_on_cpu_and_tune_table_merges(capsys, t
     for row in rows:
         assert row["benchmark"] == "moe_kernel" and row["shape"] == "tiny-qwen3-moe" and row["top_k"] == 4
         assert row["torch_ms"] > 0 and row["bmm_loop_ms"] > 0 and "triton_ms" not in row  # no CUDA here
+    for fmt in ("fp8", "int4"):  # quantized experts: the torch path over the packed weights, no bmm loop
+        moe_kernel.main(["--tiny", "--tokens", "3", "--weight-format", fmt])
+        (row,) = _json_lines(capsys)
+        assert row["weight_format"] == fmt and row["torch_ms"] > 0 and "bmm_loop_ms" not in row
+    # --tune's grid: row tiles no taller than 4x an expert's run; 256-deep K tiles for per-channel fp8 only.
+    assert {c["BLOCK_M"] for c in moe_kernel.tune_grid(32, 8, 128, "")} == {16}
+    assert {c["BLOCK_M"] for c in moe_kernel.tune_grid(256, 8, 128, "int4")} == {16, 32, 64}
+    assert max(c["BLOCK_K"] for c in moe_kernel.tune_grid(1, 8, 128, "fp8")) == 256
+    assert max(c["BLOCK_K"] for c in moe_kernel.tune_grid(1, 8, 128, "fp8-block")) == 128
     table = tmp_path / "configs.json"
     table.write_text('{"E=8,H=64,I=32": {"1": {"BLOCK_M": 16}}}')
     moe_kernel._write_table(str(table), "E=8,H=64,I=32", {32: {"BLOCK_M": 32}})

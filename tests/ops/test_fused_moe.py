@@ -5,6 +5,8 @@ parallelism). And the torch reference itself against a per-token loop, and routi
 transformers routes."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -208,6 +210,24 @@ def test_tile_config_table_lookup(triton_fused_moe, tmp_path, monkeypatch):
     assert triton_fused_moe.get_config(8, 64, 32, 20, 2) == tuned  # 20 tokens: the 32 bucket
     assert triton_fused_moe.get_config(8, 64, 32, 300, 2) == triton_fused_moe.default_config(300, 2, 8)
     assert triton_fused_moe.get_config(16, 64, 32, 20, 2) == triton_fused_moe.default_config(20, 2, 16)
+
+
+def test_quantized_experts_take_their_formats_tiles(triton_fused_moe, tmp_path, monkeypatch):
+    """Each weight format has its own entries (``,W=fp8`` ...); a format or batch bucket without one
+    takes the 16-bit experts' tiles of the shape, then the default."""
+    bf16, fp8 = ({"BLOCK_M": 16, "BLOCK_N": n, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3} for n in (32, 128))
+    path = tmp_path / "configs.json"
+    path.write_text(json.dumps({"E=8,H=64,I=32": {"32": bf16}, "E=8,H=64,I=32,W=fp8": {"1": fp8}}))
+    monkeypatch.setattr(triton_fused_moe, "_config_table", TileTable(str(path)))
+    assert triton_fused_moe.get_config(8, 64, 32, 1, 2, "fp8") == fp8
+    assert triton_fused_moe.get_config(8, 64, 32, 20, 2, "fp8") == bf16  # no fp8 entry at 32: the 16-bit one
+    assert triton_fused_moe.get_config(8, 64, 32, 20, 2, "int4") == bf16
+    assert triton_fused_moe.get_config(8, 64, 32, 1, 2, "int4") == triton_fused_moe.default_config(1, 2, 8)
+    assert triton_fused_moe.get_config(8, 64, 32, 1, 2) == triton_fused_moe.default_config(1, 2, 8)
+    formats = [triton_fused_moe.weight_format(s) for s in (
+        None, ExpertScales(torch.ones(1), torch.ones(1)), ExpertScales(torch.ones(1), torch.ones(1), block=(8, 16)),
+        ExpertScales(torch.ones(1), torch.ones(1), group=32))]
+    assert formats == ["", "fp8", "fp8-block", "int4"] == list(triton_fused_moe.WEIGHT_FORMATS)
 
 
 def test_warm_up_runs_each_batch_sizes_tiles_once(triton_fused_moe, monkeypatch):

@@ -224,14 +224,28 @@ def batch_bucket(num_tokens: int) -> int:
     return next((b for b in BATCH_BUCKETS if b >= num_tokens), BATCH_BUCKETS[-1])
 
 
-def config_key(num_experts: int, hidden: int, inter: int) -> str:
-    return f"E={num_experts},H={hidden},I={inter}"
+WEIGHT_FORMATS = ("", "fp8", "fp8-block", "int4")  # the table's weight formats ("": 16/32-bit experts)
 
 
-def get_config(num_experts: int, hidden: int, inter: int, num_tokens: int, top_k: int) -> dict:
-    """Tile config for this rank's expert shape and batch: the table's entry, else the default."""
-    entry = _config_table().get(config_key(num_experts, hidden, inter), {})
-    return dict(entry.get(str(batch_bucket(num_tokens))) or default_config(num_tokens, top_k, num_experts))
+def weight_format(scales: ExpertScales | None) -> str:
+    """The experts' weight format, as the table keys it."""
+    if scales is None:
+        return ""
+    return "int4" if scales.group is not None else "fp8-block" if scales.block is not None else "fp8"
+
+
+def config_key(num_experts: int, hidden: int, inter: int, fmt: str = "") -> str:
+    return f"E={num_experts},H={hidden},I={inter}" + (f",W={fmt}" if fmt else "")
+
+
+def get_config(num_experts: int, hidden: int, inter: int, num_tokens: int, top_k: int, fmt: str = "") -> dict:
+    """Tile config for this rank's expert shape, weight format and batch: the table's entry for the
+    format, else the 16-bit experts' entry of the shape (quantized experts untuned), else the default."""
+    bucket, table = str(batch_bucket(num_tokens)), _config_table()
+    for key in dict.fromkeys([config_key(num_experts, hidden, inter, fmt), config_key(num_experts, hidden, inter)]):
+        if bucket in table.get(key, {}):
+            return dict(table[key][bucket])
+    return default_config(num_tokens, top_k, num_experts)
 
 
 def warm_up(w13: torch.Tensor, w2: torch.Tensor, top_k: int, expert_map: torch.Tensor | None,
@@ -247,7 +261,7 @@ def warm_up(w13: torch.Tensor, w2: torch.Tensor, top_k: int, expert_map: torch.T
     seen = set()
     for bucket in (b for b in BATCH_BUCKETS if b <= largest):
         tokens = min(bucket, max_tokens)
-        cfg = get_config(num_experts, hidden, two_inter // 2, tokens, top_k)
+        cfg = get_config(num_experts, hidden, two_inter // 2, tokens, top_k, weight_format(scales))
         key = (tuple(sorted(cfg.items())), tokens * top_k <= ALIGN_ONE_LAUNCH_MAX_PAIRS)
         if key in seen:
             continue
@@ -274,7 +288,7 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w
     want_w2 = (num_experts, inter // 8, hidden) if int4 else (num_experts, hidden, inter)  # int4: words [E, I / 8, H]
     if x.stride(-1) != 1 or w13.stride(-1) != 1 or w2.stride(-1) != 1 or w2.shape != want_w2:
         raise ValueError(f"fused_experts_triton: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}")
-    cfg = config or get_config(num_experts, hidden, inter, num_tokens, top_k)
+    cfg = config or get_config(num_experts, hidden, inter, num_tokens, top_k, weight_format(scales))
     block_m, launch = cfg["BLOCK_M"], {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
     block_k = cfg["BLOCK_K"]
     if scales is not None and (scales.block is not None or int4):  # a K tile within one scale block or group
