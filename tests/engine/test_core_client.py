@@ -137,3 +137,33 @@ def test_async_llm_fails_pending_requests_when_the_core_dies(tiny_models):
             engine.shutdown()
 
     asyncio.run(run())
+
+
+def test_a_core_started_before_its_config_serves_and_one_never_configured_exits(tiny_models):
+    """``EngineCoreClient(None)`` spawns the process first (its imports overlap the caller's config
+    work); ``configure`` + ``wait_ready`` then start the core. One shut down before it had a
+    config ends at once, and a bad argument to AsyncLLM.from_engine_args leaves no process."""
+    import multiprocessing
+
+    from pagedllm.engine.async_llm import AsyncLLM
+
+    client = EngineCoreClient(None)
+    assert client.num_blocks is None
+    client.configure(EngineArgs(model=tiny_models["llama"], kv_cache_memory_bytes=TEST_KV_BYTES,
+                                disable_log_stats=True).create_engine_config())
+    client.wait_ready()
+    try:
+        client.add_request(_request("ok", [5, 6, 7], max_tokens=2))
+        out = client.get_output(timeout_s=30)
+        assert isinstance(out, EngineCoreOutputs) and out.outputs[0].request_id == "ok" and client.num_blocks > 0
+    finally:
+        client.shutdown()
+    assert client.process.exitcode == 0
+
+    unused = EngineCoreClient(None)
+    unused.shutdown()
+    assert not unused.process.is_alive()
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        AsyncLLM.from_engine_args(EngineArgs(model=tiny_models["llama"], max_num_seqs=0))
+    assert time.monotonic() - t0 < 5 and multiprocessing.active_children() == []

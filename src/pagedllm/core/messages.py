@@ -97,7 +97,13 @@ class Shutdown:
     pass
 
 
-CoreInput = Union[AddRequest, AbortRequests, UtilityCall, Shutdown]
+@dataclass
+class StartCore:
+    """The first message to a core process started before its config existed (an EngineConfig)."""
+    config: Any
+
+
+CoreInput = Union[AddRequest, AbortRequests, UtilityCall, Shutdown, StartCore]
 
 # Out of it (EngineCoreOutputs travels as itself):
 

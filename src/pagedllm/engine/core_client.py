@@ -28,6 +28,7 @@ from pagedllm.core.messages import (
     EngineCoreRequest,
     RequestError,
     Shutdown,
+    StartCore,
     UtilityCall,
     UtilityResult,
 )
@@ -54,12 +55,18 @@ def _exit_when_parent_dies(parent_pid: int) -> None:
             os._exit(1)  # no orphans: the API process is gone, nobody will read our outputs
 
 
-def run_engine_core(config: EngineConfig, input_q: Any, output_q: Any, parent_pid: int) -> None:
-    """The core process's loop: drain messages, step while there is work, send outputs."""
+def run_engine_core(config: EngineConfig | None, input_q: Any, output_q: Any, parent_pid: int) -> None:
+    """The core process's loop: drain messages, step while there is work, send outputs. ``config``
+    None: started early, the process imports the engine, then waits for a StartCore message."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it shuts us down
     threading.Thread(target=_exit_when_parent_dies, args=(parent_pid,), daemon=True).start()
-    from pagedllm.engine.core import EngineCore
+    from pagedllm.engine.core import EngineCore  # torch, transformers, the engine: seconds
 
+    if config is None:
+        msg = input_q.get()
+        if not isinstance(msg, StartCore):  # Shutdown: the parent gave up before it had a config
+            return
+        config = msg.config
     try:
         core = EngineCore(config)
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
@@ -113,7 +120,11 @@ class EngineCoreClient:
     """The API process's handle on the core process. Outputs (and per-request errors) are read
     by a thread and wait in a queue for `get_output`; utility calls return futures."""
 
-    def __init__(self, config: EngineConfig, startup_timeout_s: float = 600.0) -> None:
+    def __init__(self, config: EngineConfig | None, startup_timeout_s: float = 600.0) -> None:
+        """Start the core process and wait until it is ready. With ``config`` None it starts early:
+        the process imports the engine (seconds: torch, transformers) while the caller builds the
+        config, which ``configure`` then sends; ``wait_ready`` waits for the core (the caller
+        may load its tokenizer in between). ``shutdown`` stops it at any point."""
         ctx = multiprocessing.get_context("spawn")
         self._input_q = ctx.Queue()
         self._output_q = ctx.Queue()
@@ -123,11 +134,23 @@ class EngineCoreClient:
         self._lock = threading.Lock()
         self.dead_reason: str | None = None
         self._closing = False
+        self._startup_timeout_s = startup_timeout_s
+        self._reader: threading.Thread | None = None
+        self.num_blocks: int | None = None
         self.process = ctx.Process(target=run_engine_core, name="pagedllm-engine-core", daemon=True,
                                    args=(config, self._input_q, self._output_q, os.getpid()))
         self.process.start()
+        if config is not None:
+            self.wait_ready()
+
+    def configure(self, config: EngineConfig) -> None:
+        """Hand a core started without a config (``EngineCoreClient(None)``) its config."""
+        self._send(StartCore(config))
+
+    def wait_ready(self) -> None:
+        """Wait until the core has started (RuntimeError if it failed: the process is gone then)."""
         try:
-            self.num_blocks = self._wait_ready(startup_timeout_s)
+            self.num_blocks = self._wait_ready(self._startup_timeout_s)
         except BaseException:
             self._kill()
             raise
@@ -235,7 +258,7 @@ class EngineCoreClient:
             self.process.join(timeout_s)
         self._kill()
         self._outputs.put(CoreClosed())
-        if getattr(self, "_reader", None) is not None:
+        if self._reader is not None:
             self._reader.join(2 * _PARENT_POLL_S)
 
     def _kill(self) -> None:

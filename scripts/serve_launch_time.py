@@ -1,0 +1,59 @@
+"""Seconds from launching `pagedllm serve` to its first /health 200 (issue 18's start-up target).
+
+    python scripts/serve_launch_time.py [--runs N] [-- extra `pagedllm serve` arguments]
+
+Each run spawns `python -m pagedllm.entrypoints.cli serve` on 127.0.0.1:8123 (the embedded model
+unless a model is given after `--`), polls /health every 50 ms, prints the seconds, and stops the
+server. The server's output goes to a temporary log, printed if it exits early.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+PORT = 8123
+
+
+def launch_once(serve_args: list[str], timeout_s: float) -> float:
+    with tempfile.TemporaryFile("w+") as log:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen([sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--host", "127.0.0.1",
+                                 "--port", str(PORT), *serve_args], stdout=log, stderr=subprocess.STDOUT)
+        try:
+            while time.perf_counter() - t0 < timeout_s:
+                if proc.poll() is not None:
+                    log.seek(0)
+                    raise RuntimeError(f"the server exited ({proc.returncode}):\n{log.read()[-2000:]}")
+                try:
+                    with urllib.request.urlopen(f"http://127.0.0.1:{PORT}/health", timeout=1) as r:
+                        if r.status == 200:
+                            return time.perf_counter() - t0
+                except OSError:
+                    time.sleep(0.05)
+            raise RuntimeError(f"not healthy within {timeout_s:.0f} s")
+        finally:
+            proc.terminate()
+            proc.wait(30)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--runs", type=int, default=1)
+    p.add_argument("--timeout-s", type=float, default=300)
+    p.add_argument("serve_args", nargs="*", help="after --: passed to `pagedllm serve`")
+    args = p.parse_args()
+    times = []
+    for _ in range(args.runs):
+        times.append(launch_once(args.serve_args, args.timeout_s))
+        print(f"healthy after {times[-1]:.2f} s", flush=True)
+    if len(times) > 1:
+        print(f"median {statistics.median(times):.2f} s over {len(times)} runs")
+
+
+if __name__ == "__main__":
+    main()
