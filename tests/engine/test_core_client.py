@@ -167,3 +167,24 @@ def test_a_core_started_before_its_config_serves_and_one_never_configured_exits(
     with pytest.raises(ValueError, match="max_num_seqs"):
         AsyncLLM.from_engine_args(EngineArgs(model=tiny_models["llama"], max_num_seqs=0))
     assert time.monotonic() - t0 < 5 and multiprocessing.active_children() == []
+
+
+def test_async_llm_can_return_before_its_core_is_ready(tiny_models):
+    """``wait_ready=False`` (the server builds its app meanwhile): ``wait_ready()`` then waits, and
+    raises the core's start-up error with the engine shut down."""
+    from pagedllm.engine.async_llm import AsyncLLM
+
+    engine = AsyncLLM.from_engine_args(EngineArgs(model=tiny_models["llama"], kv_cache_memory_bytes=TEST_KV_BYTES,
+                                                  disable_log_stats=True), wait_ready=False)
+    try:
+        assert engine.engine_core.num_blocks is None
+        engine.wait_ready()
+        engine.wait_ready()  # a second call returns at once
+        assert engine.engine_core.num_blocks > 0 and engine.engine_core.is_alive()
+    finally:
+        engine.shutdown()
+    bad = AsyncLLM.from_engine_args(EngineArgs(model=tiny_models["llama"], num_gpu_blocks_override=2,
+                                               disable_log_stats=True), wait_ready=False)
+    with pytest.raises(RuntimeError, match="fewer than max_model_len"):
+        bad.wait_ready()
+    assert not bad.engine_core.process.is_alive()

@@ -25,13 +25,17 @@ class AsyncLLM(EngineFrontend):
     """`generate()` streams RequestOutputs per request; a background task reads the core's
     outputs, detokenizes them and routes each to its request's asyncio queue."""
 
-    def __init__(self, config: EngineConfig, engine_core: EngineCoreClient | None = None) -> None:
-        """``engine_core``: a core process started early without a config (``from_engine_args``)."""
+    def __init__(self, config: EngineConfig, engine_core: EngineCoreClient | None = None,
+                 wait_ready: bool = True) -> None:
+        """``engine_core``: a core process started early without a config (``from_engine_args``).
+        ``wait_ready`` False: return while the core still builds the model; ``wait_ready()`` then
+        waits (the server builds its app meanwhile)."""
         core = engine_core if engine_core is not None else EngineCoreClient(None)
         try:
             core.configure(config)
             super().__init__(config)  # the tokenizer loads here while the core builds the model
-            core.wait_ready()
+            if wait_ready:
+                core.wait_ready()
         except BaseException:
             core.shutdown()
             raise
@@ -48,7 +52,8 @@ class AsyncLLM(EngineFrontend):
         freeze_gc_heap()  # the API process's start-up objects: full collections stay short
 
     @classmethod
-    def from_engine_args(cls, engine_args: Any, usage_context: str | None = None) -> "AsyncLLM":
+    def from_engine_args(cls, engine_args: Any, usage_context: str | None = None,
+                         wait_ready: bool = True) -> "AsyncLLM":
         """The core process starts first, so its imports run while this process builds the config
         (``pagedllm serve`` healthy 8.8 -> 7.3 s on the embedded model on a 2-core VM, 20.9 ->
         13-15 s on the llama3-8b shape on an H100 host)."""
@@ -58,7 +63,16 @@ class AsyncLLM(EngineFrontend):
         except BaseException:
             core.shutdown(timeout_s=0.0)  # a bad argument fails now, not after the core's imports
             raise
-        return cls(config, core)
+        return cls(config, core, wait_ready)
+
+    def wait_ready(self) -> None:
+        """Wait until the core has built the model (after ``wait_ready=False``; at once otherwise).
+        RuntimeError if it failed to start; the engine is shut down then."""
+        try:
+            self.engine_core.wait_ready()
+        except BaseException:
+            self.shutdown()
+            raise
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(

@@ -149,6 +149,8 @@ class EngineCoreClient:
 
     def wait_ready(self) -> None:
         """Wait until the core has started (RuntimeError if it failed: the process is gone then)."""
+        if self._reader is not None:  # already started
+            return
         try:
             self.num_blocks = self._wait_ready(self._startup_timeout_s)
         except BaseException:

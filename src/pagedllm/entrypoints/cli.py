@@ -136,10 +136,13 @@ def serve(ns: argparse.Namespace) -> None:
     args = frontend_args_from(ns)
     engine_args = engine_args_from(ns)
     names = args.served_model_name or [default_served_name(engine_args.model)]
-    engine = AsyncLLM.from_engine_args(engine_args)
+    # The app and uvicorn's protocol classes are built while the core process builds the model.
+    engine = AsyncLLM.from_engine_args(engine_args, wait_ready=False)
     try:
         app = build_app(engine, names, args)
         app.state.uvicorn_server = uvicorn.Server(uvicorn.Config(app, **uvicorn_kwargs(args)))
+        app.state.uvicorn_server.config.load()
+        engine.wait_ready()
         app.state.uvicorn_server.run()  # returns on SIGINT / SIGTERM, or when the engine core dies
     finally:
         engine.shutdown()
