@@ -89,3 +89,15 @@ def test_keep_serving_without_engine_answers_503(tiny_models, tmp_path):
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=20)
+
+
+def test_a_bad_server_flag_exits_with_its_message_while_the_core_builds(tiny_models):
+    """The app is built while the core builds the model: a flag the app refuses exits 1 with the
+    message, and the core started for it does not keep the command waiting (no hang)."""
+    cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", tiny_models["llama"], "--port", str(_free_port()),
+           "--kv-cache-memory-bytes", str(TEST_KV_BYTES), "--lora-modules", f"a={tiny_models['llama']}"]
+    env = {**os.environ, "PYTHONPATH": os.path.abspath(SRC_DIR)}
+    t0 = time.monotonic()
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 1 and "--lora-modules needs --enable-lora" in done.stderr, done.stderr[-2000:]
+    assert time.monotonic() - t0 < 30

@@ -275,9 +275,10 @@ class AsyncLLM(EngineFrontend):
     def get_num_unfinished_requests(self) -> int:
         return len(self.parents)
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stop the core (given ``timeout_s`` to finish, then killed)."""
         if self._closed:
             return
         self._closed = True
-        self.engine_core.shutdown()  # also wakes the reader thread with CoreClosed
+        self.engine_core.shutdown(timeout_s)  # also wakes the reader thread with CoreClosed
         self._reader_pool.shutdown(wait=False)

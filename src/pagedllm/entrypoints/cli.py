@@ -142,6 +142,10 @@ def serve(ns: argparse.Namespace) -> None:
         app = build_app(engine, names, args)
         app.state.uvicorn_server = uvicorn.Server(uvicorn.Config(app, **uvicorn_kwargs(args)))
         app.state.uvicorn_server.config.load()
+    except BaseException:
+        engine.shutdown(timeout_s=0.0)  # a bad server flag fails now: the core is stopped mid-build
+        raise
+    try:
         engine.wait_ready()
         app.state.uvicorn_server.run()  # returns on SIGINT / SIGTERM, or when the engine core dies
     finally:
