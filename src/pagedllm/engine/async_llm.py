@@ -37,7 +37,7 @@ class AsyncLLM(EngineFrontend):
             if wait_ready:
                 core.wait_ready()
         except BaseException:
-            core.shutdown()
+            core.shutdown(timeout_s=0.0)  # nothing is served yet: a core mid-build is stopped at once
             raise
         self.engine_core = core
         self._queues: dict[str, asyncio.Queue] = {}
@@ -70,8 +70,8 @@ class AsyncLLM(EngineFrontend):
         RuntimeError if it failed to start; the engine is shut down then."""
         try:
             self.engine_core.wait_ready()
-        except BaseException:
-            self.shutdown()
+        except BaseException:  # a failed start, or Ctrl-C while the core builds: stop it at once
+            self.shutdown(timeout_s=0.0)
             raise
 
     # ---- requests ----------------------------------------------------------------------------
