@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.ops.fused_moe import fused_experts_bmm_loop, fused_experts_torch, route
-from pagedllm.ops.moe_scales import ExpertScales
+from pagedllm.ops.moe_scales import WEIGHT_FORMATS, ExpertScales, weight_format
 from pagedllm.ops.tile_tables import TileTable
 from tests.ops.conftest import DEVICE
 
@@ -224,10 +224,10 @@ def test_quantized_experts_take_their_formats_tiles(triton_fused_moe, tmp_path, 
     assert triton_fused_moe.get_config(8, 64, 32, 20, 2, "int4") == bf16
     assert triton_fused_moe.get_config(8, 64, 32, 1, 2, "int4") == triton_fused_moe.default_config(1, 2, 8)
     assert triton_fused_moe.get_config(8, 64, 32, 1, 2) == triton_fused_moe.default_config(1, 2, 8)
-    formats = [triton_fused_moe.weight_format(s) for s in (
+    formats = [weight_format(s) for s in (
         None, ExpertScales(torch.ones(1), torch.ones(1)), ExpertScales(torch.ones(1), torch.ones(1), block=(8, 16)),
         ExpertScales(torch.ones(1), torch.ones(1), group=32))]
-    assert formats == ["", "fp8", "fp8-block", "int4"] == list(triton_fused_moe.WEIGHT_FORMATS)
+    assert formats == ["", "fp8", "fp8-block", "int4"] == list(WEIGHT_FORMATS)
 
 
 def test_warm_up_runs_each_batch_sizes_tiles_once(triton_fused_moe, monkeypatch):

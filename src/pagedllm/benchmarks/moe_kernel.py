@@ -203,6 +203,8 @@ def run(args) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from pagedllm.ops.moe_scales import WEIGHT_FORMATS
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     moe_shapes = sorted(name for name, cfg in SHAPES.items() if "num_experts" in cfg)
     p.add_argument("--shape", choices=moe_shapes, default="qwen3-30b-a3b")
@@ -213,7 +215,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--tune", action="store_true", help="search tile configs and write the fastest to the table")
     p.add_argument("--config-out", help="the table to write with --tune (default: the kernel's own)")
-    p.add_argument("--weight-format", choices=["native", "fp8", "fp8-block", "int4"], default="native",
+    p.add_argument("--weight-format", choices=["native", *filter(None, WEIGHT_FORMATS)], default="native",
                    help="the experts' weights: in --dtype (native), or quantized")
     p.add_argument("--tiny", action="store_true", help="the tiny-qwen3-moe shape, few iterations (a CPU smoke run)")
     args = p.parse_args(argv)

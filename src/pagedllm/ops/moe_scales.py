@@ -37,6 +37,16 @@ def expert_dims(w13: torch.Tensor, scales: ExpertScales | None) -> tuple[int, in
     return w13.shape[0], w13.shape[2], w13.shape[1]
 
 
+WEIGHT_FORMATS = ("", "fp8", "fp8-block", "int4")  # as the fused-MoE tile table keys them ("": 16/32-bit)
+
+
+def weight_format(scales: ExpertScales | None) -> str:
+    """The experts' weight format (one of WEIGHT_FORMATS), as the fused-MoE tile table keys it."""
+    if scales is None:
+        return ""
+    return "int4" if scales.group is not None else "fp8-block" if scales.block is not None else "fp8"
+
+
 def dequantize_expert(w: torch.Tensor, scales: ExpertScales, which: str, expert: int,
                       dtype: torch.dtype) -> torch.Tensor:
     """Expert ``expert``'s quantized ``which`` ("w13" or "w2") weight ``w`` as [N, K] in ``dtype``,

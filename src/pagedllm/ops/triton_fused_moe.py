@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.ops.moe_scales import ExpertScales, expert_dims
+from pagedllm.ops.moe_scales import ExpertScales, expert_dims, weight_format
 from pagedllm.ops.triton_moe_routing import align_pairs, align_pairs_triton, moe_pdl
 from pagedllm.ops.triton_pdl import pdl_enter
 from pagedllm.ops.tile_tables import TileTable
@@ -222,16 +222,6 @@ def default_config(num_tokens: int, top_k: int, num_experts: int) -> dict:
 def batch_bucket(num_tokens: int) -> int:
     """The table's batch bucket for a batch: the smallest bucket that holds it (the largest past them)."""
     return next((b for b in BATCH_BUCKETS if b >= num_tokens), BATCH_BUCKETS[-1])
-
-
-WEIGHT_FORMATS = ("", "fp8", "fp8-block", "int4")  # the table's weight formats ("": 16/32-bit experts)
-
-
-def weight_format(scales: ExpertScales | None) -> str:
-    """The experts' weight format, as the table keys it."""
-    if scales is None:
-        return ""
-    return "int4" if scales.group is not None else "fp8-block" if scales.block is not None else "fp8"
 
 
 def config_key(num_experts: int, hidden: int, inter: int, fmt: str = "") -> str:
