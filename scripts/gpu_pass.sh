@@ -3,7 +3,8 @@
 # short table. Usage (on the device machine, repo root): scripts/gpu_pass.sh [STAGES]
 # STAGES is a comma list of: tests, throughput, throughput8b, latency, long, startup, structured, lora,
 # moetune, moe, quant, quanttune, pooling, embed, embedprof, moedebug, fp8kv, fp8kvbench, structuredab,
-# prefill, prefillab, longprof, structuredub, structuredoverlap, structuredchain, w4tune, fp8tune, fp8norm, spec, loratests, lorakernel, loraprof, tpar, tpartput, gemvtune, gemvab, moequanttune (default: startup,tests,throughput,throughput8b,latency).
+# prefill, prefillab, longprof, structuredub, structuredoverlap, structuredchain, w4tune, fp8tune, fp8norm, spec, loratests, lorakernel, loraprof, tpar, tpartput, gemvtune, gemvab, moequanttune, moeblocktune,
+# moequantprefill, startupprof (default: startup,tests,throughput,throughput8b,latency).
 # Needs the SmolLM2 tokenizer saved under .gpu/tokenizer (carried with the call), and wheels carried in .whl
 # for what the device lacks: xgrammar with apache-tvm-ffi, llguidance, pydantic (+ pydantic-core,
 # annotated-types, typing-inspection), jsonschema (+ jsonschema-specifications, referencing, rpds-py),
@@ -32,6 +33,17 @@ bench() {  # name, then the command; JSON lines go to $RES, the rest to $OUT/NAM
 }
 # First, while Triton's cache is as cold as on a fresh machine: run 0 compiles, run 1 does not.
 stage startup && bench startup python -m pagedllm.benchmarks.startup --shape llama3-8b --num-runs 2
+# Where start-up goes (issue 19): imports, CUDA initialization, then LLM()'s phases and the server's log lines.
+if stage startupprof; then
+  bench startup3 python -m pagedllm.benchmarks.startup --shape llama3-8b --num-runs 3
+  python -X importtime -c "import pagedllm.engine.core, pagedllm.worker.worker" 2> "$OUT/importtime.log" >/dev/null
+  echo "== slowest imports (cumulative us)"; sort -t'|' -k2 -n -r "$OUT/importtime.log" | head -25 | cut -c1-120
+  python -c "import time; t=time.time(); import torch; t1=time.time(); torch.cuda.init(); torch.zeros(1, device='cuda'); \
+print(f'import torch {t1-t:.2f} s, CUDA init + first tensor {time.time()-t1:.2f} s')"
+  DIR=$(python -c "from pagedllm.benchmarks.common import write_shape; print(write_shape('llama3-8b', tokenizer_dir='.gpu/tokenizer'))" | tail -1)
+  timeout 240 python scripts/serve_launch_time.py --timeline --runs 2 -- "$DIR" --load-format dummy > "$OUT/serve_timeline.log" 2>&1
+  grep -v -E "^\s+[0-9.]+\s+(Processed|Loading|Capturing)" "$OUT/serve_timeline.log" | tail -40 | cut -c1-170
+fi
 if stage tests; then
   echo "== tests"
   python -m pytest -q -rfE -p no:cacheprovider tests/attention tests/ops tests/sample tests/gpu tests/worker tests/engine/test_correctness.py tests/engine/test_correctness_archs.py tests/structured_output tests/engine/test_structured_outputs.py \
@@ -102,6 +114,23 @@ if stage moequanttune; then
   for fmt in fp8 int4; do
     bench moe_tune_$fmt python -m pagedllm.benchmarks.moe_kernel --shape qwen3-30b-a3b --tune --weight-format $fmt \
       --tokens 1,2,4,8,16,32,64,128,256
+    cp src/pagedllm/ops/fused_moe_configs.json "$OUT/"
+  done
+fi
+# Block-scaled fp8 experts (Qwen3-FP8's [128, 128] blocks): decode steps before and after their own tiles.
+if stage moeblocktune; then
+  L="python -m pagedllm.benchmarks.latency --shape qwen3-30b-a3b --batch-sizes 1,32 --quantization fp8-block"
+  bench moe_block_latency_before $L
+  bench moe_tune_fp8-block python -m pagedllm.benchmarks.moe_kernel --shape qwen3-30b-a3b --tune \
+    --weight-format fp8-block --tokens 1,2,4,8,16,32,64,128,256
+  cp src/pagedllm/ops/fused_moe_configs.json "$OUT/"
+  bench moe_block_latency_after $L
+fi
+# Prefill sizes of the quantized experts (512..4096 tokens took the 16-bit tiles), then workload 1.
+if stage moequantprefill; then
+  for fmt in ${MOE_FORMATS:-fp8 int4 fp8-block}; do
+    bench moe_tune_prefill_$fmt python -m pagedllm.benchmarks.moe_kernel --shape qwen3-30b-a3b --tune \
+      --weight-format $fmt --tokens 512,1024,2048,4096
     cp src/pagedllm/ops/fused_moe_configs.json "$OUT/"
   done
 fi
