@@ -52,12 +52,14 @@ class AsyncLLM(EngineFrontend):
         freeze_gc_heap()  # the API process's start-up objects: full collections stay short
 
     @classmethod
-    def from_engine_args(cls, engine_args: Any, usage_context: str | None = None,
-                         wait_ready: bool = True) -> "AsyncLLM":
+    def from_engine_args(cls, engine_args: Any, usage_context: str | None = None, wait_ready: bool = True,
+                         engine_core: EngineCoreClient | None = None) -> "AsyncLLM":
         """The core process starts first, so its imports run while this process builds the config
         (``pagedllm serve`` healthy 8.8 -> 7.3 s on the embedded model on a 2-core VM, 20.9 ->
-        13-15 s on the llama3-8b shape on an H100 host)."""
-        core = EngineCoreClient(None)
+        13-15 s on the llama3-8b shape on an H100 host). ``engine_core``: one the caller started
+        earlier still (``EngineCoreClient(None)``, before its own imports); it is shut down if
+        this fails."""
+        core = engine_core if engine_core is not None else EngineCoreClient(None)
         try:
             config = engine_args.create_engine_config(usage_context)
         except BaseException:
