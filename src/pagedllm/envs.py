@@ -111,7 +111,8 @@ _VARS = [
     EnvVar("PAGEDLLM_PARALLEL_COMPILE", "bool (0 = off)", True,
            "0 compiles the Triton kernels one after another in the engine process at start-up.", _not_zero),
     EnvVar("PAGEDLLM_CACHE_DIR", "path", None,
-           "Cache folder for GGUF config, tokenizer and tensor tables (default: `$XDG_CACHE_HOME/pagedllm`, "
+           "Cache folder for GGUF config, tokenizer and tensor tables, and the Triton kernels each start-up "
+           "compiles (default: `$XDG_CACHE_HOME/pagedllm`, "
            "else `~/.cache/pagedllm`)."),
     EnvVar("PAGEDLLM_PP_LAYER_PARTITION", "str", None,
            "Layers per pipeline stage, comma-separated (e.g. `10,14`); default: as even as possible."),
@@ -124,6 +125,12 @@ _VARS = [
            "Commit recorded in benchmark results when the tree has no git history."),
 ]
 ENV_VARS: dict[str, EnvVar] = {v.name: v for v in _VARS}
+
+
+def cache_root() -> str:
+    """pagedllm's cache folder (PAGEDLLM_CACHE_DIR, else ``$XDG_CACHE_HOME/pagedllm`` or ``~/.cache/pagedllm``)."""
+    return __getattr__("PAGEDLLM_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pagedllm")
 
 
 def __getattr__(name: str) -> Any:

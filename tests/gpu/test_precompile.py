@@ -2,7 +2,9 @@
 not in the engine process. A fresh process with an empty Triton cache starts a bf16 engine
 (CUDA graphs on): with the pool, the engine process itself compiles nothing during start-up
 (every kernel comes from the cache the pool filled); without it (PAGEDLLM_PARALLEL_COMPILE=0)
-it compiles them all. Outputs are the same either way."""
+it compiles them all. Outputs are the same either way. A second pooled start-up on the same
+caches reads the jobs the first one kept instead of running the dry run, and compiles nothing
+in place either."""
 from __future__ import annotations
 
 import json
@@ -42,7 +44,8 @@ print("RESULT " + json.dumps({"in_place": in_place, "diffs": diffs, "ids": [o.ou
 
 
 def _start(model: str, cache_dir, parallel: bool) -> dict:
-    env = dict(os.environ, TRITON_CACHE_DIR=str(cache_dir), PAGEDLLM_PARALLEL_COMPILE="1" if parallel else "0")
+    env = dict(os.environ, TRITON_CACHE_DIR=str(cache_dir), PAGEDLLM_PARALLEL_COMPILE="1" if parallel else "0",
+               PAGEDLLM_CACHE_DIR=str(cache_dir / "pagedllm"), PAGEDLLM_LOGGING_LEVEL="DEBUG")
     out = subprocess.run([sys.executable, "-c", _CHILD, model], env=env, capture_output=True, text=True,
                          timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -57,3 +60,7 @@ def test_start_up_compiles_in_the_pool(tiny_models, tmp_path):
     serial = _start(tiny_models["qwen3"], tmp_path / "serial", parallel=False)
     assert len(serial["in_place"]) >= 8  # norms, rotary, KV write, attention shapes, GEMMs, sampler
     assert pooled["ids"] == serial["ids"]
+    assert "(dry run" in pooled["log"]
+    again = _start(tiny_models["qwen3"], tmp_path / "pooled", parallel=True)
+    assert "Triton kernels all cached (kept jobs read in" in again["log"], again["log"][-2000:]
+    assert again["in_place"] == [] and again["ids"] == pooled["ids"]

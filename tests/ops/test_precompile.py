@@ -67,3 +67,57 @@ def test_precompiling_can_be_turned_off(monkeypatch):
     assert precompile.precompile_available()
     monkeypatch.setenv(precompile.ENV, "0")
     assert not precompile.precompile_available()
+
+
+_KEPT_CHILD = r"""
+import json, sys
+from triton.backends.compiler import GPUTarget
+from triton.compiler.compiler import make_backend
+from pagedllm.ops import precompile
+
+target = GPUTarget("cuda", 90, 32)
+options = make_backend(target).parse_options({"num_warps": 4, "num_stages": 3}).__dict__
+options = {k: tuple(v) if isinstance(v, list) else v for k, v in options.items()}  # as the hook hands them
+signature = {"x_ptr": "*bf16", "out_ptr": "*bf16", "q_ptr": "*bf16", "s_ptr": "*bf16", "x_stride0": "i32",
+             "inter_size": "i32", "BLOCK": "constexpr", "TRIGGER": "constexpr", "FP8_OUT": "constexpr"}
+attrs = {(i,): [["tt.divisibility", 16]] for i in range(6)}
+job = ("pagedllm.ops.triton_ops", "_silu_and_mul_kernel", signature, {(6,): 1024, (7,): True, (8,): False}, attrs,
+       options)
+path = precompile.jobs_file("a start-up")
+precompile.save_jobs(path, [job])
+kept = precompile.load_jobs(path)
+pool = precompile.CompilePool(2)
+try:
+    errors = pool.compile(kept, target)
+finally:
+    pool.close()
+print("RESULT " + json.dumps({"same": kept == [job], "other_file": precompile.jobs_file("another") != path,
+                              "errors": errors, "cached": precompile._in_disk_cache(job, target)}))
+"""
+
+
+def test_kept_jobs_read_back_and_compile(tmp_path):
+    """A start-up's dry-run jobs are kept as plain literals and read back equal: the next
+    start-up with the same key compiles from them (here into an empty Triton cache)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {
+        "TRITON_CACHE_DIR": str(tmp_path / "triton"), "PAGEDLLM_CACHE_DIR": str(tmp_path / "pagedllm")}
+    out = subprocess.run([sys.executable, "-c", _KEPT_CHILD], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads([x for x in out.stdout.splitlines() if x.startswith("RESULT ")][-1][len("RESULT "):])
+    assert r == {"same": True, "other_file": True, "errors": [], "cached": True}
+    assert len(list((tmp_path / "pagedllm" / "triton_jobs").glob("*.txt"))) == 1
+
+
+def test_kept_jobs_are_literals_only(tmp_path):
+    from pagedllm.ops import precompile
+
+    path = str(tmp_path / "jobs.txt")
+    for text in ("__import__('os').system('false')", "[1, 2", "{'a': 1}", ""):
+        with open(path, "w") as f:
+            f.write(text)
+        assert precompile.load_jobs(path) is None, text
+    assert precompile.load_jobs(str(tmp_path / "missing.txt")) is None
+    precompile.save_jobs(path, [("m", "k", {"x": "*fp32"}, {(1,): 2}, {}, {"num_warps": 4})])
+    assert precompile.load_jobs(path) == [("m", "k", {"x": "*fp32"}, {(1,): 2}, {}, {"num_warps": 4})]
+    precompile.save_jobs(str(tmp_path / "objects.txt"), [object()])  # not literals: nothing is kept
+    assert not (tmp_path / "objects.txt").exists()

@@ -23,9 +23,7 @@ _INDEX = "tensor_index.json"
 def gguf_cache_dir(gguf_file: str) -> str:
     st = os.stat(gguf_file)
     key = hashlib.sha256(f"{os.path.abspath(gguf_file)}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    root = envs.PAGEDLLM_CACHE_DIR or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pagedllm")
-    return os.path.join(root, "gguf", key)
+    return os.path.join(envs.cache_root(), "gguf", key)
 
 
 def _write_json_atomically(path: str, data: Any) -> None:

@@ -69,11 +69,17 @@ class Worker:
                 draft.share_target(model)
         self.model_runner = ModelRunner(config, model, self.device, draft)
         if self.device.type == "cuda" and precompile_available():
-            precompile(self.model_runner.compile_dry_run, self.device, pc.world_size)
+            precompile(self.model_runner.compile_dry_run, self.device, pc.world_size, self._start_up_key())
         self.num_kv_blocks = 0
         self._weights_asleep: _SleepingWeights | None = None
         self._kv_cache_asleep = False
         self._profiler: WorkerProfiler | None = None
+
+    def _start_up_key(self) -> str:
+        """What decides the Triton kernels this rank's start-up compiles besides the code
+        (``precompile.jobs_file``): the config, the GPU and the rank."""
+        name, capability = torch.cuda.get_device_name(self.device), torch.cuda.get_device_capability(self.device)
+        return f"{name}|{capability}|rank {self.rank}|{config_text(self.config)}"
 
     def kv_cache_bytes_per_block(self) -> int:
         return self.model_runner.kv_cache_bytes_per_block()
@@ -279,3 +285,15 @@ class _SleepingWeights:
         for param, key in self.params:
             param.data = restored[key]
         self.host = None
+
+
+def config_text(config: EngineConfig) -> str:
+    """The config as text without the model's paths: a temporary or moved model folder compiles
+    the same kernels (the longest path first, so a folder inside a file's path is not left half)."""
+    text = repr(config)
+    models = [config.model_config, config.draft_model_config]
+    paths = {v for mc in models if mc is not None for v in (mc.model, mc.path, mc.gguf_file, mc.tokenizer)
+             if isinstance(v, str) and len(v) > 1}
+    for path in sorted(paths, key=len, reverse=True):
+        text = text.replace(path, "<model>")
+    return text
