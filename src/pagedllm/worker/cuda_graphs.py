@@ -261,9 +261,12 @@ def compile_dry_run(runner) -> None:
     """Start-up's forwards in miniature, for ``pagedllm.ops.precompile`` to see which Triton
     kernels they compile (its hook skips those launches): the profiling forward (at a
     token count that Triton specializes alike: a multiple of 16 or not), the warm-up step,
-    and decode forwards at the graph sizes up to 32 and the largest (the sizes where the
-    launch choices change: one row, the small-row GEMM's 16- and 32-row tiles, split-KV
-    attention or not). Reads and writes only a 4-block scratch KV cache."""
+    and a decode forward at every graph size, as capture runs them (the launch choices change
+    at sizes that depend on the model: split-KV attention below one program per SM, wide
+    decode tiles from 128 rows, the small-row GEMMs' row tiles; covering only sizes up to 32
+    and the largest missed the unsplit 32-key decode tiles of a model with 2 K/V heads). A warm
+    start-up reads the jobs an earlier one kept instead (``precompile.jobs_file``), so this
+    runs on a start-up that compiles anyway. Reads and writes only a 4-block scratch KV cache."""
     n = runner.config.scheduler_config.max_num_batched_tokens
     profile_run(runner, n if n <= 80 else 64 if n % 16 == 0 else 65)
     graphs: CudaGraphs = runner.graphs
@@ -273,5 +276,5 @@ def compile_dry_run(runner) -> None:
             return
         buf = graphs.reset_inputs()
         sizes = graphs.candidate_sizes
-        for bs in [s for s in sizes if s <= 32] + [sizes[-1]]:
+        for bs in sizes:
             runner.model(buf.input_ids[:bs], buf.positions[:bs], graphs.metadata(bs))
