@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
-import importlib
 import itertools
 import logging
 import multiprocessing
@@ -57,15 +55,6 @@ def _exit_when_parent_dies(parent_pid: int) -> None:
             os._exit(1)  # no orphans: the API process is gone, nobody will read our outputs
 
 
-def _import_config_modules() -> None:
-    """Import what unpickling the config will need while the API process still builds it:
-    transformers 5's config classes import ``transformers.utils.type_validators``, and with it
-    accelerate and ``torch.distributed.tensor`` (1.1-1.5 s on a 2-core VM), which the core
-    otherwise imported only once the config had arrived."""
-    with contextlib.suppress(ImportError):
-        importlib.import_module("transformers.utils.type_validators")
-
-
 def run_engine_core(config: EngineConfig | None, input_q: Any, output_q: Any, parent_pid: int) -> None:
     """The core process's loop: drain messages, step while there is work, send outputs. ``config``
     None: started early, the process imports the engine, then waits for a StartCore message."""
@@ -74,7 +63,6 @@ def run_engine_core(config: EngineConfig | None, input_q: Any, output_q: Any, pa
     from pagedllm.engine.core import EngineCore  # torch, transformers, the engine: seconds
 
     if config is None:
-        _import_config_modules()
         msg = input_q.get()
         if not isinstance(msg, StartCore):  # Shutdown: the parent gave up before it had a config
             return
