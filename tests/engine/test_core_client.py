@@ -108,6 +108,23 @@ def test_offline_and_engine_modules_do_not_import_server_dependencies():
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": SRC_DIR})
 
 
+def test_serve_spawns_its_core_before_importing_torch():
+    """`pagedllm serve` starts the core process first, so the core's imports (torch, transformers,
+    the engine) overlap this process's own instead of following them."""
+    code = ("import sys\n"
+            "from pagedllm.engine import core_client\n"
+            "from pagedllm.entrypoints import cli\n"
+            "class Probe:\n"
+            "    def __init__(self, config):\n"
+            "        print('TORCH_LOADED', 'torch' in sys.modules, config); sys.exit(0)\n"
+            "core_client.EngineCoreClient = Probe\n"
+            "sys.argv = ['pagedllm', 'serve', '--port', '8999']\n"
+            "cli.main()\n")  # as the console script calls it (a process of its own)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": SRC_DIR})
+    assert "TORCH_LOADED False None" in out.stdout, out.stdout + out.stderr[-2000:]
+
+
 def test_async_llm_fails_pending_requests_when_the_core_dies(tiny_models):
     import asyncio
 
@@ -153,6 +170,9 @@ def test_a_core_started_before_its_config_serves_and_one_never_configured_exits(
                                 disable_log_stats=True).create_engine_config())
     client.wait_ready()
     try:
+        with pytest.raises(RuntimeError, match="already has its config"):  # a second config is refused here
+            client.configure(client_config := EngineArgs(model=tiny_models["llama"]).create_engine_config())
+        assert client_config.model_config.model == tiny_models["llama"]
         client.add_request(_request("ok", [5, 6, 7], max_tokens=2))
         out = client.get_output(timeout_s=30)
         assert isinstance(out, EngineCoreOutputs) and out.outputs[0].request_id == "ok" and client.num_blocks > 0

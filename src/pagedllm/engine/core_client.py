@@ -137,6 +137,7 @@ class EngineCoreClient:
         self._startup_timeout_s = startup_timeout_s
         self._reader: threading.Thread | None = None
         self.num_blocks: int | None = None
+        self._configured = config is not None
         self.process = ctx.Process(target=run_engine_core, name="pagedllm-engine-core", daemon=True,
                                    args=(config, self._input_q, self._output_q, os.getpid()))
         self.process.start()
@@ -144,7 +145,10 @@ class EngineCoreClient:
             self.wait_ready()
 
     def configure(self, config: EngineConfig) -> None:
-        """Hand a core started without a config (``EngineCoreClient(None)``) its config."""
+        """Hand a core started without a config (``EngineCoreClient(None)``) its config, once."""
+        if self._configured:
+            raise RuntimeError("this engine core already has its config")
+        self._configured = True
         self._send(StartCore(config))
 
     def wait_ready(self) -> None:
