@@ -121,3 +121,15 @@ def test_kept_jobs_are_literals_only(tmp_path):
     assert precompile.load_jobs(path) == [("m", "k", {"x": "*fp32"}, {(1,): 2}, {}, {"num_warps": 4})]
     precompile.save_jobs(str(tmp_path / "objects.txt"), [object()])  # not literals: nothing is kept
     assert not (tmp_path / "objects.txt").exists()
+
+
+def test_kept_job_files_are_bounded(tmp_path, monkeypatch):
+    from pagedllm.ops import precompile
+
+    monkeypatch.setattr(precompile, "KEPT_JOB_FILES", 3)
+    for i in range(5):
+        path = tmp_path / f"{i}.txt"
+        precompile.save_jobs(str(path), [("m", "k", {}, {}, {}, {"i": i})])
+        os.utime(path, (1000 + i, 1000 + i))  # mtimes in the order written
+    assert sorted(p.name for p in tmp_path.glob("*.txt")) == ["2.txt", "3.txt", "4.txt"]
+

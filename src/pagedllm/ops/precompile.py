@@ -21,7 +21,8 @@ of what decides them (the engine config without its paths, the GPU, the tensor r
 versions of torch and Triton and of every pagedllm module). The next start-up with the same
 digest looks those jobs up in Triton's cache and compiles only the missing ones; the dry run's
 forwards (1.3-1.5 s on an H100 host for the llama3-8b shape) are not run. A stale or wrong list
-costs time only: a kernel it lacks compiles in place, as any the dry run misses.
+costs time only: a kernel it lacks compiles in place, as any the dry run misses. The folder
+keeps the newest ``KEPT_JOB_FILES`` files.
 
 Triton's internals used here (the hook and what it is handed, ``ASTSource``, the cache key)
 are those the JIT itself compiles with; if they are missing, ``precompile_available`` turns
@@ -282,9 +283,13 @@ def load_jobs(path: str) -> list | None:
     return jobs if isinstance(jobs, list) else None
 
 
+KEPT_JOB_FILES = 32  # the newest kept: each edit of the package or new config files a new one
+
+
 def save_jobs(path: str, jobs: list) -> None:
     """Keep ``jobs`` at ``path`` if they are plain literals that read back equal (else nothing is
-    kept: the next start-up runs its dry run). A read-only cache folder only costs time."""
+    kept: the next start-up runs its dry run), and drop all but the ``KEPT_JOB_FILES`` newest
+    files of its folder. A read-only cache folder only costs time."""
     text = repr(jobs)
     try:
         if ast.literal_eval(text) != jobs:
@@ -297,7 +302,12 @@ def save_jobs(path: str, jobs: list) -> None:
         with open(tmp, "w") as f:
             f.write(text)
         os.replace(tmp, path)
-    except OSError:
+        folder = os.path.dirname(path)
+        kept = sorted((os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(".txt")),
+                      key=os.path.getmtime, reverse=True)
+        for old in kept[KEPT_JOB_FILES:]:
+            os.remove(old)
+    except OSError:  # another start-up may be pruning the same folder
         pass
 
 
