@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import gc
+import os
 
 from pagedllm import envs
 
@@ -34,3 +35,18 @@ def check_profiling_on() -> None:
     if not envs.PAGEDLLM_TORCH_PROFILER_DIR:
         raise RuntimeError("profiling is off: set PAGEDLLM_TORCH_PROFILER_DIR to the folder for the traces "
                            "before the engine starts")
+
+
+def write_cache_file(path: str, text: str) -> bool:
+    """Write a cache file atomically (a temporary file, then a rename: a reader never sees half of
+    it), making its folder; False where that fails (a read-only cache only costs start-up time)."""
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except OSError:
+        return False
+    return True
+

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from pagedllm import envs
+from pagedllm.utils import write_cache_file
 
 _INDEX = "tensor_index.json"
 
@@ -24,17 +25,6 @@ def gguf_cache_dir(gguf_file: str) -> str:
     st = os.stat(gguf_file)
     key = hashlib.sha256(f"{os.path.abspath(gguf_file)}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
     return os.path.join(envs.cache_root(), "gguf", key)
-
-
-def _write_json_atomically(path: str, data: Any) -> None:
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(data, f)
-        os.replace(tmp, path)
-    except OSError:  # a read-only home still works, only slower to start
-        pass
 
 
 def load_gguf_config(gguf_file: str, trust_remote_code: bool = False) -> Any:
@@ -70,7 +60,7 @@ def _tensor_index(gguf_file: str) -> dict[str, Any]:
             for t in reader.tensors
         ],
     }
-    _write_json_atomically(path, index)
+    write_cache_file(path, json.dumps(index))  # a read-only home still works, only slower to start
     return index
 
 

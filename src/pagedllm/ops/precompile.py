@@ -43,6 +43,7 @@ import warnings
 from collections.abc import Iterator
 
 from pagedllm import envs
+from pagedllm.utils import write_cache_file
 
 logger = logging.getLogger("pagedllm")
 
@@ -296,13 +297,10 @@ def save_jobs(path: str, jobs: list) -> None:
             return
     except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
         return
+    if not write_cache_file(path, text):
+        return
+    folder = os.path.dirname(path)
     try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-        folder = os.path.dirname(path)
         kept = sorted((os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(".txt")),
                       key=os.path.getmtime, reverse=True)
         for old in kept[KEPT_JOB_FILES:]:
