@@ -166,13 +166,13 @@ def test_a_core_started_before_its_config_serves_and_one_never_configured_exits(
 
     client = EngineCoreClient(None)
     assert client.num_blocks is None
-    client.configure(EngineArgs(model=tiny_models["llama"], kv_cache_memory_bytes=TEST_KV_BYTES,
-                                disable_log_stats=True).create_engine_config())
+    config = EngineArgs(model=tiny_models["llama"], kv_cache_memory_bytes=TEST_KV_BYTES,
+                        disable_log_stats=True).create_engine_config()
+    client.configure(config)
     client.wait_ready()
     try:
         with pytest.raises(RuntimeError, match="already has its config"):  # a second config is refused here
-            client.configure(client_config := EngineArgs(model=tiny_models["llama"]).create_engine_config())
-        assert client_config.model_config.model == tiny_models["llama"]
+            client.configure(config)
         client.add_request(_request("ok", [5, 6, 7], max_tokens=2))
         out = client.get_output(timeout_s=30)
         assert isinstance(out, EngineCoreOutputs) and out.outputs[0].request_id == "ok" and client.num_blocks > 0
