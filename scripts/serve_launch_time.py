@@ -11,6 +11,7 @@ each of its lines with the seconds since launch at which it had been written (re
 from __future__ import annotations
 
 import argparse
+import signal
 import statistics
 import subprocess
 import sys
@@ -21,7 +22,7 @@ import urllib.request
 PORT = 8123
 
 
-def launch_once(serve_args: list[str], timeout_s: float, timeline: bool = False) -> float:
+def launch_once(serve_args: list[str], timeout_s: float, timeline: bool = False, profile: str | None = None) -> float:
     with tempfile.TemporaryFile("w+") as log:
         t0 = time.perf_counter()
         seen = 0
@@ -34,7 +35,8 @@ def launch_once(serve_args: list[str], timeout_s: float, timeline: bool = False)
                     print(f"  {time.perf_counter() - t0:6.2f}  {line.rstrip()[:160]}")
                 seen = log.tell()
 
-        proc = subprocess.Popen([sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--host", "127.0.0.1",
+        prof = ["-m", "cProfile", "-o", profile] if profile else []
+        proc = subprocess.Popen([sys.executable, *prof, "-m", "pagedllm.entrypoints.cli", "serve", "--host", "127.0.0.1",
                                  "--port", str(PORT), *serve_args], stdout=log, stderr=subprocess.STDOUT)
         try:
             while time.perf_counter() - t0 < timeout_s:
@@ -50,8 +52,12 @@ def launch_once(serve_args: list[str], timeout_s: float, timeline: bool = False)
                     time.sleep(0.05)
             raise RuntimeError(f"not healthy within {timeout_s:.0f} s")
         finally:
-            proc.terminate()
-            proc.wait(30)
+            proc.send_signal(signal.SIGINT)  # as Ctrl-C: the server shuts down (and cProfile writes its stats)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
 def main() -> None:
@@ -59,11 +65,13 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=1)
     p.add_argument("--timeout-s", type=float, default=300)
     p.add_argument("--timeline", action="store_true", help="print the server's lines as they come, timed")
+    p.add_argument("--profile-api", metavar="FILE", help="run the API process under cProfile, its stats written to "
+                   "FILE when the server stops (read them with pstats)")
     p.add_argument("serve_args", nargs="*", help="after --: passed to `pagedllm serve`")
     args = p.parse_args()
     times = []
     for _ in range(args.runs):
-        times.append(launch_once(args.serve_args, args.timeout_s, args.timeline))
+        times.append(launch_once(args.serve_args, args.timeout_s, args.timeline, args.profile_api))
         print(f"healthy after {times[-1]:.2f} s", flush=True)
     if len(times) > 1:
         print(f"median {statistics.median(times):.2f} s over {len(times)} runs")

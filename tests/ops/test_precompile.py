@@ -133,3 +133,19 @@ def test_kept_job_files_are_bounded(tmp_path, monkeypatch):
         os.utime(path, (1000 + i, 1000 + i))  # mtimes in the order written
     assert sorted(p.name for p in tmp_path.glob("*.txt")) == ["2.txt", "3.txt", "4.txt"]
 
+
+
+def test_triton_hashes_itself_in_a_background_thread():
+    """The worker starts Triton's hash of its own files early (``triton_key``, once per process);
+    the first kernel lookup then reads the cached result."""
+    from triton.runtime.cache import triton_key
+
+    from pagedllm.ops import precompile
+
+    triton_key.cache_clear()
+    thread = precompile.hash_triton_in_background()
+    assert thread is not None and thread.daemon
+    thread.join(timeout=60)
+    assert not thread.is_alive() and triton_key.cache_info().misses == 1
+    key = triton_key()
+    assert triton_key.cache_info().hits == 1 and key == triton_key()

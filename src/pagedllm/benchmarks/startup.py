@@ -5,8 +5,10 @@ LLM(shape, load_format="dummy") and generates one token, and stops the clock whe
 reports that token: startup_s is measured by the parent. The child prints time.time() stamps
 (same host clock) of its first line, the end of its imports and the phases of LLM() (config
 resolution, which imports transformers' config classes; weights; KV sizing with its profiling
-forward; CUDA graph capture; each timed by wrapping the function that does it, null where that
-function did not run), which give the breakdown.
+forward; the cache's allocation; the kernel warm-up; CUDA graph capture; each timed by wrapping
+the function that does it, null where that function did not run), which give the breakdown.
+engine_other_s is the rest of LLM(): the second full-size forward that leaves its activation
+blocks cached (GPU), the engine's and scheduler's set-up, garbage collection.
 """
 from __future__ import annotations
 
@@ -30,6 +32,8 @@ _PHASES = {
     "load_s": ("pagedllm.worker.worker", "load_model"),  # wrapped where the worker looks it up
     "precompile_s": ("pagedllm.worker.worker", "precompile"),
     "kv_sizing_s": ("pagedllm.worker.worker", "Worker.determine_num_blocks"),
+    "kv_alloc_s": ("pagedllm.worker.model_runner", "ModelRunner.initialize_kv_cache"),
+    "warm_up_s": ("pagedllm.worker.model_runner", "ModelRunner.warm_up_kernels"),
     "cuda_graphs_s": ("pagedllm.worker.cuda_graphs", "CudaGraphs.capture"),
 }
 
@@ -146,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
         emit(result)
         results.append(result)
     print_table(results, ["run", "startup_s", "interpreter_s", "import_s", "config_s", "load_s", "precompile_s", "kv_sizing_s",
-                          "cuda_graphs_s", "engine_other_s", "first_token_s"])
+                          "kv_alloc_s", "warm_up_s", "cuda_graphs_s", "engine_other_s", "first_token_s"])
 
 
 if __name__ == "__main__":

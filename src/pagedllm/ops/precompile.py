@@ -38,6 +38,7 @@ import json
 import logging
 import os
 import pickle
+import threading
 import time
 import warnings
 from collections.abc import Iterator
@@ -66,6 +67,31 @@ def precompile_available() -> bool:
         return hasattr(triton.knobs.runtime, "jit_cache_hook")
     except (ImportError, AttributeError):
         return False
+
+
+def hash_triton_in_background() -> threading.Thread | None:
+    """Start Triton's hash of its own files (``triton_key``, which every kernel's cache key
+    needs once per process: 0.45 s on an H100 host, most of it libtriton's ~600 MB) in a
+    daemon thread. sha256 releases the GIL, so it runs beside the model's loading instead of
+    at the first kernel lookup. Triton is imported here, in the caller's thread. None where
+    there is nothing to start (no Triton, or an older one without ``triton_key``)."""
+    try:
+        from triton.runtime import cache
+    except ImportError:
+        return None
+    triton_key = getattr(cache, "triton_key", None)
+    if triton_key is None:
+        return None
+
+    def run() -> None:
+        try:
+            triton_key()  # lru-cached: later callers get the result
+        except Exception as e:  # noqa: BLE001 - the first kernel lookup computes (or reports) it
+            logger.debug("Hashing Triton in the background failed: %s: %s", type(e).__name__, e)
+
+    thread = threading.Thread(target=run, name="pagedllm-triton-key", daemon=True)
+    thread.start()
+    return thread
 
 
 def _source(job):

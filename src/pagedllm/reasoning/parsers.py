@@ -1,14 +1,15 @@
 """``<think>...</think>`` reasoning parsers: DeepSeek-R1 and Qwen3, whole and streamed."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
-
-from pydantic import BaseModel
 
 from pagedllm.utils import held_back
 
 
-class ReasoningDelta(BaseModel):
+@dataclass
+class ReasoningDelta:
+    """One streamed step's new reasoning and content text (None where a side did not grow)."""
     reasoning_content: Optional[str] = None
     content: Optional[str] = None
 

@@ -11,7 +11,7 @@ from torch import nn
 
 from pagedllm.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from pagedllm.core.sched_output import SchedulerOutput
-from pagedllm.ops.precompile import precompile, precompile_available
+from pagedllm.ops.precompile import hash_triton_in_background, precompile, precompile_available
 from pagedllm.model.eagle import EagleLlamaHead
 from pagedllm.model.eagle3 import Eagle3LlamaHead
 from pagedllm.model.loader import TORCH_DTYPES, ResolvedModel, load_model
@@ -36,7 +36,9 @@ class Worker:
         self.rank = rank
         pc = config.parallel_config
         self.device = torch.device(config.device)
+        triton_hash = None
         if self.device.type == "cuda":
+            triton_hash = hash_triton_in_background()  # overlaps CUDA init and the model's loading
             if pc.device_ids is not None:
                 self.device = torch.device("cuda", pc.device_ids[rank])
             elif pc.world_size > 1:
@@ -68,6 +70,8 @@ class Worker:
             if head_cls is not None:  # the head reads the target's embedding (EAGLE-1: and LM head)
                 draft.share_target(model)
         self.model_runner = ModelRunner(config, model, self.device, draft)
+        if triton_hash is not None:
+            triton_hash.join()  # one hash: a kernel lookup before it ends would start its own
         if self.device.type == "cuda" and precompile_available():
             precompile(self.model_runner.compile_dry_run, self.device, pc.world_size, self._start_up_key())
         self.num_kv_blocks = 0
