@@ -149,3 +149,25 @@ def test_triton_hashes_itself_in_a_background_thread():
     assert not thread.is_alive() and triton_key.cache_info().misses == 1
     key = triton_key()
     assert triton_key.cache_info().hits == 1 and key == triton_key()
+
+
+def test_pool_forks_as_jobs_come_and_deals_the_rest_round_robin():
+    """Jobs are dealt one at a time (the dry run hands each over as it finds it): a process per
+    job up to ``max_workers``, then round-robin; every reply comes back once the pool finishes."""
+    from triton.backends.compiler import GPUTarget
+
+    from pagedllm.ops import precompile
+
+    target = GPUTarget("cuda", 90, 32)
+    jobs = [("pagedllm.ops.triton_ops", f"no_kernel_{i}", {}, {}, {}, {}) for i in range(5)]
+    pool = precompile.CompilePool(2)
+    try:
+        pool.submit(jobs[0], target)
+        assert pool.num_workers == 1
+        for job in jobs[1:]:
+            pool.submit(job, target)
+        assert pool.num_workers == 2
+        errors = pool.finish(timeout_s=120)
+    finally:
+        pool.close()
+    assert sorted(e.split(":")[0] for e in errors) == [f"no_kernel_{i}" for i in range(5)]

@@ -9,11 +9,12 @@ holds the GIL, so threads do not help; processes do.
 So those steps first run *dry* (``collect_compiles``): a Triton hook records the
 specialization of each kernel that would compile and skips its launch (outputs of skipped
 kernels are left as garbage, which only flows into other skipped kernels and plain GEMMs).
-The kernels missing from Triton's on-disk cache are then compiled at once by processes
-forked for the purpose (``CompilePool``: they inherit the imported modules, so they start
-compiling at once; none is made when everything is cached). Then the steps run for real
-and load each kernel from the cache. A kernel the dry run missed just compiles in place,
-as before. On an H100: 14 kernels in 1.0-1.2 s instead of ~7 s.
+Each kernel missing from Triton's on-disk cache goes, as soon as the dry run finds it, to
+processes forked for the purpose (``CompilePool``: they inherit the imported modules, so they
+start compiling at once, beside the rest of the dry run; none is made when everything is
+cached). Then the steps run for real and load each kernel from the cache. A kernel the dry run
+missed just compiles in place, as before. On an H100: 14 kernels in 1.0-1.2 s instead of ~7 s
+(compiled after the dry run; since stop 40 they compile during it).
 
 A warm start-up (every kernel already in Triton's cache) skips the dry run too: each start-up
 keeps the jobs its dry run found in a small file under pagedllm's cache folder, named by a digest
@@ -41,7 +42,7 @@ import pickle
 import threading
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from pagedllm import envs
 from pagedllm.utils import write_cache_file
@@ -147,52 +148,71 @@ def _serve(jobs_fd: int, results_fd: int) -> None:
 
 
 class CompilePool:
-    """Forked processes that compile the jobs they are dealt. Forked, not spawned: they start
-    at once with torch, Triton and the kernel modules already imported, and they never touch
-    CUDA (Triton compiles for an explicit target), so the parent's CUDA state does not matter;
-    nor do they re-run the user's script, as multiprocessing's spawned children would."""
+    """Forked processes that compile the jobs they are dealt, as they are dealt. Forked, not
+    spawned: they start at once with torch, Triton and the kernel modules already imported, and
+    they never touch CUDA (Triton compiles for an explicit target), so the parent's CUDA state
+    does not matter; nor do they re-run the user's script, as multiprocessing's spawned children
+    would. A process is forked for each of the first ``max_workers`` jobs; later jobs are dealt
+    round-robin."""
 
-    def __init__(self, num_workers: int) -> None:
+    def __init__(self, max_workers: int) -> None:
         for name in KERNEL_MODULES:  # the children inherit them
             importlib.import_module(name)
         import triton.compiler.compiler  # noqa: F401
 
-        self.num_workers = num_workers
+        self.max_workers = max(1, max_workers)
         self._procs: list[tuple[int, object, object]] = []
-        for _ in range(num_workers):
-            jobs_r, jobs_w = os.pipe()
-            results_r, results_w = os.pipe()
-            with warnings.catch_warnings():
-                # Python warns on forking a threaded process: a lock held by another thread
-                # stays held in the child. The child takes none of the engine's: it runs Triton's
-                # compiler and ptxas only (Python's own import and logging locks are reset on
-                # fork), and a stuck one is killed after compile()'s timeout.
-                warnings.simplefilter("ignore", DeprecationWarning)
-                pid = os.fork()
-            if pid == 0:  # the child: serve, then leave without running the parent's exit hooks
-                code = 0
-                try:
-                    os.close(jobs_w)
-                    os.close(results_r)
-                    _serve(jobs_r, results_w)
-                except BaseException:  # noqa: BLE001
-                    code = 1
-                finally:
-                    os._exit(code)
-            os.close(jobs_r)
-            os.close(results_w)
-            self._procs.append((pid, os.fdopen(jobs_w, "wb"), os.fdopen(results_r, "rb")))
+        self._dealt: list[int] = []
 
-    def compile(self, jobs: list, target, timeout_s: float = 180.0) -> list[str]:
-        """Compile ``jobs`` (dealt round-robin), wait for all (at most ``timeout_s``; ``close``
-        then kills a stuck process, and its kernels compile in place later); returns the errors."""
+    @property
+    def num_workers(self) -> int:
+        return len(self._procs)
+
+    def _fork(self) -> None:
+        jobs_r, jobs_w = os.pipe()
+        results_r, results_w = os.pipe()
+        with warnings.catch_warnings():
+            # Python warns on forking a threaded process: a lock held by another thread stays
+            # held in the child. The child takes none of the engine's: it runs Triton's compiler
+            # and ptxas only (Python's own import and logging locks are reset on fork), and a
+            # stuck one is killed after finish()'s timeout.
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
+        if pid == 0:  # the child: serve, then leave without running the parent's exit hooks
+            code = 0
+            try:
+                os.close(jobs_w)
+                os.close(results_r)
+                for _, other_jobs_w, other_results_r in self._procs:  # so that each sees its own EOF
+                    os.close(other_jobs_w.fileno())
+                    os.close(other_results_r.fileno())
+                _serve(jobs_r, results_w)
+            except BaseException:  # noqa: BLE001
+                code = 1
+            finally:
+                os._exit(code)
+        os.close(jobs_r)
+        os.close(results_w)
+        self._procs.append((pid, os.fdopen(jobs_w, "wb"), os.fdopen(results_r, "rb")))
+        self._dealt.append(0)
+
+    def submit(self, job, target) -> None:
+        """Deal one job to a process, which starts compiling it at once."""
+        i = sum(self._dealt) % self.max_workers
+        if i == len(self._procs):
+            self._fork()
+        jobs_w = self._procs[i][1]
+        pickle.dump((job, target), jobs_w)
+        jobs_w.flush()
+        self._dealt[i] += 1
+
+    def finish(self, timeout_s: float = 180.0) -> list[str]:
+        """Wait for every dealt job (at most ``timeout_s``; ``close`` then kills a stuck process,
+        and its kernels compile in place later); returns the errors."""
         import select
 
-        shares = [jobs[i::self.num_workers] for i in range(self.num_workers)]
-        for (_, jobs_w, _), share in zip(self._procs, shares):
-            for job in share:
-                pickle.dump((job, target), jobs_w)
-            jobs_w.close()  # the process exits after its share
+        for _, jobs_w, _ in self._procs:
+            jobs_w.close()  # each process exits after its share
         replies: dict[int, list] = {pid: [] for pid, _, _ in self._procs}
         open_pipes = {results_r.fileno(): (pid, results_r) for pid, _, results_r in self._procs}
         deadline = time.monotonic() + timeout_s
@@ -205,12 +225,18 @@ class CompilePool:
                 except EOFError:
                     del open_pipes[fd]
         errors = []
-        for (pid, _, _), share in zip(self._procs, shares):
-            if len(replies[pid]) < len(share):
-                errors.append(f"a compile process finished {len(replies[pid])} of {len(share)} kernels "
+        for (pid, _, _), dealt in zip(self._procs, self._dealt):
+            if len(replies[pid]) < dealt:
+                errors.append(f"a compile process finished {len(replies[pid])} of {dealt} kernels "
                               f"({'timed out' if open_pipes else 'exited'})")
             errors += [f"{name}: {err}" for name, _, err in replies[pid] if err]
         return errors
+
+    def compile(self, jobs: list, target, timeout_s: float = 180.0) -> list[str]:
+        """Compile ``jobs`` and wait for them: ``submit`` each, then ``finish``."""
+        for job in jobs:
+            self.submit(job, target)
+        return self.finish(timeout_s)
 
     def close(self) -> None:
         import signal
@@ -224,6 +250,7 @@ class CompilePool:
             with contextlib.suppress(ChildProcessError):
                 os.waitpid(pid, 0)
         self._procs = []
+        self._dealt = []
 
 
 def pool_size(world_size: int = 1) -> int:
@@ -245,9 +272,10 @@ def in_dry_run() -> bool:
 
 
 @contextlib.contextmanager
-def collect_compiles() -> Iterator[list[tuple]]:
+def collect_compiles(on_job: Callable[[tuple], None] | None = None) -> Iterator[list[tuple]]:
     """Within: every Triton launch that would compile is recorded (module, kernel name,
-    specialization) and skipped instead; launches of kernels already compiled run."""
+    specialization) and skipped instead; launches of kernels already compiled run. ``on_job``
+    is handed each new job as it is found."""
     import triton
 
     jobs: list[tuple] = []
@@ -262,6 +290,8 @@ def collect_compiles() -> Iterator[list[tuple]]:
             options = {k: tuple(v) if isinstance(v, list) else v for k, v in options.items()}
             jobs.append((fn.module, fn.name, compile["signature"], compile["constants"], compile["configs"][0],
                          options))
+            if on_job is not None:
+                on_job(jobs[-1])
         return True  # skip the compile, and with it the launch
 
     global _DRY_RUN
@@ -336,44 +366,53 @@ def save_jobs(path: str, jobs: list) -> None:
 
 
 def precompile(dry_run, device, world_size: int = 1, key: str | None = None) -> None:
-    """Run ``dry_run()`` under ``collect_compiles``; compile what it would have compiled and is
-    not in Triton's cache yet in a forked ``CompilePool``. With ``key`` (see ``jobs_file``) the
-    jobs an earlier start-up kept stand in for the dry run. Any failure leaves start-up to
-    compile in place (logged), never stops it."""
+    """Run ``dry_run()`` under ``collect_compiles``; each kernel it would have compiled and that
+    is not in Triton's cache yet goes to a forked ``CompilePool`` as soon as it is found, so the
+    compiles run beside the rest of the dry run. With ``key`` (see ``jobs_file``) the jobs an
+    earlier start-up kept stand in for the dry run. Any failure leaves start-up to compile in
+    place (logged), never stops it."""
     import torch
+    from triton.compiler.compiler import make_backend
     from triton.runtime.driver import driver
 
     t0 = time.perf_counter()
+    pool: CompilePool | None = None
     try:
         path = jobs_file(key) if key is not None else None
         jobs = load_jobs(path) if path is not None else None
         kept = jobs is not None
-        if not kept:
-            with collect_compiles() as jobs:
-                dry_run()
-            torch.cuda.synchronize(device)
-        t1 = time.perf_counter()
-        from triton.compiler.compiler import make_backend
-
         target = driver.active.get_current_target()
         backend = make_backend(target)  # its hash runs ptxas once, not once per kernel
-        missing = [job for job in jobs if not _in_disk_cache(job, target, backend)]
-        t2 = time.perf_counter()
-        if path is not None and not kept:
-            save_jobs(path, jobs)
-        if missing:
-            pool = CompilePool(min(pool_size(world_size), len(missing)))
-            try:
-                errors = pool.compile(missing, target)
-            finally:
-                pool.close()
+        missing: list[tuple] = []
+
+        def compile_if_missing(job: tuple) -> None:
+            nonlocal pool
+            if not _in_disk_cache(job, target, backend):
+                pool = pool or CompilePool(pool_size(world_size))
+                pool.submit(job, target)
+                missing.append(job)
+
+        if kept:
+            for job in jobs:
+                compile_if_missing(job)
+        else:
+            with collect_compiles(on_job=compile_if_missing) as jobs:
+                dry_run()
+            torch.cuda.synchronize(device)
+            if path is not None:
+                save_jobs(path, jobs)
+        t1 = time.perf_counter()
+        if pool is not None:
+            errors = pool.finish()
             if errors:
                 logger.warning("Parallel Triton compile: %s; those compile in place", "; ".join(errors)[:500])
-            logger.info("Compiled %d Triton kernels in %d processes in %.1f s (%s %.2f s, cache lookup %.2f s)",
-                        len(missing), pool.num_workers, time.perf_counter() - t2,
-                        "kept jobs read in" if kept else "dry run", t1 - t0, t2 - t1)
+            logger.info("Compiled %d Triton kernels in %d processes in %.1f s (%s, compiling alongside: %.2f s)",
+                        len(missing), pool.num_workers, time.perf_counter() - t0,
+                        "kept jobs looked up" if kept else "dry run", t1 - t0)
         else:
-            logger.debug("Triton kernels all cached (%s %.2f s, lookup %.2f s)",
-                         "kept jobs read in" if kept else "dry run", t1 - t0, t2 - t1)
+            logger.debug("Triton kernels all cached (%s %.2f s)", "kept jobs looked up" if kept else "dry run", t1 - t0)
     except Exception as e:  # noqa: BLE001 - an optimisation: start-up compiles in place instead
         logger.warning("Parallel Triton compile failed (%s: %s); compiling in place", type(e).__name__, e)
+    finally:
+        if pool is not None:
+            pool.close()
