@@ -62,5 +62,5 @@ def test_start_up_compiles_in_the_pool(tiny_models, tmp_path):
     assert pooled["ids"] == serial["ids"]
     assert "(dry run" in pooled["log"]
     again = _start(tiny_models["qwen3"], tmp_path / "pooled", parallel=True)
-    assert "Triton kernels all cached (kept jobs read in" in again["log"], again["log"][-2000:]
+    assert "Triton kernels all cached (kept jobs looked up" in again["log"], again["log"][-2000:]
     assert again["in_place"] == [] and again["ids"] == pooled["ids"]

@@ -120,14 +120,30 @@ def _in_disk_cache(job, target, backend=None) -> bool:
     return group.get(file_name) is not None
 
 
-def _compile(job, target) -> float:
+def _compile(job, target, build_launcher: bool = False) -> float:
     """Compile one kernel into Triton's on-disk cache, as the JIT would; returns seconds."""
     import triton
 
     t0 = time.perf_counter()
     src, options = _source(job)
-    triton.compile(src, target=target, options=options)
+    kernel = triton.compile(src, target=target, options=options)
+    if build_launcher:
+        _build_launcher(kernel)
     return time.perf_counter() - t0
+
+
+def _build_launcher(kernel) -> None:
+    """Triton 3.6 (and older) builds each kernel signature's C launcher with the host's C
+    compiler at the kernel's first launch, in the engine process: 2.7 s of a fresh H100
+    start-up. Built here, into Triton's cache, the engine only loads it. Newer Triton launches
+    through one generic launcher, and this builds nothing. A failure costs time only: the
+    launcher is built at the first launch, as before. No CUDA call: the binary is not loaded."""
+    from triton.runtime.driver import driver
+
+    try:
+        driver.active.launcher_cls(kernel.src, kernel.metadata)
+    except Exception as e:  # noqa: BLE001
+        logger.debug("Building a Triton launcher failed: %s: %s", type(e).__name__, e)
 
 
 def _serve(jobs_fd: int, results_fd: int) -> None:
@@ -136,11 +152,11 @@ def _serve(jobs_fd: int, results_fd: int) -> None:
     with os.fdopen(jobs_fd, "rb") as jobs, os.fdopen(results_fd, "wb") as results:
         while True:
             try:
-                job, target = pickle.load(jobs)
+                job, target, build_launcher = pickle.load(jobs)
             except EOFError:
                 return
             try:
-                reply = (job[1], _compile(job, target), None)
+                reply = (job[1], _compile(job, target, build_launcher), None)
             except Exception as e:  # noqa: BLE001 - reported to the engine, which compiles it in place
                 reply = (job[1], 0.0, f"{type(e).__name__}: {e}")
             pickle.dump(reply, results)
@@ -155,12 +171,13 @@ class CompilePool:
     would. A process is forked for each of the first ``max_workers`` jobs; later jobs are dealt
     round-robin."""
 
-    def __init__(self, max_workers: int) -> None:
+    def __init__(self, max_workers: int, build_launchers: bool = False) -> None:
         for name in KERNEL_MODULES:  # the children inherit them
             importlib.import_module(name)
         import triton.compiler.compiler  # noqa: F401
 
         self.max_workers = max(1, max_workers)
+        self.build_launchers = build_launchers  # on the GPU the jobs are for (see _build_launcher)
         self._procs: list[tuple[int, object, object]] = []
         self._dealt: list[int] = []
 
@@ -202,7 +219,7 @@ class CompilePool:
         if i == len(self._procs):
             self._fork()
         jobs_w = self._procs[i][1]
-        pickle.dump((job, target), jobs_w)
+        pickle.dump((job, target, self.build_launchers), jobs_w)
         jobs_w.flush()
         self._dealt[i] += 1
 
@@ -388,7 +405,7 @@ def precompile(dry_run, device, world_size: int = 1, key: str | None = None) -> 
         def compile_if_missing(job: tuple) -> None:
             nonlocal pool
             if not _in_disk_cache(job, target, backend):
-                pool = pool or CompilePool(pool_size(world_size))
+                pool = pool or CompilePool(pool_size(world_size), build_launchers=True)
                 pool.submit(job, target)
                 missing.append(job)
 
