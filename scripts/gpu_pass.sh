@@ -11,6 +11,11 @@
 # compressed-tensors with loguru (sentence-transformers, peft and accelerate are there).
 set -uo pipefail
 export PYTHONPATH=src:.${PYTHONPATH:+:$PYTHONPATH} PAGEDLLM_TEST_TOKENIZER_DIR=.gpu/tokenizer HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+# The lent hosts set PYTHONDONTWRITEBYTECODE=1 and their packages have no .pyc files, so every process
+# would compile its Python sources first (~3 s of each start-up there). Time a machine as pip leaves
+# it: bytecode written by the first process, read by the rest.
+unset PYTHONDONTWRITEBYTECODE
+export PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-/tmp/pagedllm-pyc}
 # The device copy has no git history: the caller writes the commit to .gpu/commit.
 [ -f .gpu/commit ] && export PAGEDLLM_COMMIT=$(cat .gpu/commit)
 OUT=${OUT:-/tmp/pagedllm-out}
@@ -36,6 +41,8 @@ stage startup && bench startup python -m pagedllm.benchmarks.startup --shape lla
 # Where start-up goes (issue 19): imports, CUDA initialization, then LLM()'s phases and the server's log lines.
 if stage startupprof; then
   bench startup3 python -m pagedllm.benchmarks.startup --shape llama3-8b --num-runs 3
+  timeout 120 python scripts/startup_profile.py --shape llama3-8b --top 40 > "$OUT/startup_profile.log" 2>&1
+  echo "== cProfile of a warm LLM() (full list: startup_profile.log)"; grep -v "^INFO" "$OUT/startup_profile.log" | head -30 | cut -c1-170
   python -X importtime -c "import pagedllm.engine.core, pagedllm.worker.worker" 2> "$OUT/importtime.log" >/dev/null
   echo "== slowest imports (cumulative us)"; sort -t'|' -k2 -n -r "$OUT/importtime.log" | head -25 | cut -c1-120
   python -c "import time; t=time.time(); import torch; t1=time.time(); torch.cuda.init(); torch.zeros(1, device='cuda'); \
