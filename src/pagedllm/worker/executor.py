@@ -9,7 +9,6 @@ import os
 import pickle
 import socket
 import time
-import traceback
 import weakref
 from multiprocessing.connection import wait as wait_for_ready
 from typing import Any
@@ -27,6 +26,7 @@ from pagedllm.worker.executor_base import (
     WorkerMethod,
     call_worker,
     finish_step,
+    outcome,
     serve_call,
 )
 from pagedllm.worker.worker import Worker
@@ -221,10 +221,9 @@ def _worker_main(config: EngineConfig, rank: int, init_method: str, conn) -> Non
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))  # the ranks share the cores
         if sys.platform == "linux":
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback, whatever the hostname resolves to
-    try:
-        worker = Worker(config, rank, init_method)
-    except BaseException:
-        conn.send((-1, False, traceback.format_exc()))
+    ok, worker = outcome(Worker, config, rank, init_method)
+    if not ok:
+        conn.send((-1, False, worker))  # the traceback
         return
     freeze_gc_heap()
     conn.send((-1, True, None))
@@ -263,11 +262,10 @@ def _serve(worker: Worker, conn, is_output_rank: bool, overlap: bool) -> None:
             except (EOFError, OSError):
                 break  # the engine is gone
         if overlap and method == "execute_model" and not args[0].defer_grammar:
-            try:
-                with span("worker.launch_step"):
-                    pending = worker.execute_model(args[0], non_block=True)
-            except BaseException:
-                conn.send((seq, False, traceback.format_exc()))
+            with span("worker.launch_step"):
+                ok, pending = outcome(worker.execute_model, args[0], non_block=True)
+            if not ok:
+                conn.send((seq, False, pending))  # the traceback
                 pending = None
             with span("worker.answer_step"):
                 answer_in_flight()
@@ -276,9 +274,4 @@ def _serve(worker: Worker, conn, is_output_rank: bool, overlap: bool) -> None:
         answer_in_flight()
         if method == "shutdown":
             break
-        try:
-            result = serve_call(worker, method, args, kwargs, is_output_rank)
-        except BaseException:
-            conn.send((seq, False, traceback.format_exc()))
-            continue
-        conn.send((seq, True, result))
+        conn.send((seq, *outcome(serve_call, worker, method, args, kwargs, is_output_rank)))

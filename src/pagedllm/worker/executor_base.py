@@ -51,14 +51,20 @@ def serve_call(worker: Worker, method: WorkerMethod, args: tuple, kwargs: dict |
     return call_worker(worker, method, args, kwargs)
 
 
+def outcome(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[bool, Any]:
+    """How a worker process or actor answers a call: (True, ``fn``'s result) or (False, the
+    traceback of what it raised), which the executor turns into a WorkerFailedError."""
+    try:
+        return True, fn(*args, **kwargs)
+    except BaseException:
+        return False, traceback.format_exc()
+
+
 def finish_step(pending, is_output_rank: bool) -> tuple[bool, Any]:
     """A step launched with non_block, waited for, as a worker replies: (True, its output; the
     output rank's only, as serve_call returns it) or (False, the traceback)."""
-    try:
-        output = pending.result()
-    except BaseException:
-        return False, traceback.format_exc()
-    return True, output if is_output_rank else None
+    ok, output = outcome(pending.result)
+    return ok, output if (is_output_rank or not ok) else None
 
 
 class Executor(abc.ABC):

@@ -11,7 +11,6 @@ import socket
 import struct
 import sys
 import time
-import traceback
 import weakref
 from typing import Any
 
@@ -19,7 +18,7 @@ from pagedllm import envs
 from pagedllm.config import EngineConfig
 from pagedllm.utils import freeze_gc_heap
 from pagedllm.worker.executor_base import (
-    PendingStep, WorkerFailedError, WorkerGroupExecutor, WorkerMethod, finish_step, serve_call,
+    PendingStep, WorkerFailedError, WorkerGroupExecutor, WorkerMethod, finish_step, outcome, serve_call,
 )
 
 try:
@@ -326,46 +325,46 @@ class _RayWorker:
 
     def start(self, config: EngineConfig, rank: int, init_method: str, ranks_on_node: int,
               one_host: bool) -> tuple[bool, str | None]:
+        self.rank, self.output_rank = rank, config.parallel_config.output_rank
+        return outcome(self._start, config, rank, init_method, ranks_on_node, one_host)
+
+    def _start(self, config: EngineConfig, rank: int, init_method: str, ranks_on_node: int, one_host: bool) -> None:
         import torch
 
         from pagedllm.worker.worker import Worker
 
-        self.rank, self.output_rank = rank, config.parallel_config.output_rank
-        try:
-            if config.device.startswith("cuda"):
-                local_rank = 0  # Ray gave this actor one GPU: CUDA_VISIBLE_DEVICES names only it
-            else:
-                local_rank = None
-                torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks_on_node))  # this node's ranks share it
-            if sys.platform == "linux" and "GLOO_SOCKET_IFNAME" not in os.environ:
-                # One host: loopback, whatever the hostname resolves to. Several: the interface with
-                # the node's Ray address (the one the peers reach), if found; else gloo's own choice.
-                ifname = "lo" if one_host else _interface_with_ip(ray.util.get_node_ip_address())
-                if ifname:
-                    os.environ["GLOO_SOCKET_IFNAME"] = ifname
-            self.worker = Worker(config, rank, init_method, local_rank)
-            freeze_gc_heap()
-        except BaseException:
-            return False, traceback.format_exc()
-        return True, None
+        if config.device.startswith("cuda"):
+            local_rank = 0  # Ray gave this actor one GPU: CUDA_VISIBLE_DEVICES names only it
+        else:
+            local_rank = None
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks_on_node))  # this node's ranks share it
+        if sys.platform == "linux" and "GLOO_SOCKET_IFNAME" not in os.environ:
+            # One host: loopback, whatever the hostname resolves to. Several: the interface with
+            # the node's Ray address (the one the peers reach), if found; else gloo's own choice.
+            ifname = "lo" if one_host else _interface_with_ip(ray.util.get_node_ip_address())
+            if ifname:
+                os.environ["GLOO_SOCKET_IFNAME"] = ifname
+        self.worker = Worker(config, rank, init_method, local_rank)
+        freeze_gc_heap()
 
     def call(self, payload: tuple) -> tuple[bool, Any]:
         method, args, kwargs = ray.cloudpickle.loads(payload)
-        try:
-            if self.worker is None:
-                raise RuntimeError("the worker was not started")
-            if method == _COLLECT:
-                return self._collect(*args)
-            if method == _LAUNCH:
-                seq, sched = args
-                pending = self.worker.execute_model(sched, non_block=True)
-                self._finish(seq)  # the steps before it end now, while this one runs
-                self.in_flight[seq] = pending
-                return True, None
-            self._finish(None)  # any other call runs after the steps in flight have ended
-            return True, serve_call(self.worker, method, args, kwargs, self.rank == self.output_rank)
-        except BaseException:
-            return False, traceback.format_exc()
+        ok, result = outcome(self._call, method, args, kwargs)
+        return result if ok and method == _COLLECT else (ok, result)  # a collect returns the step's own reply
+
+    def _call(self, method: Any, args: tuple, kwargs: dict | None) -> Any:
+        if self.worker is None:
+            raise RuntimeError("the worker was not started")
+        if method == _COLLECT:
+            return self._collect(*args)
+        if method == _LAUNCH:
+            seq, sched = args
+            pending = self.worker.execute_model(sched, non_block=True)
+            self._finish(seq)  # the steps before it end now, while this one runs
+            self.in_flight[seq] = pending
+            return None
+        self._finish(None)  # any other call runs after the steps in flight have ended
+        return serve_call(self.worker, method, args, kwargs, self.rank == self.output_rank)
 
     def _finish(self, before: int | None) -> None:
         """Wait for the steps in flight launched before ``before`` (all of them: None) and keep
