@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedllm.sample.draw import BLOCK, _inverse_cdf, _race, draw
+from pagedllm.sample.draw import BLOCK, _inverse_cdf, _race, draw, greedy
 
 VOCAB = 2 * BLOCK + 188  # not a whole number of blocks: the last one is padded
 
@@ -55,3 +55,23 @@ def test_point_masses_and_empty_rows():
     tokens = _inverse_cdf(p, {})
     assert tokens[0] == 5 and tokens[1] == VOCAB - 2
     assert 0 <= tokens[2] < VOCAB  # a row without mass still gets an id in range
+
+
+@pytest.mark.parametrize("vocab", [3 * BLOCK, 49152, 3 * BLOCK + 77, BLOCK + 1, BLOCK - 5])
+def test_greedy_is_torch_argmax(vocab):
+    """The blocked CPU argmax picks what torch.argmax picks: random rows, ties across and inside
+    blocks (the first index wins), a maximum in the tail after the last whole block, -inf rows,
+    and NaN (the first NaN wins, wherever it is)."""
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(12, vocab, generator=g)
+    x[1, [7, vocab - 1]] = 9.0  # a tie between the first block and the last column
+    x[2, [BLOCK // 2, BLOCK // 2 + 1]] = 9.0  # a tie inside one block
+    x[3, vocab - 1] = 9.0  # the last column alone (in the tail where there is one)
+    x[4] = float("-inf")
+    x[5, [3, vocab - 2]] = float("nan")
+    x[6, vocab - 1] = float("nan")  # a NaN in the tail, a finite maximum before it
+    x[7, [min(2 * BLOCK, vocab - 1), vocab - 3]] = float("inf")
+    x[8, :] = 1.0  # all tied
+    assert torch.equal(greedy(x), x.argmax(dim=-1))
+    assert torch.equal(greedy(x[:, :-1]), x[:, :-1].argmax(dim=-1))  # rows that are not contiguous
+    assert greedy(x).dtype == torch.int64

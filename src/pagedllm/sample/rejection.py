@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from pagedllm import envs
-from pagedllm.sample.draw import draw
+from pagedllm.sample.draw import draw, greedy
 from pagedllm.sample.sampler import _EPS, Sampler, SamplingMetadata
 
 
@@ -28,18 +28,18 @@ def verify(logits: torch.Tensor, md: SamplingMetadata, draft_ids: torch.Tensor,
     logits = Sampler._apply_row_edits(logits.to(torch.float32), md)
     has_draft = draft_ids >= 0
     drafts = draft_ids.clamp(min=0)
-    target = logits.argmax(dim=-1)
-    greedy = md.temperature < _EPS
+    target = greedy(logits)
+    greedy_rows = md.temperature < _EPS
     if md.all_greedy:
         accept, emitted = (drafts == target) & has_draft, target
     else:
         probs = Sampler.probs(logits, md)
         p_draft = probs.gather(1, drafts[:, None]).squeeze(1)
         u = torch.rand(p_draft.shape, device=p_draft.device)
-        accept = torch.where(greedy, drafts == target, u < p_draft) & has_draft
+        accept = torch.where(greedy_rows, drafts == target, u < p_draft) & has_draft
         # The residual: p without the draft (rows with no draft keep p: the bonus token).
         probs[has_draft.nonzero().squeeze(1), drafts[has_draft]] = 0.0
-        emitted = torch.where(greedy, target, draw(probs, {}))
+        emitted = torch.where(greedy_rows, target, draw(probs, {}))
     if envs.PAGEDLLM_SPEC_FORCE_ACCEPT:  # benchmarks only: the ceiling of the machinery
         accept = has_draft
     # One device-to-host copy (and wait) for the three.

@@ -8,7 +8,7 @@ from typing import Callable
 import torch
 
 from pagedllm.ops import triton_ops_for
-from pagedllm.sample.draw import draw
+from pagedllm.sample.draw import draw, greedy
 
 _EPS = 1e-5
 
@@ -154,13 +154,13 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         if md.all_greedy:
-            return logits.argmax(dim=-1)
-        greedy = None if md.all_random else logits.argmax(dim=-1)
+            return greedy(logits)
+        greedy_ids = None if md.all_random else greedy(logits)
         # Seeded rows draw from their own generator, so their tokens do not depend on the batch.
         sampled = draw(self.probs(logits, md), md.generators)
         if md.all_random:
             return sampled
-        return torch.where(md.temperature < _EPS, greedy, sampled)
+        return torch.where(md.temperature < _EPS, greedy_ids, sampled)
 
 
 def _takes_prompt(proc: Callable) -> bool:
