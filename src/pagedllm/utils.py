@@ -49,4 +49,3 @@ def write_cache_file(path: str, text: str) -> bool:
     except OSError:
         return False
     return True
-

@@ -27,6 +27,7 @@ from pagedllm.attention.backend import AttentionMetadata
 from pagedllm.model.eagle import load_head_tensors
 from pagedllm.model.layers import LMHead, Linear, QKVLinear, RMSNorm, RotaryEmbedding, VocabEmbedding
 from pagedllm.model.llama import DecoderLayer, LlamaForCausalLM
+from pagedllm.sample.draw import greedy
 
 
 def aux_layer_ids(head_config, target_num_layers: int) -> list[int]:
@@ -126,7 +127,7 @@ class Eagle3LlamaHead(nn.Module):
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         """[T] target ids of the draft vocabulary's argmax (the argmax of ``compute_logits``)."""
-        return self.to_target(self.compute_draft_logits(hidden).argmax(dim=-1))
+        return self.to_target(greedy(self.compute_draft_logits(hidden)))
 
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]

@@ -21,6 +21,7 @@ from torch import nn
 
 from pagedllm.attention.backend import AttentionMetadata, kv_cache_shape
 from pagedllm.distributed.parallel_state import get_tp_size, replicated
+from pagedllm.sample.draw import greedy
 from pagedllm.worker.cuda_graphs import CudaGraphs
 from pagedllm.worker.kv_cache import zeroed_cache
 
@@ -134,7 +135,7 @@ class DraftModel:
                 hidden = self._replay(size, rows[active], step_tokens, last)
             else:
                 hidden = self._run_eager(rows[active], step_tokens, last)
-            guesses = self.model.compute_logits(hidden).argmax(dim=-1).cpu().numpy()
+            guesses = greedy(self.model.compute_logits(hidden)).cpu().numpy()
             for i, t in zip(active.tolist(), guesses.tolist()):
                 drafts[i].append(t)
             tokens[active, -1] = guesses
@@ -152,7 +153,7 @@ class DraftModel:
         for j in range(self.k):
             step_tokens = tokens if j == 0 else tokens[:, -1:]
             hidden = self._replay(sizes[j > 0], rows, step_tokens, first + j, guesses[j - 1] if j else None)
-            guesses[j] = self.model.compute_logits(hidden).argmax(dim=-1)
+            guesses[j] = greedy(self.model.compute_logits(hidden))
         return guesses.t().cpu().numpy()
 
     def _inputs(self, rows: np.ndarray, tokens: np.ndarray, last: np.ndarray):

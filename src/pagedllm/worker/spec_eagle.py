@@ -31,6 +31,7 @@ import torch
 
 from pagedllm.attention.backend import AttentionMetadata
 from pagedllm.model.eagle3 import aux_layer_ids
+from pagedllm.sample.draw import greedy
 from pagedllm.worker.spec_draft import DraftModel
 
 if TYPE_CHECKING:
@@ -113,7 +114,7 @@ class EagleProposer(DraftModel):
 
     def _guess(self, feats: torch.Tensor) -> torch.Tensor:
         """[T] target token ids guessed from the head's [T, hidden] outputs."""
-        return self.model.compute_logits(feats).argmax(dim=-1)
+        return greedy(self.model.compute_logits(feats))
 
     def _run(self, ids: np.ndarray, feats: torch.Tensor, positions: np.ndarray, md: AttentionMetadata) -> torch.Tensor:
         device = self.runner.device
