@@ -168,9 +168,9 @@ class CudaGraphs:
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         # Not ``torch.cuda.graph()``: it empties the allocator's device and pinned-host caches
-        # before every capture (~65 ms each on an H100 host, 1.3 s for 20 graphs), and the first
-        # one released the blocks that the KV sizing's last forward leaves cached for the first
-        # long prefills. The captured forward draws from ``pool`` either way.
+        # before every capture, and the first one released the blocks that the KV sizing's last
+        # forward leaves cached for the first long prefills (capture's wall time did not change
+        # measurably on an H100). The captured forward draws from ``pool`` either way.
         with torch.cuda.stream(stream):
             graph.capture_begin(pool=pool)
             try:
