@@ -88,6 +88,17 @@ def _nibble_f32(words, i: tl.constexpr):
     return (((words >> (4 * i)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0  # words: uint32
 
 
+@triton.jit
+def _unpack_pairs(words, i: tl.constexpr, MAGIC: tl.constexpr, dtype: tl.constexpr):
+    """[2 BKW, BLOCK_N] 16-bit operands from [BKW, BLOCK_N] words: row 2 j + h holds BASE + nibble
+    i + 4 h of word j. Both halves come from one shift and one and-or of the word, and stay in the
+    register they were made in (rows 2 j and 2 j + 1 are one register of the dot's operand)."""
+    pair = ((words >> (4 * i)) & 0x000F000F) | MAGIC
+    lo = pair.to(tl.int16).to(dtype, bitcast=True)
+    hi = (pair >> 16).to(tl.int16).to(dtype, bitcast=True)
+    return tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), (2 * words.shape[0], words.shape[1]))
+
+
 @triton.jit(do_not_specialize=["M", "K_TILES_PER_SPLIT", "SPLIT_K"])
 def _w4a16_splitk_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_ym,
                          K_TILES_PER_SPLIT, SPLIT_K, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -112,6 +123,7 @@ def _w4a16_splitk_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, cnt_
     BKW: tl.constexpr = BLOCK_K // 8
     MAGIC: tl.constexpr = 0x43004300 if x_ptr.dtype.element_ty == tl.bfloat16 else 0x64006400  # 128 | 1024
     BASE: tl.constexpr = 128.0 if x_ptr.dtype.element_ty == tl.bfloat16 else 1024.0
+    ONE: tl.constexpr = 0x3F80 if x_ptr.dtype.element_ty == tl.bfloat16 else 0x3C00  # 1.0's bits
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -123,6 +135,8 @@ def _w4a16_splitk_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, cnt_
     kt_hi = tl.minimum(kt_lo + K_TILES_PER_SPLIT, K // BLOCK_K)
     q_ptrs = qw_ptr + (kt_lo * BKW + j).to(tl.int64)[:, None] * N + n[None, :]
     x_ptrs = x_ptr + m.to(tl.int64)[:, None] * stride_xm + (kt_lo * BLOCK_K + 8 * j)[None, :]  # nibble 0's k
+    # The dot's K order: row 32 i + 2 j + h of a tile holds k = 8 j + i + 4 h (nibble i + 4 h of word j).
+    xk_ptrs = x_ptr + m.to(tl.int64)[:, None] * stride_xm + (kt_lo * BLOCK_K + tl.arange(0, BLOCK_K))[None, :]
     if HAS_ZP:
         z_shift = (n % 8) * 4
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -137,40 +151,45 @@ def _w4a16_splitk_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, cnt_
                                  other=0)
         g = (kt * BLOCK_K) // GROUP
         s = tl.load(s_ptr + g * N + n, mask=n_ok, other=0.0).to(tl.float32)
-        xsum = tl.zeros((BLOCK_M,), dtype=tl.float32)
         if USE_DOT:
-            # Nibbles i and i + 4 of a word, each in a 16-bit half OR'd into the bits of BASE (128 in
-            # bf16, 1024 in fp16: one unit per mantissa step) by one shift and one and-or: the
-            # operands are BASE + q, exact; BASE * sum_k x is taken off with the zero point below.
-            part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for i in tl.static_range(4):
-                pair = ((words >> (4 * i)) & 0x000F000F) | MAGIC
-                lo = pair.to(tl.int16).to(x_ptr.dtype.element_ty, bitcast=True)
-                hi = (pair >> 16).to(tl.int16).to(x_ptr.dtype.element_ty, bitcast=True)
-                part = tl.dot(tl.load(x_ptrs + i, mask=m_ok[:, None], other=0.0), lo, part)  # k = k0 + 8 j + i
-                part = tl.dot(tl.load(x_ptrs + i + 4, mask=m_ok[:, None], other=0.0), hi, part)
-            xt = tl.load(x_ptr + m.to(tl.int64)[:, None] * stride_xm + kt * BLOCK_K + tl.arange(0, BLOCK_K)[None, :],
-                         mask=m_ok[:, None], other=0.0)
-            xsum = tl.sum(xt.to(tl.float32), axis=1)
+            # The tile's nibbles unpacked into BASE + q (128 in bf16, 1024 in fp16: one unit per
+            # mantissa step; exact) by one shift and one and-or per pair of nibbles, kept in the
+            # registers they were made in (``_unpack_pairs``); the dot's K order follows the words
+            # (row 32 i + 2 j + h: nibble i + 4 h of word j) and x is permuted to match. BASE and
+            # the zero point come off below, with ``sum_k x`` from a dot with a tile of ones: no
+            # per-element arithmetic on the operands, and no reduction across threads.
+            w = tl.join(tl.join(_unpack_pairs(words, 0, MAGIC, x_ptr.dtype.element_ty),
+                                _unpack_pairs(words, 2, MAGIC, x_ptr.dtype.element_ty)),
+                        tl.join(_unpack_pairs(words, 1, MAGIC, x_ptr.dtype.element_ty),
+                                _unpack_pairs(words, 3, MAGIC, x_ptr.dtype.element_ty)))  # [.., c, d]: i = 2 c + d
+            w = tl.reshape(tl.permute(w, (2, 3, 0, 1)), (BLOCK_K, BLOCK_N))
+            xk = tl.load(xk_ptrs, mask=m_ok[:, None], other=0.0)  # k = 4 c + i -> column 32 i + c
+            xk = tl.reshape(tl.permute(tl.reshape(xk, (BLOCK_M, BLOCK_K // 4, 4)), (0, 2, 1)), (BLOCK_M, BLOCK_K))
+            part = tl.dot(xk, w)
+            xsum = tl.dot(xk, tl.full((BLOCK_K, BLOCK_N), ONE, tl.int16).to(x_ptr.dtype.element_ty, bitcast=True))
         elif BLOCK_M == 1:  # a GEMV: [BKW, BLOCK_N] products, summed over the words once per tile
+            xsum = tl.zeros((BLOCK_M,), dtype=tl.float32)
             part2 = tl.zeros((BKW, BLOCK_N), dtype=tl.float32)
             for i in tl.static_range(8):
                 xi = tl.load(x_ptr + kt * BLOCK_K + 8 * j + i).to(tl.float32)
                 part2 += xi[:, None] * _nibble_f32(words, i)
                 xsum += tl.sum(xi, axis=0)
             part = tl.sum(part2, axis=0)[None, :]
+            xsum = xsum[:, None]
         else:
+            xsum = tl.zeros((BLOCK_M,), dtype=tl.float32)
             part3 = tl.zeros((BLOCK_M, BKW, BLOCK_N), dtype=tl.float32)
             for i in tl.static_range(8):
                 xi = tl.load(x_ptrs + i, mask=m_ok[:, None], other=0.0).to(tl.float32)
                 part3 += xi[:, :, None] * _nibble_f32(words, i)[None, :, :]
                 xsum += tl.sum(xi, axis=1)
             part = tl.sum(part3, axis=1)
+            xsum = xsum[:, None]
         if HAS_MIN:
             mn = tl.load(z_ptr + g * N + n, mask=n_ok, other=0.0).to(tl.float32)
             if USE_DOT:  # the dot's operands were BASE + q
                 mn -= BASE * s
-            acc += s[None, :] * part + xsum[:, None] * mn[None, :]
+            acc += s[None, :] * part + xsum * mn[None, :]
         else:
             if HAS_ZP:
                 z = ((tl.load(z_ptr + g * (N // 8) + n // 8, mask=n_ok, other=0) >> z_shift) & 0xF).to(tl.float32)
@@ -178,9 +197,10 @@ def _w4a16_splitk_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, cnt_
                 z = tl.full((BLOCK_N,), 8.0, tl.float32)
             if USE_DOT:  # the dot's operands were BASE + q
                 z += BASE
-            acc += s[None, :] * (part - xsum[:, None] * z[None, :])
+            acc += s[None, :] * (part - xsum * z[None, :])
         q_ptrs += BKW * N
         x_ptrs += BLOCK_K
+        xk_ptrs += BLOCK_K
     y_ptrs = y_ptr + m.to(tl.int64)[:, None] * stride_ym + n[None, :]
     y_mask = m_ok[:, None] & n_ok[None, :]
     if not USE_SPLIT:
