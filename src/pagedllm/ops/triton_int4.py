@@ -89,14 +89,15 @@ def _nibble_f32(words, i: tl.constexpr):
 
 
 @triton.jit
-def _unpack_pairs(words, i: tl.constexpr, MAGIC: tl.constexpr, dtype: tl.constexpr):
-    """[2 BKW, BLOCK_N] 16-bit operands from [BKW, BLOCK_N] words: row 2 j + h holds BASE + nibble
-    i + 4 h of word j. Both halves come from one shift and one and-or of the word, and stay in the
-    register they were made in (rows 2 j and 2 j + 1 are one register of the dot's operand)."""
+def _dot_nibble_pair(xh, words, i: tl.constexpr, MAGIC: tl.constexpr, part):
+    """``part`` plus the dots of nibbles i and i + 4 of each word with their activations (``xh``
+    [BLOCK_M, BKW, 2]: x at k = 8 j + i and 8 j + i + 4). Both nibbles land in one register, each
+    in a 16-bit half OR'd into the bits of BASE (128 in bf16, 1024 in fp16: one unit per mantissa
+    step), by one shift and one and-or: the operands are BASE + q, exact."""
+    xa, xb = tl.split(xh)
     pair = ((words >> (4 * i)) & 0x000F000F) | MAGIC
-    lo = pair.to(tl.int16).to(dtype, bitcast=True)
-    hi = (pair >> 16).to(tl.int16).to(dtype, bitcast=True)
-    return tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), (2 * words.shape[0], words.shape[1]))
+    part = tl.dot(xa, pair.to(tl.int16).to(xa.dtype, bitcast=True), part)
+    return tl.dot(xb, (pair >> 16).to(tl.int16).to(xa.dtype, bitcast=True), part)
 
 
 @triton.jit(do_not_specialize=["M", "K_TILES_PER_SPLIT", "SPLIT_K"])
@@ -110,8 +111,9 @@ def _w4a16_splitk_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, cnt_
     and reads each packed word of that slice once: one [BLOCK_K / 8, BLOCK_N] int32 load per tile,
     its eight nibbles unpacked by shifts in registers. Per tile the raw sum ``sum_k x q`` (q 0..15
     exact in any float type) is accumulated in fp32, by a tensor-core dot per nibble (USE_DOT: the
-    rows padded to 16/32) or by FMAs (a few rows), and the group's scale and zero point are applied
-    once per tile and feature: ``acc += s * (sum_k x q - z * sum_k x)`` (Q4_1: ``s * sum x q + m * sum x``).
+    rows padded to 16/32; ``sum_k x`` by a dot too) or by FMAs (a few rows), and the group's scale
+    and zero point are applied once per tile and feature: ``acc += s * (sum_k x q - z * sum_k x)``
+    (Q4_1: ``s * sum x q + m * sum x``).
 
     USE_SPLIT (SPLIT_K > 1; the count itself is a run-time argument, so one compiled variant serves
     every split): each program writes its fp32 partial to ``ws`` [SPLIT_K, M, N]; the last of a
@@ -135,13 +137,14 @@ def _w4a16_splitk_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, cnt_
     kt_hi = tl.minimum(kt_lo + K_TILES_PER_SPLIT, K // BLOCK_K)
     q_ptrs = qw_ptr + (kt_lo * BKW + j).to(tl.int64)[:, None] * N + n[None, :]
     x_ptrs = x_ptr + m.to(tl.int64)[:, None] * stride_xm + (kt_lo * BLOCK_K + 8 * j)[None, :]  # nibble 0's k
-    # The dot's K order: row 32 i + 2 j + h of a tile holds k = 8 j + i + 4 h (nibble i + 4 h of word j).
     xk_ptrs = x_ptr + m.to(tl.int64)[:, None] * stride_xm + (kt_lo * BLOCK_K + tl.arange(0, BLOCK_K))[None, :]
     if HAS_ZP:
         z_shift = (n % 8) * 4
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if not USE_DOT:  # no dot for Triton's pipeliner to stage loads for: the next tile's words load by hand
         words_next = tl.load(q_ptrs, mask=n_ok[None, :] & (kt_lo * BKW + j < kt_hi * BKW)[:, None], other=0)
+    if USE_DOT:  # the scales load a tile ahead (the pipeliner stages the words and x, not them)
+        s_next = tl.load(s_ptr + (kt_lo * BLOCK_K // GROUP) * N + n, mask=n_ok, other=0.0)
     for kt in range(kt_lo, kt_hi):
         if USE_DOT:
             words = tl.load(q_ptrs, mask=n_ok[None, :], other=0)
@@ -150,22 +153,24 @@ def _w4a16_splitk_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, cnt_
             words_next = tl.load(q_ptrs + BKW * N, mask=n_ok[None, :] & ((kt + 1) * BKW + j < kt_hi * BKW)[:, None],
                                  other=0)
         g = (kt * BLOCK_K) // GROUP
-        s = tl.load(s_ptr + g * N + n, mask=n_ok, other=0.0).to(tl.float32)
         if USE_DOT:
-            # The tile's nibbles unpacked into BASE + q (128 in bf16, 1024 in fp16: one unit per
-            # mantissa step; exact) by one shift and one and-or per pair of nibbles, kept in the
-            # registers they were made in (``_unpack_pairs``); the dot's K order follows the words
-            # (row 32 i + 2 j + h: nibble i + 4 h of word j) and x is permuted to match. BASE and
-            # the zero point come off below, with ``sum_k x`` from a dot with a tile of ones: no
-            # per-element arithmetic on the operands, and no reduction across threads.
-            w = tl.join(tl.join(_unpack_pairs(words, 0, MAGIC, x_ptr.dtype.element_ty),
-                                _unpack_pairs(words, 2, MAGIC, x_ptr.dtype.element_ty)),
-                        tl.join(_unpack_pairs(words, 1, MAGIC, x_ptr.dtype.element_ty),
-                                _unpack_pairs(words, 3, MAGIC, x_ptr.dtype.element_ty)))  # [.., c, d]: i = 2 c + d
-            w = tl.reshape(tl.permute(w, (2, 3, 0, 1)), (BLOCK_K, BLOCK_N))
-            xk = tl.load(xk_ptrs, mask=m_ok[:, None], other=0.0)  # k = 4 c + i -> column 32 i + c
-            xk = tl.reshape(tl.permute(tl.reshape(xk, (BLOCK_M, BLOCK_K // 4, 4)), (0, 2, 1)), (BLOCK_M, BLOCK_K))
-            part = tl.dot(xk, w)
+            s = s_next.to(tl.float32)
+            s_next = tl.load(s_ptr + (tl.minimum(kt + 1, kt_hi - 1) * BLOCK_K // GROUP) * N + n, mask=n_ok, other=0.0)
+        else:
+            s = tl.load(s_ptr + g * N + n, mask=n_ok, other=0.0).to(tl.float32)
+        if USE_DOT:
+            # x is loaded as it lies (a contiguous tile, staged by cp.async like the words) and
+            # split in registers into the eight nibbles' operands; sum_k x, for BASE and the zero
+            # point below, comes from one more dot, with a tile of ones (1.0's bits: the
+            # interpreter keeps 16-bit floats as raw bits).
+            xk = tl.load(xk_ptrs, mask=m_ok[:, None], other=0.0)
+            x_c0, x_c1 = tl.split(tl.reshape(xk, (BLOCK_M, BKW, 2, 2, 2)))  # k = 8 j + 4 h + 2 b + c
+            x_b0c0, x_b1c0 = tl.split(x_c0)  # [BLOCK_M, BKW, 2 (h)]: x at k = 8 j + 4 h + i, i = 2 b + c
+            x_b0c1, x_b1c1 = tl.split(x_c1)
+            part = _dot_nibble_pair(x_b0c0, words, 0, MAGIC, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32))
+            part = _dot_nibble_pair(x_b0c1, words, 1, MAGIC, part)
+            part = _dot_nibble_pair(x_b1c0, words, 2, MAGIC, part)
+            part = _dot_nibble_pair(x_b1c1, words, 3, MAGIC, part)
             xsum = tl.dot(xk, tl.full((BLOCK_K, BLOCK_N), ONE, tl.int16).to(x_ptr.dtype.element_ty, bitcast=True))
         elif BLOCK_M == 1:  # a GEMV: [BKW, BLOCK_N] products, summed over the words once per tile
             xsum = tl.zeros((BLOCK_M,), dtype=tl.float32)
