@@ -103,7 +103,7 @@ def test_gguf_q4_1_mins_variant(triton_int4, monkeypatch, m):
     assert torch.equal(triton_int4.w4a16_dequantize(qweight, scales, None, 32, torch.bfloat16, mins), w)
 
 
-# ---- the split-K decode kernel (up to 32 rows) ------------------------------------------------
+# ---- the split-K decode kernel (row tiles beyond 32 rows) -----------------------------------------
 
 @pytest.mark.parametrize("m, n, k, group, zp, dot, split, dtype", [
     (1, 40, 384, 128, True, True, 3, torch.bfloat16),    # 3 groups, one per split; N under one tile
@@ -114,13 +114,15 @@ def test_gguf_q4_1_mins_variant(triton_int4, monkeypatch, m):
     (32, 136, 256, 128, True, True, 1, torch.bfloat16),  # one split: the direct store
     (32, 40, 384, 128, False, True, 3, torch.float16),
     (2, 48, 96, 32, True, False, 2, torch.bfloat16),     # groups of 32
+    (40, 72, 384, 128, True, True, 3, torch.bfloat16),   # row tiles: 40 rows in tiles of 16, split
+    (70, 136, 256, 128, False, True, 1, torch.float16),  # 70 rows in tiles of 16, the direct store
 ])
 def test_splitk_decode_kernel_matches_dequantized_matmul(triton_int4, m, n, k, group, zp, dot, split, dtype):
     qweight, scales, qzeros = _weights(n, k, group, zp, dtype, seed=m * 5 + k)
     g = torch.Generator().manual_seed(n)
     x = torch.randn(m, k, generator=g).to(DEVICE, dtype)
     b = torch.randn(n, generator=g).to(DEVICE, dtype)
-    config = dict(BLOCK_M=(16 if m <= 16 else 32) if dot else 1 << (m - 1).bit_length(), BLOCK_N=64,
+    config = dict(BLOCK_M=(16 if m <= 16 or m > 32 else 32) if dot else 1 << (m - 1).bit_length(), BLOCK_N=64,
                   BLOCK_K=min(group, 128), USE_DOT=dot, SPLIT_K=split, num_warps=4, num_stages=2)
     y = triton_int4.w4a16_splitk(x, qweight, scales, qzeros, group, b, config=config)
     w = dequantize(qweight, scales, qzeros, group, k, dtype)
@@ -163,7 +165,9 @@ def test_decode_dispatch_reads_the_tuning_table(triton_int4, monkeypatch, tmp_pa
         assert triton_int4.triton.cdiv(n, c["BLOCK_N"]) * c["SPLIT_K"] >= 132  # every SM has a program
     table = {"N=96,K=256,G=128": {"1": dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, USE_DOT=True, SPLIT_K=2,
                                             num_warps=4, num_stages=2, ms=0.01),
-                                  "8": {"kernel": "tiled"}}}
+                                  "8": {"kernel": "tiled"}},
+             "N=160,K=256,G=128": {"128": dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, USE_DOT=True, SPLIT_K=1,
+                                               num_warps=4, num_stages=2, ms=0.02)}}
     path = tmp_path / "w4a16_configs.json"
     path.write_text(__import__("json").dumps(table))
     monkeypatch.setattr(triton_int4, "_config_table", TileTable(str(path)))
@@ -172,6 +176,8 @@ def test_decode_dispatch_reads_the_tuning_table(triton_int4, monkeypatch, tmp_pa
         assert triton_int4.decode_config(5, 96, 256, 128) is None  # bucket 8: the tiled kernel won
         assert triton_int4.decode_config(9, 96, 256, 128, "cpu")["BLOCK_M"] == 16  # no bucket from 9 up: default
         assert triton_int4.decode_config(9, 96, 256, 128, "cpu")["BLOCK_N"] == 64  # (the table says 32)
+        assert triton_int4.decode_config(100, 160, 256, 128)["BLOCK_M"] == 32  # a wide bucket: row tiles
+        assert triton_int4.decode_config(129, 160, 256, 128) is None  # beyond the tuned buckets: tiled
         qweight, scales, qzeros = _weights(96, 256, 128, True, torch.bfloat16, seed=9)
         calls = []
         original = triton_int4.w4a16_splitk

@@ -127,7 +127,8 @@ def splitk_candidates(m: int, n: int, k: int, group: int, sm_count: int) -> list
     from pagedllm.ops.triton_int4 import splitk_eligible
 
     out = []
-    variants = [(True, 16 if m <= 16 else 32, DOT_TILES)] if group >= 128 else []
+    dot_rows = (16,) if m <= 16 else (32,) if m <= 32 else (32, 64)  # wider batches: row tiles
+    variants = [(True, block_m, DOT_TILES) for block_m in dot_rows] if group >= 128 else []
     if m <= 4:
         variants.append((False, 1 << (m - 1).bit_length(), FMA_TILES))
     for use_dot, block_m, tiles in variants:

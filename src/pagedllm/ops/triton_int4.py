@@ -106,18 +106,19 @@ def _w4a16_splitk_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, cnt_
                          HAS_MIN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr, USE_SPLIT: tl.constexpr, USE_DOT: tl.constexpr,
                          ENTER: tl.constexpr):
-    """Decode rows (M <= BLOCK_M <= 32): program (pid_n, pid_k) owns ``BLOCK_N`` output features and
-    the ``pid_k``-th slice of K (``K_TILES_PER_SPLIT`` tiles of ``BLOCK_K``, each inside one group),
-    and reads each packed word of that slice once: one [BLOCK_K / 8, BLOCK_N] int32 load per tile,
-    its eight nibbles unpacked by shifts in registers. Per tile the raw sum ``sum_k x q`` (q 0..15
+    """Decode batches (the FMA variant: M <= BLOCK_M; the dot variant: row tiles, up to 512 rows):
+    program (pid_n, pid_k, pid_m) owns ``BLOCK_N`` output features of ``BLOCK_M`` rows and the
+    ``pid_k``-th slice of K (``K_TILES_PER_SPLIT`` tiles of ``BLOCK_K``, each inside one group), and
+    reads each packed word of that slice once: one [BLOCK_K / 8, BLOCK_N] int32 load per tile, its
+    eight nibbles unpacked by shifts in registers. Per tile the raw sum ``sum_k x q`` (q 0..15
     exact in any float type) is accumulated in fp32, by a tensor-core dot per nibble (USE_DOT: the
-    rows padded to 16/32; ``sum_k x`` by a dot too) or by FMAs (a few rows), and the group's scale
+    rows padded to 16/32/64; ``sum_k x`` by a dot too) or by FMAs (a few rows), and the group's scale
     and zero point are applied once per tile and feature: ``acc += s * (sum_k x q - z * sum_k x)``
     (Q4_1: ``s * sum x q + m * sum x``).
 
     USE_SPLIT (SPLIT_K > 1; the count itself is a run-time argument, so one compiled variant serves
     every split): each program writes its fp32 partial to ``ws`` [SPLIT_K, M, N]; the last of a
-    column tile's programs to finish (a counter per column tile, ``cnt``, which it resets to 0 for
+    column tile's programs to finish (a counter per output tile, ``cnt``, which it resets to 0 for
     the next launch) sums the SPLIT_K partials in split order, adds the bias and writes y. One
     launch, and the result does not depend on which program finished last (deterministic).
     ENTER: launched while the kernel before it runs (``triton_pdl``), it waits for it first."""
@@ -128,9 +129,10 @@ def _w4a16_splitk_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, cnt_
     ONE: tl.constexpr = 0x3F80 if x_ptr.dtype.element_ty == tl.bfloat16 else 0x3C00  # 1.0's bits
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)  # the dot variant's row tiles (the FMA variant has one)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
-    m = tl.arange(0, BLOCK_M)
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = m < M
     j = tl.arange(0, BKW)
     kt_lo = pid_k * K_TILES_PER_SPLIT
@@ -214,7 +216,8 @@ def _w4a16_splitk_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, cnt_
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
     else:
         finish_split(acc, ws_ptr + m.to(tl.int64)[:, None] * N + n[None, :], M * N, y_ptrs,
-                     b_ptr + n[None, :] + 0 * m[:, None], y_mask, cnt_ptr, pid_n, pid_k, SPLIT_K, HAS_BIAS)
+                     b_ptr + n[None, :] + 0 * m[:, None], y_mask, cnt_ptr, pid_m * tl.num_programs(0) + pid_n,
+                     pid_k, SPLIT_K, HAS_BIAS)
 
 
 @triton.jit
@@ -266,7 +269,10 @@ def tiles_for(m: int, n: int, group: int) -> dict:
 _config_table = TileTable("w4a16_configs.json")
 CONFIG_FILE = _config_table.path
 reload_config_table = _config_table.reload
-M_BUCKETS = ROW_BUCKETS  # the table's row buckets (a row count takes the next bucket up)
+# The table's row buckets (a row count takes the next bucket up): the decode graphs' buckets, then
+# wider batches, which the dot variant serves in row tiles where the sweep found it faster than the
+# tiled kernel (untuned shapes keep the tiled kernel beyond SMALL_ROWS).
+M_BUCKETS = ROW_BUCKETS + (64, 128, 256, 512)
 FMA_ROWS = 4  # up to this many rows the FMA variant serves groups under 128 (the dot needs 128-wide tiles)
 TARGET_PROGRAMS_PER_SM = 2
 
@@ -288,7 +294,7 @@ def _sm_count(device: str) -> int:
 
 def splitk_eligible(m: int, group: int, config: dict) -> bool:
     block_k = config["BLOCK_K"]
-    if m > config["BLOCK_M"] or group % block_k or block_k % 8:
+    if (m > config["BLOCK_M"] and not config["USE_DOT"]) or group % block_k or block_k % 8:
         return False
     return not config["USE_DOT"] or (block_k >= 128 and config["BLOCK_M"] >= 16)
 
@@ -321,7 +327,7 @@ def default_splitk_config(m: int, n: int, k: int, group: int, sm_count: int = 13
 def decode_config(m: int, n: int, k: int, group: int, device: str = "cuda") -> dict | None:
     """The split-K kernel's config for ``m`` rows: the table's entry for the smallest tuned row
     bucket that holds ``m`` rows (the tuning sweep's best; ``{"kernel": "tiled"}`` where the tiled
-    kernel won), else the default.
+    kernel won), else the default up to SMALL_ROWS rows.
     None: the tiled kernel (too many rows, or no variant fits the group size)."""
     if m > M_BUCKETS[-1]:
         return None
@@ -333,6 +339,8 @@ def decode_config(m: int, n: int, k: int, group: int, device: str = "cuda") -> d
         config = {key: value for key, value in entry.items() if key not in ("kernel", "ms")}
         if splitk_eligible(m, group, config):
             return config
+    if m > SMALL_ROWS:
+        return None
     config = default_splitk_config(m, n, k, group, _sm_count(device))
     return config if splitk_eligible(m, group, config) else None
 
@@ -351,15 +359,15 @@ def w4a16_splitk(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, q
         return y
     split, block_n, block_k = cfg.pop("SPLIT_K"), cfg["BLOCK_N"], cfg["BLOCK_K"]
     per_split, split = split_for(k // block_k, split)
-    n_tiles = triton.cdiv(n, block_n)
+    n_tiles, m_tiles = triton.cdiv(n, block_n), triton.cdiv(m, cfg["BLOCK_M"])
     if split > 1:
         ws = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
-        cnt = counters(x.device, n_tiles)
+        cnt = counters(x.device, n_tiles * m_tiles)
     else:
         ws = cnt = y
     second = mins if mins is not None else qzeros if qzeros is not None else qweight
     enter = decode_pdl(x.device)
-    _w4a16_splitk_kernel[(n_tiles, split)](
+    _w4a16_splitk_kernel[(n_tiles, split, m_tiles)](
         x, qweight, scales, second, bias if bias is not None else y, y, ws, cnt, m, n, k, x.stride(0), y.stride(0),
         per_split, split, GROUP=group_size, HAS_ZP=qzeros is not None, HAS_BIAS=bias is not None,
         HAS_MIN=mins is not None, USE_SPLIT=split > 1, ENTER=enter, **cfg, **launch_early(enter))
