@@ -70,9 +70,10 @@ def kernel_module(name: str, kernel: str, monkeypatch):
 
 
 def _bf16_like_the_gpu(monkeypatch) -> None:
-    """The interpreter keeps bfloat16 as raw uint16: its dot multiplies those integers, and its
-    float32 -> bfloat16 (and -> fp8) casts truncate where the GPU (cvt.rn) rounds to nearest
-    even. All are made to compute what the GPU computes, for the duration of a test."""
+    """The interpreter keeps bfloat16 as raw uint16: its dot and its arithmetic work on those
+    integers, and its float32 -> bfloat16 (and -> fp8) casts truncate where the GPU (cvt.rn)
+    rounds to nearest even. All are made to compute what the GPU computes, for the duration of a
+    test."""
     import numpy as np
     import triton.language as tl
     from triton.runtime import interpreter
@@ -117,6 +118,14 @@ def _bf16_like_the_gpu(monkeypatch) -> None:
             return interpreter.TensorHandle(out.numpy().view(interpreter._get_np_dtype(dst_t)), dst_t)
         return original_fp_to_fp(self, src, dst_type, rounding_mode)
 
+    def binary_op(self, lhs, rhs, op):  # bfloat16 arithmetic (the GPU's add/sub/mul.rn.bf16x2)
+        if lhs.dtype.scalar != tl.bfloat16 or rhs.dtype.scalar != tl.bfloat16:
+            return original_binary_op(self, lhs, rhs, op)
+        out = torch.from_numpy(np.asarray(op(as_float32(lhs), as_float32(rhs)), dtype=np.float32)).to(torch.bfloat16)
+        return interpreter.TensorHandle(out.view(torch.int16).numpy().view(np.uint16), tl.bfloat16)
+
+    original_binary_op = interpreter.InterpreterBuilder.binary_op
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "binary_op", binary_op)
     original_dot = interpreter.InterpreterBuilder.create_dot
     original_cast = interpreter.InterpreterBuilder.cast_impl
     original_fp_to_fp = interpreter.InterpreterBuilder.create_fp_to_fp

@@ -89,15 +89,20 @@ def _nibble_f32(words, i: tl.constexpr):
 
 
 @triton.jit
-def _dot_nibble_pair(xh, words, i: tl.constexpr, MAGIC: tl.constexpr, part):
+def _dot_nibble_pair(xh, words, i: tl.constexpr, MAGIC: tl.constexpr, OFF: tl.constexpr, part):
     """``part`` plus the dots of nibbles i and i + 4 of each word with their activations (``xh``
     [BLOCK_M, BKW, 2]: x at k = 8 j + i and 8 j + i + 4). Both nibbles land in one register, each
     in a 16-bit half OR'd into the bits of BASE (128 in bf16, 1024 in fp16: one unit per mantissa
-    step), by one shift and one and-or: the operands are BASE + q, exact."""
+    step), by one shift and one and-or: BASE + q, exact; less OFF (one 16-bit pair subtraction,
+    exact) unless OFF is 0."""
     xa, xb = tl.split(xh)
     pair = ((words >> (4 * i)) & 0x000F000F) | MAGIC
-    part = tl.dot(xa, pair.to(tl.int16).to(xa.dtype, bitcast=True), part)
-    return tl.dot(xb, (pair >> 16).to(tl.int16).to(xa.dtype, bitcast=True), part)
+    lo = pair.to(tl.int16).to(xa.dtype, bitcast=True)
+    hi = (pair >> 16).to(tl.int16).to(xa.dtype, bitcast=True)
+    if OFF != 0:
+        lo = lo - OFF
+        hi = hi - OFF
+    return tl.dot(xb, hi, tl.dot(xa, lo, part))
 
 
 @triton.jit(do_not_specialize=["M", "K_TILES_PER_SPLIT", "SPLIT_K"])
@@ -127,6 +132,10 @@ def _w4a16_splitk_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, cnt_
     MAGIC: tl.constexpr = 0x43004300 if x_ptr.dtype.element_ty == tl.bfloat16 else 0x64006400  # 128 | 1024
     BASE: tl.constexpr = 128.0 if x_ptr.dtype.element_ty == tl.bfloat16 else 1024.0
     ONE: tl.constexpr = 0x3F80 if x_ptr.dtype.element_ty == tl.bfloat16 else 0x3C00  # 1.0's bits
+    # Symmetric weights (zero point 8 everywhere) take BASE + 8 off the operands themselves (exact),
+    # which spares the sum_k x dot and its accumulator; zero points and mins come off after the dot.
+    SYMMETRIC: tl.constexpr = not HAS_ZP and not HAS_MIN
+    OFF: tl.constexpr = BASE + 8.0 if SYMMETRIC else 0.0
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)  # the dot variant's row tiles (the FMA variant has one)
@@ -169,11 +178,14 @@ def _w4a16_splitk_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, cnt_
             x_c0, x_c1 = tl.split(tl.reshape(xk, (BLOCK_M, BKW, 2, 2, 2)))  # k = 8 j + 4 h + 2 b + c
             x_b0c0, x_b1c0 = tl.split(x_c0)  # [BLOCK_M, BKW, 2 (h)]: x at k = 8 j + 4 h + i, i = 2 b + c
             x_b0c1, x_b1c1 = tl.split(x_c1)
-            part = _dot_nibble_pair(x_b0c0, words, 0, MAGIC, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32))
-            part = _dot_nibble_pair(x_b0c1, words, 1, MAGIC, part)
-            part = _dot_nibble_pair(x_b1c0, words, 2, MAGIC, part)
-            part = _dot_nibble_pair(x_b1c1, words, 3, MAGIC, part)
-            xsum = tl.dot(xk, tl.full((BLOCK_K, BLOCK_N), ONE, tl.int16).to(x_ptr.dtype.element_ty, bitcast=True))
+            part = _dot_nibble_pair(x_b0c0, words, 0, MAGIC, OFF, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32))
+            part = _dot_nibble_pair(x_b0c1, words, 1, MAGIC, OFF, part)
+            part = _dot_nibble_pair(x_b1c0, words, 2, MAGIC, OFF, part)
+            part = _dot_nibble_pair(x_b1c1, words, 3, MAGIC, OFF, part)
+            if SYMMETRIC:  # the operands were q - 8
+                xsum = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            else:
+                xsum = tl.dot(xk, tl.full((BLOCK_K, BLOCK_N), ONE, tl.int16).to(x_ptr.dtype.element_ty, bitcast=True))
         elif BLOCK_M == 1:  # a GEMV: [BKW, BLOCK_N] products, summed over the words once per tile
             xsum = tl.zeros((BLOCK_M,), dtype=tl.float32)
             part2 = tl.zeros((BKW, BLOCK_N), dtype=tl.float32)
@@ -202,9 +214,12 @@ def _w4a16_splitk_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, cnt_
                 z = ((tl.load(z_ptr + g * (N // 8) + n // 8, mask=n_ok, other=0) >> z_shift) & 0xF).to(tl.float32)
             else:
                 z = tl.full((BLOCK_N,), 8.0, tl.float32)
-            if USE_DOT:  # the dot's operands were BASE + q
-                z += BASE
-            acc += s[None, :] * (part - xsum * z[None, :])
+            if USE_DOT and SYMMETRIC:  # the dot's operands were q - 8
+                acc += s[None, :] * part
+            else:
+                if USE_DOT:  # the dot's operands were BASE + q
+                    z += BASE
+                acc += s[None, :] * (part - xsum * z[None, :])
         q_ptrs += BKW * N
         x_ptrs += BLOCK_K
         xk_ptrs += BLOCK_K
