@@ -166,7 +166,7 @@ def test_decode_dispatch_reads_the_tuning_table(triton_int4, monkeypatch, tmp_pa
     table = {"N=96,K=256,G=128": {"1": dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, USE_DOT=True, SPLIT_K=2,
                                             num_warps=4, num_stages=2, ms=0.01),
                                   "8": {"kernel": "tiled"}},
-             "N=160,K=256,G=128": {"128": dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, USE_DOT=True, SPLIT_K=1,
+             "N=160,K=256,G=128": {"128": dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, USE_DOT=True, SPLIT_K=1,
                                                num_warps=4, num_stages=2, ms=0.02)}}
     path = tmp_path / "w4a16_configs.json"
     path.write_text(__import__("json").dumps(table))
@@ -176,7 +176,8 @@ def test_decode_dispatch_reads_the_tuning_table(triton_int4, monkeypatch, tmp_pa
         assert triton_int4.decode_config(5, 96, 256, 128) is None  # bucket 8: the tiled kernel won
         assert triton_int4.decode_config(9, 96, 256, 128, "cpu")["BLOCK_M"] == 16  # no bucket from 9 up: default
         assert triton_int4.decode_config(9, 96, 256, 128, "cpu")["BLOCK_N"] == 64  # (the table says 32)
-        assert triton_int4.decode_config(100, 160, 256, 128)["BLOCK_M"] == 32  # a wide bucket: row tiles
+        assert triton_int4.decode_config(100, 160, 256, 128)["BLOCK_M"] == 64  # a wide bucket: row tiles
+        assert triton_int4.decode_config(100, 160, 256, 128, zero_points=True)["BLOCK_M"] == 32
         assert triton_int4.decode_config(129, 160, 256, 128) is None  # beyond the tuned buckets: tiled
         qweight, scales, qzeros = _weights(96, 256, 128, True, torch.bfloat16, seed=9)
         calls = []

@@ -339,7 +339,14 @@ def default_splitk_config(m: int, n: int, k: int, group: int, sm_count: int = 13
                 num_warps=8 if block_n == 256 else 4, num_stages=3)
 
 
-def decode_config(m: int, n: int, k: int, group: int, device: str = "cuda") -> dict | None:
+# The table is tuned on symmetric weights. With zero points (or mins) the sum_k x dot adds an
+# accumulator, and the sweep (`quant_kernel --tune --zero-points`, H100) found 64-row tiles slower
+# there than 32-row ones: those take row tiles of at most ZERO_POINT_ROWS.
+ZERO_POINT_ROWS = 32
+
+
+def decode_config(m: int, n: int, k: int, group: int, device: str = "cuda",
+                  zero_points: bool = False) -> dict | None:
     """The split-K kernel's config for ``m`` rows: the table's entry for the smallest tuned row
     bucket that holds ``m`` rows (the tuning sweep's best; ``{"kernel": "tiled"}`` where the tiled
     kernel won), else the default up to SMALL_ROWS rows.
@@ -352,6 +359,8 @@ def decode_config(m: int, n: int, k: int, group: int, device: str = "cuda") -> d
         if entry.get("kernel") == "tiled":
             return None
         config = {key: value for key, value in entry.items() if key not in ("kernel", "ms")}
+        if zero_points and config.get("USE_DOT") and config["BLOCK_M"] > ZERO_POINT_ROWS:
+            config["BLOCK_M"] = ZERO_POINT_ROWS
         if splitk_eligible(m, group, config):
             return config
     if m > SMALL_ROWS:
@@ -366,7 +375,8 @@ def w4a16_splitk(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, q
     """The split-K decode kernel (checked shapes, contiguous ``x`` rows; ``w4a16_linear`` calls it)."""
     m, k = x.shape
     n = qweight.shape[1]
-    cfg = dict(config) if config is not None else decode_config(m, n, k, group_size, str(x.device))
+    cfg = dict(config) if config is not None else \
+        decode_config(m, n, k, group_size, str(x.device), qzeros is not None or mins is not None)
     if cfg is None or not splitk_eligible(m, group_size, cfg):
         raise ValueError(f"w4a16_splitk: no split-K config for {m} rows, group {group_size}: {cfg}")
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -410,7 +420,8 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, q
     if x.stride(-1) != 1:
         x = x.contiguous()
     if not tiles and decode is not False and 0 < m <= M_BUCKETS[-1]:
-        config = decode if isinstance(decode, dict) else decode_config(m, n, k, group_size, str(x.device))
+        config = decode if isinstance(decode, dict) else \
+            decode_config(m, n, k, group_size, str(x.device), qzeros is not None or mins is not None)
         if config is not None:
             return w4a16_splitk(x, qweight, scales, qzeros, group_size, bias, mins, config)
     if m >= DEQUANT_ROWS and not tiles:
