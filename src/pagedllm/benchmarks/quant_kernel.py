@@ -14,8 +14,9 @@ packed-load variant) per row count and reports the fastest (``pagedllm.ops.trito
 Decode (issue 17), not launch-bound: single kernels of a few microseconds time their launches, so
 --tune and --graph-chain capture many launches in one CUDA graph and time its replays.
 
---tune sweeps the split-K decode kernel (dot or FMA variant, BLOCK_N, warps, stages, SPLIT_K) at
-the shape's four projections and each of --rows (row buckets), against the tiled kernel, and
+--tune sweeps the split-K decode kernel (dot or FMA variant, BLOCK_N, warps, stages, SPLIT_K; past
+32 rows, row tiles of 32 and 64) at the shape's four projections and each of --rows (row buckets,
+up to 512), against the tiled kernel, and
 writes the best per (rows, N, K) as the table ``w4a16_linear`` dispatches from (--config-out,
 default ``pagedllm/ops/w4a16_configs.json``). Each candidate is timed over a rotation of weight
 copies (>= 256 MB per replay, so L2 holds none of them), one graph replay per rotation.

@@ -182,9 +182,7 @@ def _w4a16_splitk_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, cnt_
             part = _dot_nibble_pair(x_b0c1, words, 1, MAGIC, OFF, part)
             part = _dot_nibble_pair(x_b1c0, words, 2, MAGIC, OFF, part)
             part = _dot_nibble_pair(x_b1c1, words, 3, MAGIC, OFF, part)
-            if SYMMETRIC:  # the operands were q - 8
-                xsum = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            else:
+            if not SYMMETRIC:  # (symmetric: the operands were q - 8)
                 xsum = tl.dot(xk, tl.full((BLOCK_K, BLOCK_N), ONE, tl.int16).to(x_ptr.dtype.element_ty, bitcast=True))
         elif BLOCK_M == 1:  # a GEMV: [BKW, BLOCK_N] products, summed over the words once per tile
             xsum = tl.zeros((BLOCK_M,), dtype=tl.float32)
