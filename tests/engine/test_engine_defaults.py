@@ -55,6 +55,24 @@ def test_auto_dtype_on_cpu_is_bfloat16_only_with_bf16_hardware(monkeypatch, has_
     assert arg_utils._resolve_dtype("float32", SimpleNamespace(dtype=config_dtype), "cpu") == "float32"
 
 
+def test_auto_dtype_reads_dtype_not_the_deprecated_torch_dtype():
+    """transformers 5 logs a deprecation warning whenever `config.torch_dtype` is read; configs of
+    older versions keep `torch_dtype` as a plain attribute, which is still honoured."""
+    from types import SimpleNamespace
+
+    from pagedllm.engine import arg_utils
+
+    class Config:  # a transformers-5 config with no dtype set (GGUF-derived configs are)
+        dtype = None
+
+        @property
+        def torch_dtype(self):
+            raise AssertionError("torch_dtype read")
+
+    assert arg_utils._resolve_dtype("auto", Config(), "cuda") == "bfloat16"
+    assert arg_utils._resolve_dtype("auto", SimpleNamespace(torch_dtype="float16"), "cuda") == "float16"
+
+
 def test_cpu_bf16_probe_matches_cpuinfo():
     from pagedllm.engine.arg_utils import cpu_has_bf16_matmul
 

@@ -405,7 +405,9 @@ def _resolve_dtype(dtype: str, hf_config: Any, device: str) -> str:
     dtype = _DTYPES[dtype]
     if dtype != "auto":
         return dtype
-    cfg = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    # transformers 5 names it `dtype` (reading `torch_dtype` there logs a deprecation warning);
+    # older versions keep `torch_dtype` as a plain attribute.
+    cfg = getattr(hf_config, "dtype", None) or vars(hf_config).get("torch_dtype")
     cfg = str(cfg).replace("torch.", "") if cfg is not None else "bfloat16"
     if device == "cpu":
         # bfloat16 where the CPU multiplies it natively (1.6x float32's decode throughput on
