@@ -149,7 +149,7 @@ def test_splitk_gguf_q4_1_mins(triton_int4):
 def test_decode_dispatch_reads_the_tuning_table(triton_int4, monkeypatch, tmp_path):
     # Defaults (an empty table: the committed one holds the H100's llama3-8b shapes): the dot at
     # group 128 (any row count up to 32), FMA for small groups at a few rows, the tiled kernel
-    # otherwise; about two programs per SM.
+    # otherwise; about three programs per SM.
     empty = tmp_path / "empty.json"
     empty.write_text("{}")
     monkeypatch.setattr(triton_int4, "_config_table", TileTable(str(empty)))

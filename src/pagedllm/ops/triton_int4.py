@@ -287,7 +287,7 @@ reload_config_table = _config_table.reload
 # tiled kernel (untuned shapes keep the tiled kernel beyond SMALL_ROWS).
 M_BUCKETS = ROW_BUCKETS + (64, 128, 256, 512)
 FMA_ROWS = 4  # up to this many rows the FMA variant serves groups under 128 (the dot needs 128-wide tiles)
-TARGET_PROGRAMS_PER_SM = 2
+TARGET_PROGRAMS_PER_SM = 3
 
 
 def m_bucket(m: int) -> int:
@@ -314,27 +314,27 @@ def splitk_eligible(m: int, group: int, config: dict) -> bool:
 
 def default_splitk_config(m: int, n: int, k: int, group: int, sm_count: int = 132) -> dict:
     """Untuned: the dot variant (rows padded to 16 or 32; tiles of 128 along K, so group 128) where
-    the group allows, else FMAs (up to FMA_ROWS rows, BLOCK_M the next power of two). K split
-    until the grid has about two programs per SM, while the fp32 partials written and read back
-    (2 * 4 * SPLIT_K * M * N bytes, mostly L2 hits) stay under a quarter of the packed weight; the
-    widest of 256 (8 warps), 128, 64 columns per program whose grid still has a program per SM
-    (wide tiles spread the x operand's staging, fixed per tile, over more columns: 3.7 SASS
-    instructions per weight and thread in the loop at 256 x 8 warps against 4.4 at 128 x 4, and
-    at copy bandwidth the loop is near the SM's issue rate). The tuning sweep times the
+    the group allows, else FMAs (up to FMA_ROWS rows, BLOCK_M the next power of two). 4 warps; the
+    wider of 128 and 64 columns per program whose grid still has a program per SM; K split until
+    the grid has about TARGET_PROGRAMS_PER_SM programs per SM, while the fp32 partials written and
+    read back (2 * 4 * SPLIT_K * M * N bytes, mostly L2 hits) stay under a quarter of the packed
+    weight. The rule follows the H100 sweep of llama3-8b's projections at 1-32 rows (the table of
+    fa0f27f): every best used 4 warps and 128 columns (64 for the 4096-wide o_proj past 1 row) at
+    2-7 programs per SM, and this rule gives 7 of those 16 bests exactly. The sweep times the
     alternatives (FMA at 1..4 rows included)."""
     use_dot = group >= 128 or m > FMA_ROWS
     block_m = (16 if m <= 16 else 32) if use_dot else 1 << (m - 1).bit_length()
     block_k = 128 if use_dot else min(group, 128)
     k_tiles = max(1, k // block_k)
     max_split = max(1, min(k_tiles, k // (64 * m)))  # partials 8 SPLIT_K M N bytes <= packed weight / 4
-    for block_n in (256, 128, 64):  # the widest tile whose grid still gives every SM a program
+    for block_n in (128, 64):  # the wider tile whose grid still gives every SM a program
         n_tiles = triton.cdiv(n, block_n)
         split = min(max_split, triton.cdiv(TARGET_PROGRAMS_PER_SM * sm_count, n_tiles))
         split = triton.cdiv(k_tiles, triton.cdiv(k_tiles, split))
         if n_tiles * split >= sm_count:
             break
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=use_dot, SPLIT_K=split,
-                num_warps=8 if block_n == 256 else 4, num_stages=3)
+                num_warps=4, num_stages=3)
 
 
 # The table is tuned on symmetric weights. With zero points (or mins) the sum_k x dot adds an
