@@ -36,21 +36,28 @@ def _start(model: str, log_path, *flags: str) -> tuple[subprocess.Popen, str]:
         time.sleep(0.25)
 
 
-def _kill_engine_core(proc: subprocess.Popen) -> None:
+def _engine_core_pid(proc: subprocess.Popen) -> int:
     def cmdline(pid: int) -> str:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             return f.read().decode(errors="replace")
 
     # The spawned engine core, not multiprocessing's resource tracker.
     (core_pid,) = [p for p in _children(proc.pid) if "spawn_main" in cmdline(p) and "resource_tracker" not in cmdline(p)]
-    os.kill(core_pid, signal.SIGKILL)
+    return core_pid
+
+
+def _kill_engine_core(proc: subprocess.Popen) -> None:
+    os.kill(_engine_core_pid(proc), signal.SIGKILL)
 
 
 def test_a_dead_engine_errors_the_streams_then_the_server_exits_non_zero(tiny_models, tmp_path):
     log_path = tmp_path / "server.log"
     proc, url = _start(tiny_models["llama"], log_path)
     try:
-        body = {"prompt": "Once upon a time", "max_tokens": 100_000 // 400, "stream": True, "ignore_eos": True}
+        # The core's pid is found first and the request asks for as many tokens as the model's
+        # 512 positions allow, so a loaded machine cannot finish the request before the kill.
+        core_pid = _engine_core_pid(proc)
+        body = {"prompt": "Once upon a time", "max_tokens": 480, "stream": True, "ignore_eos": True}
         events = []
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as r:
             for line in r.iter_lines():
@@ -58,10 +65,11 @@ def test_a_dead_engine_errors_the_streams_then_the_server_exits_non_zero(tiny_mo
                     continue
                 events.append(line[6:])
                 if len(events) == 2:
-                    _kill_engine_core(proc)
-        assert events[-1] == "[DONE]"
-        error = json.loads(events[-2])["error"]
-        assert error["code"] == 503, events[-3:]
+                    os.kill(core_pid, signal.SIGKILL)
+        assert events[-1] == "[DONE]", events[-3:]
+        assert len(events) < 480, "the request finished before the core was killed"
+        error = json.loads(events[-2]).get("error")
+        assert error is not None and error["code"] == 503, events[-3:]
         rc = proc.wait(timeout=15)
         assert rc == 1
         log = log_path.read_text()
