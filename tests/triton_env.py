@@ -89,11 +89,22 @@ def _bf16_like_the_gpu(monkeypatch) -> None:
         out = np.matmul(as_float32(a), as_float32(b), dtype=np.float32).astype(d.data.dtype) + d.data
         return interpreter.TensorHandle(out, d.dtype.scalar)
 
+    def as_bfloat16(values):  # float32 values -> a bfloat16 handle, rounded to nearest even
+        data = torch.from_numpy(np.asarray(values, dtype=np.float32)).to(torch.bfloat16)
+        return interpreter.TensorHandle(data.view(torch.int16).numpy().view(np.uint16), tl.bfloat16)
+
     def cast_impl(self, src, dst_type):
         if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-            data = torch.from_numpy(np.asarray(src.data, dtype=np.float32)).to(torch.bfloat16)
-            return interpreter.TensorHandle(data.view(torch.int16).numpy().view(np.uint16), dst_type.scalar)
+            return as_bfloat16(src.data)
         return original_cast(self, src, dst_type)
+
+    def binary_op(self, lhs, rhs, op):  # bfloat16 arithmetic and comparisons on the values, not the bits
+        if lhs.dtype.scalar != tl.bfloat16 or rhs.dtype.scalar != tl.bfloat16:
+            return original_binary_op(self, lhs, rhs, op)
+        out = np.asarray(op(as_float32(lhs), as_float32(rhs)))
+        if out.dtype == np.bool_:  # a comparison: 0 / 1 in the operands' storage, as the interpreter keeps it
+            return interpreter.TensorHandle(out.astype(np.uint16), tl.bfloat16)
+        return as_bfloat16(out)  # the GPU's add/sub/mul.rn.bf16x2
 
     # fp8 casts: the interpreter truncates to fp8 (and rebuilds subnormals by hand) where the GPU's
     # cvt.rn rounds to nearest even; torch's casts are what the GPU computes (widening is exact).
@@ -118,20 +129,14 @@ def _bf16_like_the_gpu(monkeypatch) -> None:
             return interpreter.TensorHandle(out.numpy().view(interpreter._get_np_dtype(dst_t)), dst_t)
         return original_fp_to_fp(self, src, dst_type, rounding_mode)
 
-    def binary_op(self, lhs, rhs, op):  # bfloat16 arithmetic (the GPU's add/sub/mul.rn.bf16x2)
-        if lhs.dtype.scalar != tl.bfloat16 or rhs.dtype.scalar != tl.bfloat16:
-            return original_binary_op(self, lhs, rhs, op)
-        out = torch.from_numpy(np.asarray(op(as_float32(lhs), as_float32(rhs)), dtype=np.float32)).to(torch.bfloat16)
-        return interpreter.TensorHandle(out.view(torch.int16).numpy().view(np.uint16), tl.bfloat16)
-
-    original_binary_op = interpreter.InterpreterBuilder.binary_op
-    monkeypatch.setattr(interpreter.InterpreterBuilder, "binary_op", binary_op)
     original_dot = interpreter.InterpreterBuilder.create_dot
     original_cast = interpreter.InterpreterBuilder.cast_impl
     original_fp_to_fp = interpreter.InterpreterBuilder.create_fp_to_fp
+    original_binary_op = interpreter.InterpreterBuilder.binary_op
     monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
     monkeypatch.setattr(interpreter.InterpreterBuilder, "cast_impl", cast_impl)
     monkeypatch.setattr(interpreter.InterpreterBuilder, "create_fp_to_fp", create_fp_to_fp)
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "binary_op", binary_op)
 
 
 # The head of a child script that compiles kernels for an H100 (sm_90: TTIR -> PTX -> cubin with
