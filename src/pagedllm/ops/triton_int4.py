@@ -207,17 +207,16 @@ def _w4a16_splitk_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, cnt_
             if USE_DOT:  # the dot's operands were BASE + q
                 mn -= BASE * s
             acc += s[None, :] * part + xsum * mn[None, :]
+        elif USE_DOT and SYMMETRIC:  # the dot's operands were q - 8
+            acc += s[None, :] * part
         else:
             if HAS_ZP:
                 z = ((tl.load(z_ptr + g * (N // 8) + n // 8, mask=n_ok, other=0) >> z_shift) & 0xF).to(tl.float32)
             else:
                 z = tl.full((BLOCK_N,), 8.0, tl.float32)
-            if USE_DOT and SYMMETRIC:  # the dot's operands were q - 8
-                acc += s[None, :] * part
-            else:
-                if USE_DOT:  # the dot's operands were BASE + q
-                    z += BASE
-                acc += s[None, :] * (part - xsum * z[None, :])
+            if USE_DOT:  # the dot's operands were BASE + q
+                z += BASE
+            acc += s[None, :] * (part - xsum * z[None, :])
         q_ptrs += BKW * N
         x_ptrs += BLOCK_K
         xk_ptrs += BLOCK_K
