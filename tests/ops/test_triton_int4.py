@@ -192,3 +192,33 @@ def test_decode_dispatch_reads_the_tuning_table(triton_int4, monkeypatch, tmp_pa
     finally:
         monkeypatch.undo()  # the committed table's path back, then its contents
         triton_int4.reload_config_table()
+
+
+def test_table_dequant_entries_take_the_dequantize_path(triton_int4, monkeypatch, tmp_path):
+    """A bucket where the sweep found dequantize-then-cuBLAS fastest takes it, and so does any row
+    count past the widest bucket when that bucket did; below the widest, the next bucket up rules."""
+    table = {"N=96,K=256,G=128": {"64": {"kernel": "dequant", "ms": 0.01},
+                                  "512": {"kernel": "dequant", "ms": 0.02}},
+             "N=160,K=256,G=128": {"512": {"kernel": "tiled", "ms": 0.02}}}
+    path = tmp_path / "w4a16_configs.json"
+    path.write_text(__import__("json").dumps(table))
+    monkeypatch.setattr(triton_int4, "_config_table", TileTable(str(path)))
+    try:
+        assert triton_int4.decode_config(40, 96, 256, 128) is triton_int4.DEQUANT
+        assert triton_int4.decode_config(600, 96, 256, 128) is triton_int4.DEQUANT
+        assert triton_int4.decode_config(600, 160, 256, 128) is None
+        assert triton_int4.decode_config(100, 160, 256, 128) is None  # only 512 tuned there: tiled
+        qweight, scales, qzeros = _weights(96, 256, 128, True, torch.bfloat16, seed=4)
+        calls = []
+        original = triton_int4.w4a16_dequantize
+        monkeypatch.setattr(triton_int4, "w4a16_dequantize", lambda *a, **kw: calls.append(a) or original(*a, **kw))
+        monkeypatch.setattr(triton_int4, "w4a16_splitk", None)  # never reached
+        for m in (3, 40, 600):  # the smallest tuned bucket holding m rows (64, 64), then past the widest
+            x = torch.randn(m, 256).to(DEVICE, torch.bfloat16)
+            y = triton_int4.w4a16_linear(x, qweight, scales, qzeros, 128)
+            exact = x.double() @ dequantize(qweight, scales, qzeros, 128, 256, torch.bfloat16).double()
+            assert _rel(y, exact) < TOL[torch.bfloat16]
+        assert len(calls) == 3
+    finally:
+        monkeypatch.undo()
+        triton_int4.reload_config_table()

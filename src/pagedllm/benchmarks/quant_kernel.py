@@ -16,7 +16,7 @@ Decode (issue 17), not launch-bound: single kernels of a few microseconds time t
 
 --tune sweeps the split-K decode kernel (dot or FMA variant, BLOCK_N, warps, stages, SPLIT_K; past
 32 rows, row tiles of 32 and 64) at the shape's four projections and each of --rows (row buckets,
-up to 512), against the tiled kernel, and
+up to 512), against the tiled kernel and (from 64 rows) dequantizing the weight, then cuBLAS, and
 writes the best per (rows, N, K) as the table ``w4a16_linear`` dispatches from (--config-out,
 default ``pagedllm/ops/w4a16_configs.json``). Each candidate is timed over a rotation of weight
 copies (>= 256 MB per replay, so L2 holds none of them), one graph replay per rotation.
@@ -162,9 +162,9 @@ def tune_splitk(args) -> dict:
     group, device = 128, "cuda" if torch.cuda.is_available() else "cpu"
     sm_count = torch.cuda.get_device_properties(0).multi_processor_count if device == "cuda" else 132
     gpu = torch.cuda.get_device_name(0) if device == "cuda" else "cpu"
-    table: dict = {"_doc": f"W4A16 split-K decode configs by N,K,G and row bucket: pagedllm.benchmarks.quant_kernel "
-                           f"--tune on {gpu} ({args.shape}); shapes it lacks take "
-                           f"triton_int4.default_splitk_config"}
+    table: dict = {"_doc": f"W4A16 split-K decode configs by N,K,G and row bucket ({{'kernel': 'tiled' | 'dequant'}} "
+                           f"where that path won): pagedllm.benchmarks.quant_kernel --tune on {gpu} ({args.shape}); "
+                           f"shapes it lacks take triton_int4.default_splitk_config"}
     for name, (n, k) in projections(shape).items():
         nbytes = _int4_bytes(n, k, group, args.zero_points)
         copies = max(2, -(-(256 << 20) // nbytes)) if device == "cuda" else 1
@@ -183,6 +183,12 @@ def tune_splitk(args) -> dict:
                 results.append(("tiled", None, _graph_ms(chain(decode=False), args.replays) / copies))
             except Exception as e:  # noqa: BLE001 - report and go on
                 print(f"# tiled {name} m={m}: {type(e).__name__}: {e}", flush=True)
+            if m >= 64:  # dequantize, then cuBLAS (the path of DEQUANT_ROWS and more)
+                try:
+                    results.append(("dequant", None, _graph_ms(chain(decode=triton_int4.DEQUANT), args.replays)
+                                    / copies))
+                except Exception as e:  # noqa: BLE001 - report and go on
+                    print(f"# dequant {name} m={m}: {type(e).__name__}: {e}", flush=True)
             default = triton_int4.default_splitk_config(m, n, k, group, sm_count)
             default_ms = None
             candidates = [default] + splitk_candidates(m, n, k, group, sm_count)
@@ -203,7 +209,8 @@ def tune_splitk(args) -> dict:
                 if cand_kind == "tiled":
                     kind, best, best_ms = cand_kind, cand, cand_ms
                     break
-                got = triton_int4.w4a16_linear(x, qw, sc, zr, group, decode=cand).float()
+                got = triton_int4.w4a16_linear(x, qw, sc, zr, group,
+                                               decode=cand or triton_int4.DEQUANT).float()
                 err = ((got - want).norm() / want.norm()).item()
                 if err < 1e-2:
                     kind, best, best_ms = cand_kind, cand, cand_ms
@@ -211,12 +218,13 @@ def tune_splitk(args) -> dict:
                 print(f"# {name} m={m} {cand}: relative difference {err:.3g} from the tiled kernel: skipped",
                       flush=True)
             tiled_ms = next((r[2] for r in results if r[0] == "tiled"), None)
-            entry[str(m)] = {"kernel": "tiled", "ms": round(best_ms, 5)} if kind == "tiled" else \
+            entry[str(m)] = {"kernel": kind, "ms": round(best_ms, 5)} if kind in ("tiled", "dequant") else \
                 {**best, "ms": round(best_ms, 5)}
             emit({"benchmark": "w4a16_tune", "shape": args.shape, "projection": name, "n": n, "k": k, "rows": m,
                   "candidates": len(results), "best_kernel": kind, "best": best, "best_us": round(best_ms * 1e3, 2),
                   "default_us": None if default_ms is None else round(default_ms * 1e3, 2),
                   "tiled_us": None if tiled_ms is None else round(tiled_ms * 1e3, 2),
+                  "dequant_us": next((round(r[2] * 1e3, 2) for r in results if r[0] == "dequant"), None),
                   "best_roofline": round(nbytes / (args.peak_gb_s * 1e9) / (best_ms * 1e-3), 3)})
         del weights
         if device == "cuda":

@@ -340,21 +340,24 @@ def default_splitk_config(m: int, n: int, k: int, group: int, sm_count: int = 13
 # accumulator, and the sweep (`quant_kernel --tune --zero-points`, H100) found 64-row tiles slower
 # there than 32-row ones: those take row tiles of at most ZERO_POINT_ROWS.
 ZERO_POINT_ROWS = 32
+# decode_config's answer where the table says: dequantize the weight, then cuBLAS.
+DEQUANT = {"kernel": "dequant"}
 
 
 def decode_config(m: int, n: int, k: int, group: int, device: str = "cuda",
                   zero_points: bool = False) -> dict | None:
     """The split-K kernel's config for ``m`` rows: the table's entry for the smallest tuned row
     bucket that holds ``m`` rows (the tuning sweep's best; ``{"kernel": "tiled"}`` where the tiled
-    kernel won), else the default up to SMALL_ROWS rows.
+    kernel won), else the default up to SMALL_ROWS rows. ``DEQUANT`` where the sweep found
+    dequantizing the weight and cuBLAS fastest (and past the widest bucket when it did there).
     None: the tiled kernel (too many rows, or no variant fits the group size)."""
-    if m > M_BUCKETS[-1]:
-        return None
     tuned = _config_table().get(config_key(n, k, group), {})
+    if m > M_BUCKETS[-1]:  # past the widest bucket: dequantize where the widest one does
+        return DEQUANT if tuned.get(str(M_BUCKETS[-1]), {}).get("kernel") == "dequant" else None
     entry = next((tuned[str(b)] for b in M_BUCKETS if b >= m and str(b) in tuned), None)
     if entry is not None:
-        if entry.get("kernel") == "tiled":
-            return None
+        if entry.get("kernel") in ("tiled", "dequant"):
+            return DEQUANT if entry["kernel"] == "dequant" else None
         config = {key: value for key, value in entry.items() if key not in ("kernel", "ms")}
         if zero_points and config.get("USE_DOT") and config["BLOCK_M"] > ZERO_POINT_ROWS:
             config["BLOCK_M"] = ZERO_POINT_ROWS
@@ -404,9 +407,9 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, q
     Up to 32 rows (decode), the split-K kernel with the tuning table's config for the row bucket
     (``decode``: a config of its own; False: the tiled kernel), unless the table says the tiled
     kernel won there or no split-K variant fits the group size; ``tiles`` (the tiled kernel's
-    config) select the tiled kernel. From ``DEQUANT_ROWS`` rows on, the weight is dequantized
-    once and multiplied by cuBLAS: a large prefill is bound by the math, and reading the packed
-    weight once more costs a few percent."""
+    config) select the tiled kernel. From ``DEQUANT_ROWS`` rows on, and where the table says so
+    (``{"kernel": "dequant"}``), the weight is dequantized once and multiplied by cuBLAS: a large
+    prefill is bound by the math, and reading the packed weight once more costs a few percent."""
     m, k = x.shape
     n = qweight.shape[1]
     if qweight.shape[0] * 8 != k or k % group_size or n % 8 or scales.shape != (k // group_size, n) \
@@ -416,12 +419,13 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, q
                          f"{tuple(scales.shape)}, group {group_size}")
     if x.stride(-1) != 1:
         x = x.contiguous()
-    if not tiles and decode is not False and 0 < m <= M_BUCKETS[-1]:
+    config = None
+    if not tiles and decode is not False and m > 0:
         config = decode if isinstance(decode, dict) else \
             decode_config(m, n, k, group_size, str(x.device), qzeros is not None or mins is not None)
-        if config is not None:
+        if config is not None and config is not DEQUANT and config.get("kernel") != "dequant":
             return w4a16_splitk(x, qweight, scales, qzeros, group_size, bias, mins, config)
-    if m >= DEQUANT_ROWS and not tiles:
+    if (m >= DEQUANT_ROWS or config is not None) and not tiles:
         w = w4a16_dequantize(qweight, scales, qzeros, group_size, x.dtype, mins)
         y = x @ w
         return y if bias is None else y + bias
