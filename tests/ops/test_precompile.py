@@ -27,9 +27,10 @@ from pagedllm.ops import precompile
 target = GPUTarget("cuda", 90, 32)
 options = make_backend(target).parse_options({"num_warps": 4, "num_stages": 3}).__dict__
 signature = {"x_ptr": "*bf16", "out_ptr": "*bf16", "q_ptr": "*bf16", "s_ptr": "*bf16", "x_stride0": "i32",
-             "inter_size": "i32", "BLOCK": "constexpr", "TRIGGER": "constexpr", "FP8_OUT": "constexpr"}
+             "inter_size": "i32", "BLOCK": "constexpr", "TRIGGER": "constexpr", "FP8_OUT": "constexpr",
+             "ENTER": "constexpr"}
 attrs = {(i,): [["tt.divisibility", 16]] for i in range(6)}
-job = ("pagedllm.ops.triton_ops", sys.argv[1], signature, {(6,): 1024, (7,): True, (8,): False}, attrs, options)
+job = ("pagedllm.ops.triton_ops", sys.argv[1], signature, {(6,): 1024, (7,): True, (8,): False, (9,): True}, attrs, options)
 before = precompile._in_disk_cache(job, target) if sys.argv[1] == "_silu_and_mul_kernel" else None
 pool = precompile.CompilePool(2)
 try:
@@ -79,9 +80,10 @@ target = GPUTarget("cuda", 90, 32)
 options = make_backend(target).parse_options({"num_warps": 4, "num_stages": 3}).__dict__
 options = {k: tuple(v) if isinstance(v, list) else v for k, v in options.items()}  # as the hook hands them
 signature = {"x_ptr": "*bf16", "out_ptr": "*bf16", "q_ptr": "*bf16", "s_ptr": "*bf16", "x_stride0": "i32",
-             "inter_size": "i32", "BLOCK": "constexpr", "TRIGGER": "constexpr", "FP8_OUT": "constexpr"}
+             "inter_size": "i32", "BLOCK": "constexpr", "TRIGGER": "constexpr", "FP8_OUT": "constexpr",
+             "ENTER": "constexpr"}
 attrs = {(i,): [["tt.divisibility", 16]] for i in range(6)}
-job = ("pagedllm.ops.triton_ops", "_silu_and_mul_kernel", signature, {(6,): 1024, (7,): True, (8,): False}, attrs,
+job = ("pagedllm.ops.triton_ops", "_silu_and_mul_kernel", signature, {(6,): 1024, (7,): True, (8,): False, (9,): True}, attrs,
        options)
 path = precompile.jobs_file("a start-up")
 precompile.save_jobs(path, [job])

@@ -184,11 +184,7 @@ def tune_splitk(args) -> dict:
             except Exception as e:  # noqa: BLE001 - report and go on
                 print(f"# tiled {name} m={m}: {type(e).__name__}: {e}", flush=True)
             if m >= 64:  # dequantize, then cuBLAS (the path of DEQUANT_ROWS and more)
-                try:
-                    results.append(("dequant", None, _graph_ms(chain(decode=triton_int4.DEQUANT), args.replays)
-                                    / copies))
-                except Exception as e:  # noqa: BLE001 - report and go on
-                    print(f"# dequant {name} m={m}: {type(e).__name__}: {e}", flush=True)
+                results.append(("dequant", None, _graph_ms(chain(decode=triton_int4.DEQUANT), args.replays) / copies))
             default = triton_int4.default_splitk_config(m, n, k, group, sm_count)
             default_ms = None
             candidates = [default] + splitk_candidates(m, n, k, group, sm_count)

@@ -17,7 +17,7 @@ import triton.language as tl
 from pagedllm.ops.triton_fp8 import FP8_MAX, MIN_SCALE
 from pagedllm.ops.triton_gemv import decode_config, small_m_linear
 from pagedllm.ops.triton_lora import pdl_supported
-from pagedllm.ops.triton_pdl import gdc_launch_dependents
+from pagedllm.ops.triton_pdl import decode_pdl, launch_early, pdl_begin
 
 # One program holds a whole row: hidden sizes of the supported models are far below this.
 MAX_ROW_SIZE = 65536
@@ -26,11 +26,12 @@ MAX_ROW_SIZE = 65536
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr, n_inner, x_stride0, x_stride1,
                      res_stride0, res_stride1, N, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
-                     TRIGGER: tl.constexpr, FP8_OUT: tl.constexpr):
+                     TRIGGER: tl.constexpr, FP8_OUT: tl.constexpr, ENTER: tl.constexpr):
     """FP8_OUT: the output row also quantized to fp8 per token (``q_ptr``, its scale at ``s_ptr``)
-    exactly as ``triton_fp8.quantize_fp8`` quantizes the stored row: for an fp8 projection next."""
-    if TRIGGER:  # a LoRA shrink after this may launch now (it waits for this kernel's output itself)
-        gdc_launch_dependents()
+    exactly as ``triton_fp8.quantize_fp8`` quantizes the stored row: for an fp8 projection next.
+    TRIGGER: a LoRA shrink after this may launch now (it waits for this kernel's output itself).
+    ENTER: launched while the kernel before runs (``triton_pdl``): waits for it first."""
+    pdl_begin(ENTER, TRIGGER)
     row = tl.program_id(0).to(tl.int64)
     outer, inner = row // n_inner, row % n_inner
     offs = tl.arange(0, BLOCK)
@@ -63,10 +64,10 @@ def _store_fp8_row(out, q_ptrs, s_ptr, mask):
 
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, q_ptr, s_ptr, x_stride0, inter_size, BLOCK: tl.constexpr,
-                         TRIGGER: tl.constexpr, FP8_OUT: tl.constexpr):
-    """FP8_OUT (one program holds the whole row): the output row also quantized as ``_rms_norm_kernel``'s."""
-    if TRIGGER:
-        gdc_launch_dependents()
+                         TRIGGER: tl.constexpr, FP8_OUT: tl.constexpr, ENTER: tl.constexpr):
+    """FP8_OUT (one program holds the whole row): the output row also quantized as ``_rms_norm_kernel``'s.
+    TRIGGER, ENTER: as ``_rms_norm_kernel``'s."""
+    pdl_begin(ENTER, TRIGGER)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < inter_size
@@ -107,7 +108,9 @@ def _rotate_heads(x_ptr, w_ptr, out_ptr, t, x_stride0, x_stride1, head0, cos, si
 @triton.jit
 def _rotary_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, q_out_ptr, k_out_ptr, cos_sin_ptr, pos_ptr, q_stride0, q_stride1,
                    k_stride0, k_stride1, cos_sin_stride0, eps, NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr,
-                   HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, HAS_NORM: tl.constexpr):
+                   HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, HAS_NORM: tl.constexpr,
+                   ENTER: tl.constexpr):
+    pdl_begin(ENTER, ENTER)  # launched early: wait for the kernel before, then let the next launch
     t = tl.program_id(0).to(tl.int64)
     head_block = tl.program_id(1)
     offs_d = tl.arange(0, BLOCK_D)
@@ -163,9 +166,11 @@ def _rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tens
     # residual has x's shape, so it comes out of _rows with the same rows per outer index.
     rr, _, rs0, rs1 = _rows(residual) if residual is not None else (xr, n_inner, xs0, xs1)
     block, num_warps = _row_launch(n)
+    enter = decode_pdl(x.device)
     _rms_norm_kernel[(num_rows,)](xr, rr, weight, out, res_out, q, scales, n_inner, xs0, xs1, rs0, rs1, n, eps,
                                   HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=num_warps,
-                                  TRIGGER=pdl_supported(x.device), FP8_OUT=fp8_out)
+                                  TRIGGER=pdl_supported(x.device), FP8_OUT=fp8_out, ENTER=enter,
+                                  **launch_early(enter))
     if fp8_out:
         attach_fp8(out, q, scales)
     return out, res_out
@@ -228,9 +233,10 @@ def silu_and_mul(x: torch.Tensor, fp8_out: bool = False) -> torch.Tensor:
     else:
         block, num_warps = min(triton.next_power_of_2(inter), 1024), 4
         q = scales = out
+    enter = decode_pdl(x.device)
     _silu_and_mul_kernel[(num_rows, triton.cdiv(inter, block))](
         x2, out, q, scales, x2.stride(0), inter, BLOCK=block, TRIGGER=pdl_supported(x.device), FP8_OUT=fp8_out,
-        num_warps=num_warps)
+        num_warps=num_warps, ENTER=enter, **launch_early(enter))
     if fp8_out:
         attach_fp8(out, q, scales)
     return out
@@ -270,7 +276,8 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
         q, k, q_norm_weight if has_norm else q, k_norm_weight if has_norm else k, q_out, k_out, cos_sin_cache,
         positions, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0), eps,
         NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=num_k_heads, HALF=half, BLOCK_H=block_h,
-        BLOCK_D=triton.next_power_of_2(half), HAS_NORM=has_norm, num_warps=4)
+        BLOCK_D=triton.next_power_of_2(half), HAS_NORM=has_norm, num_warps=4, ENTER=decode_pdl(q.device),
+        **launch_early(decode_pdl(q.device)))
     return q_out, k_out
 
 

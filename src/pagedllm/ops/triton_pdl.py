@@ -50,8 +50,9 @@ def pdl_enabled(device: torch.device, switch: str) -> bool:
 
 
 def decode_pdl(device: torch.device) -> bool:
-    """Whether a decode step's projection kernels (16-bit small-row GEMMs, FP8's quantize launch
-    and GEMM, the W4A16 split-K GEMM) launch early and wait in-kernel: ``PAGEDLLM_DECODE_PDL``."""
+    """Whether the kernels of a layer's chain launch early and wait in-kernel: the projections
+    (16-bit small-row GEMMs, FP8's quantize launch and GEMM, the W4A16 split-K GEMM), the norms,
+    rotary, the KV write, attention and its split merge, SiLU-and-mul: ``PAGEDLLM_DECODE_PDL``."""
     return pdl_enabled(device, "PAGEDLLM_DECODE_PDL")
 
 
@@ -63,6 +64,17 @@ def launch_early(early: bool) -> dict:
 def launch_args(pdl: bool) -> dict:
     """A kernel's launch arguments for its ``PDL`` constexpr: with it, launched early."""
     return {"PDL": pdl, **launch_early(pdl)}
+
+
+@triton.jit
+def pdl_begin(ENTER: tl.constexpr, TRIGGER: tl.constexpr):
+    """ENTER (launched early): wait for the kernel before. ENTER or TRIGGER: let the kernel after
+    launch now (it waits for this one's writes itself)."""
+    if ENTER:
+        gdc_wait()
+        gdc_launch_dependents()
+    elif TRIGGER:
+        gdc_launch_dependents()
 
 
 @triton.jit
