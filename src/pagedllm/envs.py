@@ -85,9 +85,10 @@ _VARS = [
            "for the one before it to end before it launches, instead of launching while it runs (programmatic "
            "dependent launch, ops/triton_fused_moe.py; A/B measurements).", _not_zero),
     EnvVar("PAGEDLLM_DECODE_PDL", "bool (0 = off)", True,
-           "0: a decode step's projection kernels (the 16-bit small-row GEMMs, FP8's activation quantization and "
-           "GEMM, the W4A16 split-K GEMM) wait for the kernel before them to end before they launch, instead of "
-           "launching while it runs (programmatic dependent launch, ops/triton_pdl.py; A/B measurements).",
+           "0: the kernels of a layer's chain (the projections: 16-bit small-row GEMMs, FP8's activation "
+           "quantization and GEMM, the W4A16 split-K GEMM; RMSNorm, rotary, the KV write, attention and its split "
+           "merge, SiLU-and-mul) wait for the kernel before them to end before they launch, instead of launching "
+           "while it runs (programmatic dependent launch, ops/triton_pdl.py; A/B measurements).",
            _not_zero),
     EnvVar("PAGEDLLM_FP8_NORM_QUANT", "bool (0 = off)", True,
            "0: an fp8 W8A8 projection with per-token activations quantizes its input with a launch of its own, "
