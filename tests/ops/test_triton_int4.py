@@ -183,11 +183,7 @@ def test_decode_dispatch_reads_the_tuning_table(triton_int4, monkeypatch, tmp_pa
         calls = []
         original = triton_int4.w4a16_splitk
         monkeypatch.setattr(triton_int4, "w4a16_splitk", lambda *a, **kw: calls.append(kw) or original(*a, **kw))
-        for m in (1, 5):
-            x = torch.randn(m, 256).to(DEVICE, torch.bfloat16)
-            y = triton_int4.w4a16_linear(x, qweight, scales, qzeros, 128)
-            exact = x.double() @ dequantize(qweight, scales, qzeros, 128, 256, torch.bfloat16).double()
-            assert _rel(y, exact) < TOL[torch.bfloat16]
+        _check_dispatched(triton_int4, (1, 5), qweight, scales, qzeros)
         assert len(calls) == 1
     finally:
         monkeypatch.undo()  # the committed table's path back, then its contents
@@ -213,12 +209,19 @@ def test_table_dequant_entries_take_the_dequantize_path(triton_int4, monkeypatch
         original = triton_int4.w4a16_dequantize
         monkeypatch.setattr(triton_int4, "w4a16_dequantize", lambda *a, **kw: calls.append(a) or original(*a, **kw))
         monkeypatch.setattr(triton_int4, "w4a16_splitk", None)  # never reached
-        for m in (3, 40, 600):  # the smallest tuned bucket holding m rows (64, 64), then past the widest
-            x = torch.randn(m, 256).to(DEVICE, torch.bfloat16)
-            y = triton_int4.w4a16_linear(x, qweight, scales, qzeros, 128)
-            exact = x.double() @ dequantize(qweight, scales, qzeros, 128, 256, torch.bfloat16).double()
-            assert _rel(y, exact) < TOL[torch.bfloat16]
+        # The smallest tuned bucket holding m rows (64, 64), then past the widest.
+        _check_dispatched(triton_int4, (3, 40, 600), qweight, scales, qzeros)
         assert len(calls) == 3
     finally:
         monkeypatch.undo()
         triton_int4.reload_config_table()
+
+
+def _check_dispatched(triton_int4, rows, qweight, scales, qzeros):
+    """w4a16_linear at each row count (K 256, groups of 128, as the table dispatches) against the
+    dequantized weight in float64."""
+    for m in rows:
+        x = torch.randn(m, 256).to(DEVICE, torch.bfloat16)
+        y = triton_int4.w4a16_linear(x, qweight, scales, qzeros, 128)
+        exact = x.double() @ dequantize(qweight, scales, qzeros, 128, 256, torch.bfloat16).double()
+        assert _rel(y, exact) < TOL[torch.bfloat16]
