@@ -46,18 +46,18 @@ compile_("small-row dot split-K", triton_gemv._small_m_gemm_kernel, dot,
 norm = {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "res_out_ptr": "*bf16",
         "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "n_inner": "i32", "x_stride0": "i32", "x_stride1": "i32",
         "res_stride0": "i32", "res_stride1": "i32", "N": "i32", "eps": "fp32", "HAS_RESIDUAL": c, "BLOCK": c,
-        "TRIGGER": c, "FP8_OUT": c}
+        "TRIGGER": c, "FP8_OUT": c, "ENTER": c}
 compile_("rms norm letting the shrink launch", triton_ops._rms_norm_kernel, norm,
-         {"HAS_RESIDUAL": True, "BLOCK": 4096, "TRIGGER": True, "FP8_OUT": False}, options=pdl,
+         {"HAS_RESIDUAL": True, "BLOCK": 4096, "TRIGGER": True, "FP8_OUT": False, "ENTER": False}, options=pdl,
          want_ptx="griddepcontrol.launch_dependents")
 compile_("rms norm quantizing its rows to fp8", triton_ops._rms_norm_kernel, norm,
-         {"HAS_RESIDUAL": False, "BLOCK": 4096, "TRIGGER": True, "FP8_OUT": True}, options=pdl)
+         {"HAS_RESIDUAL": False, "BLOCK": 4096, "TRIGGER": True, "FP8_OUT": True, "ENTER": False}, options=pdl)
 silu = {"x_ptr": "*bf16", "out_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "x_stride0": "i32",
-        "inter_size": "i32", "BLOCK": c, "TRIGGER": c, "FP8_OUT": c}
+        "inter_size": "i32", "BLOCK": c, "TRIGGER": c, "FP8_OUT": c, "ENTER": c}
 compile_("silu-and-mul letting the shrink launch", triton_ops._silu_and_mul_kernel, silu,
-         {"BLOCK": 1024, "TRIGGER": True, "FP8_OUT": False}, options=pdl, want_ptx="griddepcontrol.launch_dependents")
+         {"BLOCK": 1024, "TRIGGER": True, "FP8_OUT": False, "ENTER": False}, options=pdl, want_ptx="griddepcontrol.launch_dependents")
 compile_("silu-and-mul quantizing its rows to fp8", triton_ops._silu_and_mul_kernel, silu,
-         {"BLOCK": 16384, "TRIGGER": True, "FP8_OUT": True}, options=pdl)
+         {"BLOCK": 16384, "TRIGGER": True, "FP8_OUT": True, "ENTER": False}, options=pdl)
 """
 
 

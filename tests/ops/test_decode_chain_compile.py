@@ -1,0 +1,55 @@
+"""The kernels of a decode layer's chain compile for an H100 (sm_90) launched early
+(programmatic dependent launch, ``ENTER``): each waits for the kernel before it
+(griddepcontrol.wait) and lets the next launch (griddepcontrol.launch_dependents). The
+interpreter never takes that branch (no GPU, ``decode_pdl`` is off), so it is compiled here
+(tests/triton_env.compile_for_sm90). The attention kernel itself runs with it in the GPU pass."""
+from __future__ import annotations
+
+import pytest
+
+from tests.triton_env import HAS_TRITON, compile_for_sm90
+
+pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+
+_BODY = r"""
+from pagedllm.attention import triton_kernels
+from pagedllm.ops import triton_ops
+
+pdl = {"launch_pdl": True}
+both = ["griddepcontrol.wait", "griddepcontrol.launch_dependents"]
+norm = {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "res_out_ptr": "*bf16",
+        "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "n_inner": "i32", "x_stride0": "i32", "x_stride1": "i32",
+        "res_stride0": "i32", "res_stride1": "i32", "N": "i32", "eps": "fp32", "HAS_RESIDUAL": c, "BLOCK": c,
+        "TRIGGER": c, "FP8_OUT": c, "ENTER": c}
+compile_("rms norm", triton_ops._rms_norm_kernel, norm,
+         {"HAS_RESIDUAL": True, "BLOCK": 4096, "TRIGGER": False, "FP8_OUT": False, "ENTER": True}, options=pdl,
+         want_ptx=both)
+silu = {"x_ptr": "*bf16", "out_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "x_stride0": "i32",
+        "inter_size": "i32", "BLOCK": c, "TRIGGER": c, "FP8_OUT": c, "ENTER": c}
+compile_("silu-and-mul", triton_ops._silu_and_mul_kernel, silu,
+         {"BLOCK": 16384, "TRIGGER": False, "FP8_OUT": True, "ENTER": True}, options=pdl, want_ptx=both)
+rotary = {"q_ptr": "*bf16", "k_ptr": "*bf16", "qw_ptr": "*bf16", "kw_ptr": "*bf16", "q_out_ptr": "*bf16",
+          "k_out_ptr": "*bf16", "cos_sin_ptr": "*fp32", "pos_ptr": "*i64", "q_stride0": "i32", "q_stride1": "i32",
+          "k_stride0": "i32", "k_stride1": "i32", "cos_sin_stride0": "i32", "eps": "fp32", "NUM_Q_HEADS": c,
+          "NUM_K_HEADS": c, "HALF": c, "BLOCK_H": c, "BLOCK_D": c, "HAS_NORM": c, "ENTER": c}
+compile_("rotary with q/k norm", triton_ops._rotary_kernel, rotary,
+         {"NUM_Q_HEADS": 16, "NUM_K_HEADS": 8, "HALF": 64, "BLOCK_H": 8, "BLOCK_D": 64, "HAS_NORM": True,
+          "ENTER": True}, options=pdl, want_ptx=both)
+cache = {"key_ptr": "*bf16", "value_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16",
+         "slot_ptr": "*i64", "kv_scale_ptr": "*fp32", "stride_kt": "i32", "stride_kh": "i32", "stride_vt": "i32",
+         "stride_vh": "i32", "stride_c_block": "i32", "stride_c_slot": "i32", "stride_c_head": "i32",
+         "BLOCK_SIZE": c, "NUM_KV_HEADS": c, "HEAD_DIM": c, "HEADS_PAD": c, "DIM_PAD": c, "FP8_MAX": c, "ENTER": c}
+compile_("KV write", triton_kernels._reshape_and_cache_kernel, cache,
+         {"BLOCK_SIZE": 16, "NUM_KV_HEADS": 8, "HEAD_DIM": 128, "HEADS_PAD": 8, "DIM_PAD": 128, "FP8_MAX": 0.0,
+          "ENTER": True}, options=pdl, want_ptx=both)
+merge = {"out_ptr": "*bf16", "part_out_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32",
+         "qsl_ptr": "*i32", "num_seqs": "i32", "num_heads": "i32", "num_splits": "i32", "stride_ot": "i32",
+         "stride_oh": "i32", "HEAD_DIM": c, "DIM_PAD": c, "MAX_SPLITS": c, "ENTER": c}
+compile_("split merge", triton_kernels._merge_splits_kernel, merge,
+         {"HEAD_DIM": 128, "DIM_PAD": 128, "MAX_SPLITS": 16, "ENTER": True}, options=pdl, want_ptx=both)
+"""
+
+
+def test_decode_chain_kernels_compile_for_sm90_launched_early(tmp_path):
+    assert compile_for_sm90(_BODY, tmp_path) == {"rms norm": True, "silu-and-mul": True, "rotary with q/k norm": True,
+                                                 "KV write": True, "split merge": True}
