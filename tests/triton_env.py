@@ -164,6 +164,18 @@ def compile_(name, fn, signature, constexprs, num_warps=4, options=None, want_pt
 """
 
 
+# The signatures of triton_ops' RMSNorm and SiLU-and-mul kernels (bf16 rows, fp8 quantized rows), for
+# the bodies of compile_for_sm90 that compile them (the LoRA chain, the decode chain).
+SM90_NORM_SILU = r"""
+norm = {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "res_out_ptr": "*bf16",
+        "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "n_inner": "i32", "x_stride0": "i32", "x_stride1": "i32",
+        "res_stride0": "i32", "res_stride1": "i32", "N": "i32", "eps": "fp32", "HAS_RESIDUAL": c, "BLOCK": c,
+        "TRIGGER": c, "FP8_OUT": c, "ENTER": c}
+silu = {"x_ptr": "*bf16", "out_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "x_stride0": "i32",
+        "inter_size": "i32", "BLOCK": c, "TRIGGER": c, "FP8_OUT": c, "ENTER": c}
+"""
+
+
 def compile_for_sm90(body: str, cache_dir) -> dict:
     """Runs ``body`` (calls of ``compile_(name, fn, signature, constexprs, ...)``) in a fresh
     process: the test's own holds the kernel modules as imported for the interpreter, which

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.triton_env import HAS_TRITON, compile_for_sm90
+from tests.triton_env import HAS_TRITON, SM90_NORM_SILU, compile_for_sm90
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 
@@ -43,17 +43,11 @@ compile_("small-row dot with the expand", triton_gemv._small_m_gemm_kernel, dot,
 compile_("small-row dot split-K", triton_gemv._small_m_gemm_kernel, dot,
          {"HAS_BIAS": True, "BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 256, "HAS_LORA": False, "SPLIT": 1, "BLOCK_R": 16,
           "PDL": False, "ENTER": True, "USE_SPLIT": True}, options=pdl, want_ptx="atom")
-norm = {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "res_out_ptr": "*bf16",
-        "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "n_inner": "i32", "x_stride0": "i32", "x_stride1": "i32",
-        "res_stride0": "i32", "res_stride1": "i32", "N": "i32", "eps": "fp32", "HAS_RESIDUAL": c, "BLOCK": c,
-        "TRIGGER": c, "FP8_OUT": c, "ENTER": c}
 compile_("rms norm letting the shrink launch", triton_ops._rms_norm_kernel, norm,
          {"HAS_RESIDUAL": True, "BLOCK": 4096, "TRIGGER": True, "FP8_OUT": False, "ENTER": False}, options=pdl,
          want_ptx="griddepcontrol.launch_dependents")
 compile_("rms norm quantizing its rows to fp8", triton_ops._rms_norm_kernel, norm,
          {"HAS_RESIDUAL": False, "BLOCK": 4096, "TRIGGER": True, "FP8_OUT": True, "ENTER": False}, options=pdl)
-silu = {"x_ptr": "*bf16", "out_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "x_stride0": "i32",
-        "inter_size": "i32", "BLOCK": c, "TRIGGER": c, "FP8_OUT": c, "ENTER": c}
 compile_("silu-and-mul letting the shrink launch", triton_ops._silu_and_mul_kernel, silu,
          {"BLOCK": 1024, "TRIGGER": True, "FP8_OUT": False, "ENTER": False}, options=pdl, want_ptx="griddepcontrol.launch_dependents")
 compile_("silu-and-mul quantizing its rows to fp8", triton_ops._silu_and_mul_kernel, silu,
@@ -62,7 +56,7 @@ compile_("silu-and-mul quantizing its rows to fp8", triton_ops._silu_and_mul_ker
 
 
 def test_lora_kernels_compile_for_sm90_with_programmatic_dependent_launch(tmp_path):
-    results = compile_for_sm90(_BODY, tmp_path)
+    results = compile_for_sm90(SM90_NORM_SILU + _BODY, tmp_path)
     assert results == {"shrink": True, "gemv with the expand": True, "gemv launched early": True,
                        "small-row dot with the expand": True, "small-row dot split-K": True,
                        "rms norm letting the shrink launch": True, "rms norm quantizing its rows to fp8": True,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.triton_env import HAS_TRITON, compile_for_sm90
+from tests.triton_env import HAS_TRITON, SM90_NORM_SILU, compile_for_sm90
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 
@@ -17,15 +17,9 @@ from pagedllm.ops import triton_ops
 
 pdl = {"launch_pdl": True}
 both = ["griddepcontrol.wait", "griddepcontrol.launch_dependents"]
-norm = {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "res_out_ptr": "*bf16",
-        "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "n_inner": "i32", "x_stride0": "i32", "x_stride1": "i32",
-        "res_stride0": "i32", "res_stride1": "i32", "N": "i32", "eps": "fp32", "HAS_RESIDUAL": c, "BLOCK": c,
-        "TRIGGER": c, "FP8_OUT": c, "ENTER": c}
 compile_("rms norm", triton_ops._rms_norm_kernel, norm,
          {"HAS_RESIDUAL": True, "BLOCK": 4096, "TRIGGER": False, "FP8_OUT": False, "ENTER": True}, options=pdl,
          want_ptx=both)
-silu = {"x_ptr": "*bf16", "out_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "x_stride0": "i32",
-        "inter_size": "i32", "BLOCK": c, "TRIGGER": c, "FP8_OUT": c, "ENTER": c}
 compile_("silu-and-mul", triton_ops._silu_and_mul_kernel, silu,
          {"BLOCK": 16384, "TRIGGER": False, "FP8_OUT": True, "ENTER": True}, options=pdl, want_ptx=both)
 rotary = {"q_ptr": "*bf16", "k_ptr": "*bf16", "qw_ptr": "*bf16", "kw_ptr": "*bf16", "q_out_ptr": "*bf16",
@@ -51,5 +45,5 @@ compile_("split merge", triton_kernels._merge_splits_kernel, merge,
 
 
 def test_decode_chain_kernels_compile_for_sm90_launched_early(tmp_path):
-    assert compile_for_sm90(_BODY, tmp_path) == {"rms norm": True, "silu-and-mul": True, "rotary with q/k norm": True,
+    assert compile_for_sm90(SM90_NORM_SILU + _BODY, tmp_path) == {"rms norm": True, "silu-and-mul": True, "rotary with q/k norm": True,
                                                  "KV write": True, "split merge": True}

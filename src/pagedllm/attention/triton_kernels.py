@@ -45,7 +45,7 @@ from pagedllm import envs
 from pagedllm.attention.kv_quant import FP8_MAX, is_fp8
 from pagedllm.attention.triton_prefill import prefill_attention
 from pagedllm.attention.triton_paging import add_values, find_seq, key_scores, load_block_ids
-from pagedllm.ops.triton_pdl import decode_pdl, launch_early, pdl_begin
+from pagedllm.ops.triton_pdl import enter_args, pdl_enter
 
 LOG2_E = math.log2(math.e)
 MAX_SPLITS = 16  # split-KV parts per (token, head) at most
@@ -60,7 +60,7 @@ def _reshape_and_cache_kernel(
     BLOCK_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     HEADS_PAD: tl.constexpr, DIM_PAD: tl.constexpr, FP8_MAX: tl.constexpr, ENTER: tl.constexpr = False,
 ):
-    pdl_begin(ENTER, ENTER)  # launched early (ops/triton_pdl.py): wait for the kernel before first
+    pdl_enter(ENTER)  # launched early (ops/triton_pdl.py): wait for the kernel before first
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot < 0:  # padding token: nothing to store
@@ -104,8 +104,7 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Te
         kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         BLOCK_SIZE=kv_cache.shape[2], NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         HEADS_PAD=triton.next_power_of_2(num_kv_heads), DIM_PAD=triton.next_power_of_2(head_dim), FP8_MAX=fp8_max,
-        num_warps=4 if num_kv_heads * head_dim >= 1024 else 1, ENTER=decode_pdl(key.device),
-        **launch_early(decode_pdl(key.device)),
+        num_warps=4 if num_kv_heads * head_dim >= 1024 else 1, **enter_args(key.device),
     )
 
 
@@ -144,7 +143,7 @@ def _attention_kernel(
     Q_LEN_FILTER: tl.constexpr, Q_LEN_THRESHOLD: tl.constexpr, SOFTCAP: tl.constexpr, KV_FP8: tl.constexpr,
     CAUSAL: tl.constexpr = True, ENTER: tl.constexpr = False,
 ):
-    pdl_begin(ENTER, ENTER)  # launched early (ops/triton_pdl.py): wait for the kernel before first
+    pdl_enter(ENTER)  # launched early (ops/triton_pdl.py): wait for the kernel before first
     # One flat grid axis, KV head fastest: the programs of one sequence run side by side and
     # read the same cache blocks (each slot holds all KV heads) at about the same time.
     pid = tl.program_id(0) // NUM_KV_HEADS
@@ -258,7 +257,7 @@ def _merge_splits_kernel(
     out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, qsl_ptr, num_seqs, num_heads, num_splits, stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, MAX_SPLITS: tl.constexpr, ENTER: tl.constexpr = False,
 ):
-    pdl_begin(ENTER, ENTER)
+    pdl_enter(ENTER)
     tok = tl.program_id(0)
     head = tl.program_id(1)
     if tok >= tl.load(qsl_ptr + num_seqs):  # a padding row of no sequence
@@ -400,7 +399,7 @@ def unified_attention(
     common = dict(
         NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=group_pad, BLOCK_SIZE=kv_cache.shape[2],
         HEAD_DIM=head_dim, DIM_PAD=dim_pad, USE_WINDOW=sliding_window is not None, IEEE=ieee,
-        SOFTCAP=logits_soft_cap is not None, CAUSAL=causal, KV_FP8=is_fp8(kv_cache.dtype), ENTER=decode_pdl(q.device))
+        SOFTCAP=logits_soft_cap is not None, CAUSAL=causal, KV_FP8=is_fp8(kv_cache.dtype), **enter_args(q.device))
     # K and V halves as two pointers: their distance (num_blocks x block bytes, past 2**31 elements for large
     # caches) would be an argument Triton types i32 or i64 by its value, one compiled variant per cache size.
     args = [q, out, *kv_cache.unbind(), block_tables, seq_lens, query_start_loc, q if kv_scale is None else kv_scale]
@@ -420,7 +419,7 @@ def unified_attention(
         grid = (grid_q * num_kv_heads,) if splits == 1 else (grid_q * num_kv_heads, splits)
         _attention_kernel[grid](
             *args, *parts, *scalars, **common, **cfg, SPLIT=splits > 1,
-            Q_LEN_FILTER=q_len_filter, Q_LEN_THRESHOLD=threshold, **launch_early(common["ENTER"]),
+            Q_LEN_FILTER=q_len_filter, Q_LEN_THRESHOLD=threshold,
         )
 
     if has_long:  # short runs in short tiles; long ones in the prefill kernel where it applies
@@ -485,5 +484,5 @@ def _merge_splits(out: torch.Tensor, parts: tuple, query_start_loc: torch.Tensor
     _merge_splits_kernel[(num_tokens, num_heads)](
         out, part_out, part_m, part_l, query_start_loc, num_seqs, num_heads, splits, out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, DIM_PAD=dim_pad, MAX_SPLITS=MAX_SPLITS, num_warps=4 if head_dim >= 128 else 2,
-        ENTER=decode_pdl(out.device), **launch_early(decode_pdl(out.device)),
+        **enter_args(out.device),
     )

@@ -205,8 +205,8 @@ def tune_splitk(args) -> dict:
                 if cand_kind == "tiled":
                     kind, best, best_ms = cand_kind, cand, cand_ms
                     break
-                got = triton_int4.w4a16_linear(x, qw, sc, zr, group,
-                                               decode=cand or triton_int4.DEQUANT).float()
+                decode = triton_int4.DEQUANT if cand_kind == "dequant" else cand
+                got = triton_int4.w4a16_linear(x, qw, sc, zr, group, decode=decode).float()
                 err = ((got - want).norm() / want.norm()).item()
                 if err < 1e-2:
                     kind, best, best_ms = cand_kind, cand, cand_ms

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from pagedllm.ops.tile_tables import ROW_BUCKETS, TileTable
-from pagedllm.ops.triton_pdl import decode_pdl, launch_early, pdl_enter
+from pagedllm.ops.triton_pdl import enter_args, pdl_enter
 from pagedllm.ops.triton_splitk import counters, finish_split, split_for
 
 SMALL_ROWS = 32  # at most this many rows take the decode tiling
@@ -356,8 +356,10 @@ def decode_config(m: int, n: int, k: int, group: int, device: str = "cuda",
         return DEQUANT if tuned.get(str(M_BUCKETS[-1]), {}).get("kernel") == "dequant" else None
     entry = next((tuned[str(b)] for b in M_BUCKETS if b >= m and str(b) in tuned), None)
     if entry is not None:
-        if entry.get("kernel") in ("tiled", "dequant"):
-            return DEQUANT if entry["kernel"] == "dequant" else None
+        if entry.get("kernel") == "tiled":
+            return None
+        if entry.get("kernel") == "dequant":
+            return DEQUANT
         config = {key: value for key, value in entry.items() if key not in ("kernel", "ms")}
         if zero_points and config.get("USE_DOT") and config["BLOCK_M"] > ZERO_POINT_ROWS:
             config["BLOCK_M"] = ZERO_POINT_ROWS
@@ -391,11 +393,10 @@ def w4a16_splitk(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, q
     else:
         ws = cnt = y
     second = mins if mins is not None else qzeros if qzeros is not None else qweight
-    enter = decode_pdl(x.device)
     _w4a16_splitk_kernel[(n_tiles, split, m_tiles)](
         x, qweight, scales, second, bias if bias is not None else y, y, ws, cnt, m, n, k, x.stride(0), y.stride(0),
         per_split, split, GROUP=group_size, HAS_ZP=qzeros is not None, HAS_BIAS=bias is not None,
-        HAS_MIN=mins is not None, USE_SPLIT=split > 1, ENTER=enter, **cfg, **launch_early(enter))
+        HAS_MIN=mins is not None, USE_SPLIT=split > 1, **cfg, **enter_args(x.device))
     return y
 
 
@@ -419,13 +420,14 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, q
                          f"{tuple(scales.shape)}, group {group_size}")
     if x.stride(-1) != 1:
         x = x.contiguous()
-    config = None
+    dequant = m >= DEQUANT_ROWS
     if not tiles and decode is not False and m > 0:
         config = decode if isinstance(decode, dict) else \
             decode_config(m, n, k, group_size, str(x.device), qzeros is not None or mins is not None)
-        if config is not None and config is not DEQUANT and config.get("kernel") != "dequant":
+        if config is not None and config.get("kernel") != "dequant":
             return w4a16_splitk(x, qweight, scales, qzeros, group_size, bias, mins, config)
-    if (m >= DEQUANT_ROWS or config is not None) and not tiles:
+        dequant = dequant or config is not None
+    if dequant and not tiles:
         w = w4a16_dequantize(qweight, scales, qzeros, group_size, x.dtype, mins)
         y = x @ w
         return y if bias is None else y + bias

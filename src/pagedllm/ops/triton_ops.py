@@ -17,7 +17,7 @@ import triton.language as tl
 from pagedllm.ops.triton_fp8 import FP8_MAX, MIN_SCALE
 from pagedllm.ops.triton_gemv import decode_config, small_m_linear
 from pagedllm.ops.triton_lora import pdl_supported
-from pagedllm.ops.triton_pdl import decode_pdl, launch_early, pdl_begin
+from pagedllm.ops.triton_pdl import enter_args, pdl_begin, pdl_enter
 
 # One program holds a whole row: hidden sizes of the supported models are far below this.
 MAX_ROW_SIZE = 65536
@@ -110,7 +110,7 @@ def _rotary_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, q_out_ptr, k_out_ptr, cos_sin_p
                    k_stride0, k_stride1, cos_sin_stride0, eps, NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr,
                    HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, HAS_NORM: tl.constexpr,
                    ENTER: tl.constexpr):
-    pdl_begin(ENTER, ENTER)  # launched early: wait for the kernel before, then let the next launch
+    pdl_enter(ENTER)  # launched early: wait for the kernel before, then let the next launch
     t = tl.program_id(0).to(tl.int64)
     head_block = tl.program_id(1)
     offs_d = tl.arange(0, BLOCK_D)
@@ -166,11 +166,9 @@ def _rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tens
     # residual has x's shape, so it comes out of _rows with the same rows per outer index.
     rr, _, rs0, rs1 = _rows(residual) if residual is not None else (xr, n_inner, xs0, xs1)
     block, num_warps = _row_launch(n)
-    enter = decode_pdl(x.device)
     _rms_norm_kernel[(num_rows,)](xr, rr, weight, out, res_out, q, scales, n_inner, xs0, xs1, rs0, rs1, n, eps,
                                   HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=num_warps,
-                                  TRIGGER=pdl_supported(x.device), FP8_OUT=fp8_out, ENTER=enter,
-                                  **launch_early(enter))
+                                  TRIGGER=pdl_supported(x.device), FP8_OUT=fp8_out, **enter_args(x.device))
     if fp8_out:
         attach_fp8(out, q, scales)
     return out, res_out
@@ -233,10 +231,9 @@ def silu_and_mul(x: torch.Tensor, fp8_out: bool = False) -> torch.Tensor:
     else:
         block, num_warps = min(triton.next_power_of_2(inter), 1024), 4
         q = scales = out
-    enter = decode_pdl(x.device)
     _silu_and_mul_kernel[(num_rows, triton.cdiv(inter, block))](
         x2, out, q, scales, x2.stride(0), inter, BLOCK=block, TRIGGER=pdl_supported(x.device), FP8_OUT=fp8_out,
-        num_warps=num_warps, ENTER=enter, **launch_early(enter))
+        num_warps=num_warps, **enter_args(x.device))
     if fp8_out:
         attach_fp8(out, q, scales)
     return out
@@ -276,8 +273,7 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
         q, k, q_norm_weight if has_norm else q, k_norm_weight if has_norm else k, q_out, k_out, cos_sin_cache,
         positions, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0), eps,
         NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=num_k_heads, HALF=half, BLOCK_H=block_h,
-        BLOCK_D=triton.next_power_of_2(half), HAS_NORM=has_norm, num_warps=4, ENTER=decode_pdl(q.device),
-        **launch_early(decode_pdl(q.device)))
+        BLOCK_D=triton.next_power_of_2(half), HAS_NORM=has_norm, num_warps=4, **enter_args(q.device))
     return q_out, k_out
 
 

@@ -61,6 +61,12 @@ def launch_early(early: bool) -> dict:
     return {"launch_pdl": True} if early else {}
 
 
+def enter_args(device: torch.device) -> dict:
+    """The launch arguments of a kernel in a layer's chain (its ``ENTER`` constexpr, ``pdl_enter``):
+    launched early and waiting for the kernel before it where ``decode_pdl`` is on."""
+    return {"ENTER": (enter := decode_pdl(device)), **launch_early(enter)}
+
+
 def launch_args(pdl: bool) -> dict:
     """A kernel's launch arguments for its ``PDL`` constexpr: with it, launched early."""
     return {"PDL": pdl, **launch_early(pdl)}
@@ -81,6 +87,4 @@ def pdl_begin(ENTER: tl.constexpr, TRIGGER: tl.constexpr):
 def pdl_enter(PDL: tl.constexpr):
     """A kernel's first step when launched early: wait for the kernel before (its writes are
     complete and visible), then let the kernel after launch (it waits likewise)."""
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl_begin(PDL, PDL)
