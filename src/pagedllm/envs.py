@@ -49,6 +49,18 @@ def _seconds(name: str) -> Callable[[str], float]:
     return parse
 
 
+def _count(name: str) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = -1
+        if value < 0:
+            raise ValueError(f"{name} must be a whole number >= 0, got {text!r}")
+        return value
+    return parse
+
+
 _VARS = [
     EnvVar("PAGEDLLM_LOGGING_LEVEL", "str", "INFO", "Level of the `pagedllm` logger (DEBUG, INFO, WARNING, ...).",
            str.upper),
@@ -95,6 +107,10 @@ _VARS = [
            "instead of taking the rows the RMSNorm or SiLU-and-mul kernel before it quantized (model/loader.py; "
            "A/B measurements).",
            _not_zero),
+    EnvVar("PAGEDLLM_PIECEWISE_GRAPH_TOKENS", "int", 2048,
+           "Steps of up to this many tokens that carry a prefill chunk replay CUDA graphs captured in pieces "
+           "between the attention calls, attention run eagerly between them (worker/piecewise_graphs.py); larger "
+           "steps run eagerly. 0: every such step runs eagerly.", _count("PAGEDLLM_PIECEWISE_GRAPH_TOKENS")),
     EnvVar("PAGEDLLM_PREFILL_KERNEL", "bool (0 = off)", True,
            "0: causal prefill chunks (query runs longer than a decode tile, no sliding window or soft cap) run in the "
            "unified paged-attention kernel's long tiles instead of the prefill kernel (attention/triton_prefill.py; "

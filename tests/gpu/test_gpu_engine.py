@@ -43,6 +43,7 @@ def test_triton_backend_and_cuda_graphs_match_torch_backend_and_transformers_fp3
     runner = fast.llm_engine.engine_core.executor.worker.model_runner
     assert runner.attn_backend.name == "triton" and runner.cuda_graphs, "expected Triton + CUDA graphs"
     assert _ids(_greedy(fast, prompts)) == ref
+    assert runner.graphs.piecewise.replays > 0  # the prefill steps replayed piecewise graphs
     del fast
     eager = _llm(tiny_models[arch], monkeypatch, enforce_eager=True, max_num_batched_tokens=32, block_size=8)
     assert not eager.llm_engine.engine_core.executor.worker.model_runner.cuda_graphs

@@ -26,8 +26,10 @@ def test_fused_moe_kernel_and_cuda_graphs_match_transformers_fp32(gpu_moe_models
     prompts = mixed_prompts() + shared_prefix_prompts()
     ref = hf_greedy(gpu_moe_models[arch], prompts)
     fast = _llm(gpu_moe_models[arch], monkeypatch)
-    assert fast.llm_engine.engine_core.executor.worker.model_runner.cuda_graphs
+    runner = fast.llm_engine.engine_core.executor.worker.model_runner
+    assert runner.cuda_graphs
     assert _ids(_greedy(fast, prompts)) == ref
+    assert runner.graphs.piecewise.replays > 0  # the prefill steps replayed piecewise graphs
     del fast
     eager = _llm(gpu_moe_models[arch], monkeypatch, enforce_eager=True, max_num_batched_tokens=32, block_size=8)
     assert _ids(_greedy(eager, prompts)) == ref
@@ -39,6 +41,7 @@ def test_routed_experts_recorded_under_cuda_graphs(gpu_moe_models, monkeypatch):
     llm = _llm(model_dir, monkeypatch, enable_return_routed_experts=True)
     outs = _greedy(llm, prompts, max_tokens=8)
     check_against_transformers(model_dir, prompts, outs)
+    assert llm.llm_engine.engine_core.executor.worker.model_runner.graphs.piecewise.replays > 0
     assert all(isinstance(o.outputs[0].routed_experts, np.ndarray) for o in outs)
 
 

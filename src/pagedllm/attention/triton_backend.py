@@ -17,11 +17,13 @@ class TritonAttentionBackend(AttentionBackend):
     cuda_graph_safe = True
 
     def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata, scale, sliding_window=None,
-                logits_soft_cap=None, causal=True, kv_scale=None):
+                logits_soft_cap=None, causal=True, kv_scale=None, out=None):
+        """``out``: where the attention output goes (shaped like ``query``; default a new tensor)."""
         fp8 = self.check_kv_scale(key, value, kv_cache, metadata, kv_scale)
         kv_scale = kv_scale if fp8 else None
         reshape_and_cache(key, value, kv_cache, metadata.slot_mapping, kv_scale)
-        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        if out is None:
+            out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         unified_attention(
             query, kv_cache, metadata.block_tables, metadata.query_start_loc, metadata.seq_lens, scale, out,
             sliding_window, max_query_len=metadata.max_query_len, logits_soft_cap=logits_soft_cap,

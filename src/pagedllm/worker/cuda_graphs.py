@@ -22,6 +22,7 @@ from pagedllm.model.moe import FusedMoE
 from pagedllm.ops.tile_tables import ROW_BUCKETS
 from pagedllm.sample.sampler import SamplingMetadata
 from pagedllm.worker.device_buffers import DeviceBuffers
+from pagedllm.worker.piecewise_graphs import PiecewiseGraphs
 
 logger = logging.getLogger("pagedllm")
 
@@ -64,6 +65,7 @@ class CudaGraphs:
         self.spec_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # (q, size)
         self.spec_sizes: dict[int, list[int]] = {}
         self._spec_qsl: dict[int, torch.Tensor] = {}  # 0, q, 2q, ...: the captured query starts
+        self.piecewise: PiecewiseGraphs | None = None  # steps with prefill chunks (the runner sets it)
 
     def size_for(self, num_reqs: int, lora: bool = False, q: int = 1) -> int | None:
         """The captured batch size a step of ``num_reqs`` requests of ``q`` tokens each replays
@@ -78,6 +80,11 @@ class CudaGraphs:
             sizes = self.sizes
         i = bisect.bisect_left(sizes, num_reqs)
         return sizes[i] if i < len(sizes) else None
+
+    def piece_size(self, num_tokens: int, eager: bool) -> int | None:
+        """The padded token count whose piecewise graphs a step with prefill chunks replays
+        (None: it runs eagerly; ``eager``: it must, e.g. its LoRA adapters are not captured)."""
+        return None if eager or self.piecewise is None else self.piecewise.size_for(num_tokens)
 
     def replay(self, size: int, num_tokens: int, lora: bool = False, q: int = 1) -> torch.Tensor:
         """Replay the graph of ``size`` requests (of ``q`` tokens each) over the buffers as
@@ -132,6 +139,8 @@ class CudaGraphs:
         # Our own capture stream: torch's default one is created once per process, on whichever
         # device was current then, and capturing there would switch this engine to that device.
         stream = torch.cuda.Stream(self.device)
+        if self.piecewise is not None:
+            self.piecewise.capture(model, pool, stream)
         buf = self.reset_inputs()
         sets = [(self.graphs, None)]
         if lora is not None and lora.graphs_supported():
@@ -156,9 +165,11 @@ class CudaGraphs:
         self.spec_sizes = {q: list(c) for q, c in self.spec_candidate_sizes.items()}
         spec = f", and of 2..{self.spec_qs[-1]} tokens per request for 1..{self.spec_candidate_sizes[2][-1]}" \
             if self.spec_qs else ""
-        logger.info("Captured %d CUDA graphs for decode batches of 1..%d%s%s in %.1f s",
+        pieces = f"; steps with prefill chunks in pieces at {len(self.piecewise.sizes)} sizes up to " \
+            f"{self.piecewise.sizes[-1]} tokens" if self.piecewise is not None and self.piecewise.sizes else ""
+        logger.info("Captured %d CUDA graphs for decode batches of 1..%d%s%s%s in %.1f s",
                     len(sizes) * len(sets) + len(self.spec_graphs), sizes[-1],
-                    " (with and without LoRA)" if len(sets) > 1 else "", spec, time.perf_counter() - t0)
+                    " (with and without LoRA)" if len(sets) > 1 else "", spec, pieces, time.perf_counter() - t0)
 
     def _capture_one(self, model: nn.Module, buf: DeviceBuffers, bs: int, q: int, pool,
                      stream: torch.cuda.Stream) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
@@ -187,6 +198,8 @@ class CudaGraphs:
         self.sizes = []
         self.spec_graphs = {}
         self.spec_sizes = {}
+        if self.piecewise is not None:
+            self.piecewise.release()
 
 
 @torch.inference_mode()
@@ -286,3 +299,6 @@ def compile_dry_run(runner) -> None:
         sizes = graphs.candidate_sizes
         for bs in sizes:
             runner.model(buf.input_ids[:bs], buf.positions[:bs], graphs.metadata(bs))
+        if graphs.piecewise is not None:  # and the padded token counts of steps with prefill chunks
+            for n in graphs.piecewise.candidate_sizes:
+                runner.model(buf.input_ids[:n], buf.positions[:n], graphs.piecewise.warm_up_metadata(n))

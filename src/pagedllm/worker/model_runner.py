@@ -33,6 +33,7 @@ from pagedllm.lora.manager import lora_manager_for
 from pagedllm.worker.input_batch import CachedRequestState, InputBatch
 from pagedllm.worker.kv_cache import allocate_kv_caches, check_fp8_kv_cache, place_layers
 from pagedllm.worker.pending_output import PendingOutput
+from pagedllm.worker.piecewise_graphs import piecewise_graphs_for
 from pagedllm.worker.pooling import PoolingSteps
 from pagedllm.worker.prompt_logprobs import prompt_logprobs
 from pagedllm.worker.spec_draft import DraftModel, draft_scope
@@ -54,6 +55,7 @@ class _Batch:
     query_start_loc: list[int]
     starts: list[int]  # num_computed_tokens of each request before this step
     graph_size: int | None  # replay the CUDA graph of this padded batch size
+    piece_size: int | None  # else the piecewise graphs of this padded token count (None: eagerly)
     sample_rows: list[int]  # the requests that reach their last known token this step: they sample
     sample_batch_rows: np.ndarray  # their rows in the input batch
     sample_index: torch.Tensor | None  # their last tokens' rows of the flat batch (None: all, a decode)
@@ -124,6 +126,7 @@ class ModelRunner:
         # FP8 KV cache with calculate_kv_scales: the first real step sets every layer's scales.
         all_attn = self.attn_layers + (self.draft.attn_layers if self.draft else [])
         self._kv_scales_pending = check_fp8_kv_cache(config.cache_config, self.kv_dtype, all_attn, device)
+        self.graphs.piecewise = piecewise_graphs_for(self)
 
     # ---- KV cache ---------------------------------------------------------------------------
     def kv_cache_bytes_per_block(self) -> int:
@@ -242,6 +245,8 @@ class ModelRunner:
             self.lora.prepare_step(lora_ids, counts, batch.graph_size)
         if batch.graph_size is not None:
             hidden = self.graphs.replay(batch.graph_size, batch.num_tokens, lora=lora_ids is not None, q=batch.graph_q)
+        elif batch.piece_size is not None:
+            hidden = self.graphs.piecewise.replay(batch.piece_size, batch.num_tokens, batch.attn_metadata)
         elif self.pooling is not None and self.pooling.is_encoder:
             hidden = self.model(batch.input_ids, batch.positions, batch.attn_metadata,
                                 token_type_ids=self.pooling.token_types(states, batch.query_start_loc, batch.num_tokens))
@@ -396,6 +401,7 @@ class ModelRunner:
             s.num_computed_tokens = end
 
         q, graph_size = self._graph_for(counts, total, lora)
+        piece_size = None if graph_size is not None else self.graphs.piece_size(total, lora or self._kv_scales_pending)
         buf = self._buffers
         qsl_list = qsl.tolist()
         buf.begin_step()
@@ -403,8 +409,8 @@ class ModelRunner:
         if graph_size is not None:
             ids_d, pos_d = self.upload_graph_inputs(input_ids, positions, seq_lens, tables, graph_size, q)
         else:
-            ids_d = buf.upload("input_ids", input_ids)
-            pos_d = buf.upload("positions", positions)
+            ids_d = buf.upload("input_ids", input_ids, piece_size)  # padded rows: token 0 at position 0
+            pos_d = buf.upload("positions", positions, piece_size)
             seq_d = buf.upload("seq_lens", seq_lens)
             qsl_d = buf.upload("query_start_loc", qsl)
             (bt_d, slots_d), *group_tables = buf.upload_step_tables(tables)
@@ -439,5 +445,5 @@ class ModelRunner:
             if len(sample_rows) != total:
                 sample_index = buf.upload("sample_index", qsl[np.asarray(sample_rows) + 1] - 1)
         buf.end_step()
-        return _Batch(ids_d, pos_d, md, total, qsl_list, starts, graph_size, sample_rows, sample_batch_rows,
-                      sample_index, temperature, spec_counts, graph_q=q or 1)
+        return _Batch(ids_d, pos_d, md, total, qsl_list, starts, graph_size, piece_size, sample_rows,
+                      sample_batch_rows, sample_index, temperature, spec_counts, graph_q=q or 1)

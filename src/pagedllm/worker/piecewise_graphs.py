@@ -1,0 +1,202 @@
+"""Piecewise CUDA graphs: steps that carry a prefill chunk, captured between the attention calls.
+
+A decode step replays one graph of the whole forward (``cuda_graphs.CudaGraphs``); a step that
+carries a prefill chunk cannot, because attention's work depends on each request's query and
+context lengths. Run eagerly, such a forward is some ten launches a layer issued from Python, and
+on the H100 hosts that is 20-45 ms of host time a step (``scripts/mixed_step_probe.py``), several
+times what the GPU needs up to a few thousand tokens. Here the forward is captured in pieces
+for a set of padded token counts: piece 0 runs from the embedding to layer 0's attention, piece i
+from layer i - 1's attention output to layer i's attention inputs, the last to the final norm.
+A step pads its tokens to the next captured count and replays piece 0, runs layer 0's attention
+(and its KV write) eagerly on the real tokens with the step's metadata, replays piece 1, and so
+on (vLLM's piecewise graphs, which it cuts with torch.compile; here the attention backend is the
+cut). Padding rows go through the projections like any row and never reach attention or the
+cache; every op outside attention treats rows independently, so the real rows are exact.
+
+Capture swaps each attention layer's backend for a stand-in whose ``forward`` ends the piece being
+captured, records the call (its q, k, v: tensors in the graphs' memory pool) and returns a fixed
+output buffer that the next piece reads, then begins the next piece. The q, k, v are kept as
+non-owning views: their memory may be handed to later pieces of the same forward, which at replay
+run only after the attention that reads them (replays run in capture order, on one stream).
+"""
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import logging
+
+import torch
+from torch import nn
+
+from pagedllm.attention.backend import AttentionMetadata
+
+logger = logging.getLogger("pagedllm")
+
+
+def piecewise_sizes(max_tokens: int) -> list[int]:
+    """The padded token counts captured, up to ``max_tokens``: every 32 to 256, then eight
+    steps per doubling (at most 12.5% padding), and ``max_tokens`` itself."""
+    sizes, step, t = [], 32, 32
+    while t < max_tokens:
+        sizes.append(t)
+        if t >= 8 * step:
+            step *= 2
+        t += step
+    return sizes + [max_tokens] if max_tokens > 0 else []
+
+
+def _weak_view(t: torch.Tensor) -> torch.Tensor:
+    """A tensor over ``t``'s memory that does not keep it allocated (through the CUDA array
+    interface, which torch imports without taking ownership). 16-bit floats travel as int16."""
+    raw = t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32) if t.element_size() == 4 else t
+    typestr = {torch.int16: "<i2", torch.int32: "<i4"}.get(raw.dtype)
+    if typestr is None:
+        raise TypeError(f"piecewise graphs: no weak view of {t.dtype}")
+
+    class _Array:
+        __cuda_array_interface__ = {
+            "data": (raw.data_ptr(), False), "shape": tuple(raw.shape), "typestr": typestr, "version": 2,
+            "strides": tuple(s * raw.element_size() for s in raw.stride()),
+        }
+
+    return torch.as_tensor(_Array(), device=t.device).view(t.dtype)
+
+
+@dataclasses.dataclass
+class _Call:
+    """One attention call between two pieces, as ``Attention.attend`` made it at capture."""
+    layer: nn.Module
+    backend: object
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    out: torch.Tensor
+    scale: float
+    args: tuple
+    kwargs: dict
+
+
+class _Cut:
+    """A layer's attention backend while a size is captured: the piece ends at the call."""
+
+    def __init__(self, owner: "PiecewiseGraphs", layer: nn.Module, backend) -> None:
+        self.owner, self.layer, self.backend = owner, layer, backend
+
+    def __getattr__(self, name: str):
+        return getattr(self.backend, name)
+
+    def forward(self, query, key, value, kv_cache, metadata, scale, *args, **kwargs):
+        return self.owner.cut(self.layer, self.backend, query, key, value, scale, args, kwargs)
+
+
+class PiecewiseGraphs:
+    """The piecewise graphs of one runner's model, by padded token count."""
+
+    def __init__(self, buffers, device: torch.device, max_tokens: int, block_size: int,
+                 attn_layers: list[nn.Module]) -> None:
+        self.buffers = buffers
+        self.attn_layers = attn_layers
+        self.device = device
+        self.block_size = block_size
+        self.candidate_sizes = piecewise_sizes(max_tokens)
+        self.sizes: list[int] = []  # captured, ascending (empty: such steps run eagerly)
+        self.graphs: dict[int, tuple[list[torch.cuda.CUDAGraph], list[_Call], torch.Tensor]] = {}
+        self._outs: dict[tuple, torch.Tensor] = {}  # attention outputs, by (row shape, dtype): outside the pool
+        self._capturing: tuple[list, list, object] | None = None  # (pieces, calls, pool) of the size in capture
+        self.replays = 0  # steps served (tests and logs read it)
+
+    def size_for(self, num_tokens: int) -> int | None:
+        i = bisect.bisect_left(self.sizes, num_tokens)
+        return self.sizes[i] if i < len(self.sizes) else None
+
+    def _out_buffer(self, query: torch.Tensor, rows: int) -> torch.Tensor:
+        key = (tuple(query.shape[1:]), query.dtype)
+        buf = self._outs.get(key)
+        if buf is None:
+            buf = self._outs[key] = torch.empty((self.candidate_sizes[-1], *key[0]), dtype=query.dtype,
+                                                device=self.device)
+        return buf[:rows]
+
+    def cut(self, layer, backend, query, key, value, scale, args, kwargs) -> torch.Tensor:
+        pieces, calls, pool = self._capturing
+        pieces[-1].capture_end()
+        out = self._out_buffer(query, query.shape[0])  # allocated outside capture: not in the pool
+        calls.append(_Call(layer, backend, _weak_view(query), _weak_view(key), _weak_view(value), out, scale,
+                           args, kwargs))
+        graph = torch.cuda.CUDAGraph()
+        pieces.append(graph)
+        graph.capture_begin(pool=pool)
+        return out
+
+    def warm_up_metadata(self, n: int) -> AttentionMetadata:
+        """One prompt of ``n`` tokens that writes no slot, over block 0 (start-up's forward)."""
+        blocks = -(-n // self.block_size)
+        return AttentionMetadata(
+            num_actual_tokens=n, slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=self.device),
+            block_tables=torch.zeros(1, blocks, dtype=torch.int32, device=self.device),
+            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor([n], dtype=torch.int32, device=self.device),
+            query_start_loc_cpu=[0, n], seq_lens_cpu=[n], max_query_len=n, max_seq_len=n)
+
+    def capture(self, model: nn.Module, pool, stream: torch.cuda.Stream) -> None:
+        """Capture every size, largest first, into ``pool`` on ``stream``."""
+        buf, attn_layers = self.buffers, self.attn_layers
+        buf.input_ids.zero_()
+        buf.positions.zero_()
+        for n in reversed(self.candidate_sizes):
+            args = (buf.input_ids[:n], buf.positions[:n], self.warm_up_metadata(n))
+            model(*args)  # compiles kernels, settles allocator state
+            torch.cuda.synchronize(self.device)
+            backends = [layer.attn_backend for layer in attn_layers]
+            for layer, backend in zip(attn_layers, backends):
+                layer.attn_backend = _Cut(self, layer, backend)
+            pieces, calls = [torch.cuda.CUDAGraph()], []
+            self._capturing = (pieces, calls, pool)
+            try:
+                with torch.cuda.stream(stream):
+                    pieces[0].capture_begin(pool=pool)
+                    try:
+                        out = model(*args)
+                    finally:
+                        pieces[-1].capture_end()
+            finally:
+                self._capturing = None
+                for layer, backend in zip(attn_layers, backends):
+                    layer.attn_backend = backend
+            if len(pieces) != len(calls) + 1 or not calls:
+                raise RuntimeError(f"piecewise capture: {len(pieces)} pieces for {len(calls)} attention calls")
+            self.graphs[n] = (pieces, calls, out)
+        self.sizes = list(self.candidate_sizes)
+
+    def replay(self, size: int, num_tokens: int, md: AttentionMetadata) -> torch.Tensor:
+        """The forward of a step whose ``num_tokens`` inputs are uploaded (padded to ``size``),
+        attention over ``md``; the first ``num_tokens`` rows of the output."""
+        pieces, calls, out = self.graphs[size]
+        n = num_tokens
+        for piece, call in zip(pieces, calls):
+            piece.replay()
+            layer = call.layer
+            call.backend.forward(call.q[:n], call.k[:n], call.v[:n], layer.kv_cache, md.for_group(layer.kv_cache_group),
+                                 call.scale, *call.args, out=call.out[:n], **call.kwargs)
+        pieces[-1].replay()
+        self.replays += 1
+        return out[:n]
+
+    def release(self) -> None:
+        self.graphs = {}  # the calls' weak views go with the graphs that own their memory
+        self.sizes = []
+        self._outs = {}
+
+
+def piecewise_graphs_for(runner) -> PiecewiseGraphs | None:
+    """The runner's piecewise graphs, or None where steps with prefill chunks stay eager: on CPU,
+    with an attention backend that cannot be captured, ``enforce_eager``, pipeline stages,
+    pooling models, speculative decoding (its proposers read the target's forward as it runs),
+    or ``PAGEDLLM_PIECEWISE_GRAPH_TOKENS=0``. Steps with LoRA adapters run eagerly."""
+    from pagedllm import envs
+
+    max_tokens = min(envs.PAGEDLLM_PIECEWISE_GRAPH_TOKENS, runner.max_num_tokens)
+    if runner.device.type != "cuda" or not runner.graphs.graph_safe or runner.config.model_config.enforce_eager \
+            or runner.pp_size > 1 or runner.pooling is not None or runner.draft is not None or max_tokens < 32:
+        return None
+    return PiecewiseGraphs(runner._buffers, runner.device, max_tokens, runner.block_size, runner.attn_layers)
