@@ -9,6 +9,7 @@ import shutil
 import time
 
 import pytest
+import torch
 
 from pagedllm import LLM, EngineArgs, SamplingParams, TokensPrompt
 from pagedllm.core.messages import EngineCoreOutputs, EngineCoreRequest
@@ -273,10 +274,10 @@ def _custom_all_reduce_on(worker) -> bool:
 
 
 def test_custom_all_reduce_is_cuda_only_and_can_be_disabled(tp_models, module_llms):
-    """gloo ranks sum with gloo (the peer-memory all-reduce is for GPUs: tests/gpu/test_custom_all_reduce.py);
+    """gloo ranks sum with gloo, GPU ranks through peer memory (tests/gpu/test_custom_all_reduce.py);
     vLLM's disable_custom_all_reduce reaches the parallel config."""
     llm = tp2(module_llms, "llama", tp_models["llama"])
-    assert llm.collective_rpc(_custom_all_reduce_on) == [False, False]
+    assert llm.collective_rpc(_custom_all_reduce_on) == [torch.cuda.device_count() >= 2] * 2
     config = EngineArgs(tp_models["llama"], tensor_parallel_size=2, disable_custom_all_reduce=True).create_engine_config()
     assert config.parallel_config.disable_custom_all_reduce is True
     assert EngineArgs(tp_models["llama"]).create_engine_config().parallel_config.disable_custom_all_reduce is False
