@@ -1,4 +1,5 @@
-"""CUDA graph sizes, the padded size a decode step replays, and the start-up forwards that run on CPU.
+"""CUDA graph sizes (decode and piecewise), the padded size a decode step replays, and the start-up
+forwards that run on CPU.
 (Capture and replay themselves: tests/gpu/test_runner_pieces.py.)"""
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 
 from pagedllm.worker.cuda_graphs import CudaGraphs, cuda_graph_sizes
 from pagedllm.worker.device_buffers import DeviceBuffers
+from pagedllm.worker.piecewise_graphs import piecewise_sizes
 from tests.engine.test_correctness import generate_ids, hf_greedy, make_llm, mixed_prompts
 
 
@@ -21,6 +23,16 @@ from tests.engine.test_correctness import generate_ids, hf_greedy, make_llm, mix
 ])
 def test_graph_sizes_cover_every_batch_up_to_the_limit(max_num_reqs, max_num_tokens, sizes):
     assert cuda_graph_sizes(max_num_reqs, max_num_tokens) == sizes
+
+
+def test_piecewise_sizes_pad_any_step_by_under_32_tokens_or_a_quarter():
+    sizes = piecewise_sizes(2048)
+    assert sizes[:9] == [32, 64, 96, 128, 160, 192, 224, 256, 320] and sizes[-1] == 2048 and len(sizes) == 20
+    for n in range(1, 2049):
+        padded = next(s for s in sizes if s >= n)
+        assert padded - n < 32 or padded < n * 1.25, n
+    assert piecewise_sizes(100) == [32, 64, 96, 100]  # the step budget itself is the largest
+    assert piecewise_sizes(0) == []
 
 
 def cpu_graphs(graph_safe: bool = True) -> CudaGraphs:
@@ -60,6 +72,12 @@ def test_compile_dry_run_leaves_the_kv_cache_and_outputs_alone(llm, tiny_models)
     assert all(torch.equal(a, b) for a, b in zip(before, runner.kv_caches))
     assert all(layer.kv_cache is cache for layer, cache in zip(runner.attn_layers, runner.kv_caches))
     assert generate_ids(llm, prompts) == first == hf_greedy(tiny_models["qwen3"], prompts)
+
+
+def test_steps_with_prefill_chunks_stay_eager_on_cpu(llm):
+    """Piecewise graphs are CUDA's (tests/gpu/test_piecewise_graphs.py): the CPU runner keeps none."""
+    runner = llm.llm_engine.engine_core.executor.worker.model_runner
+    assert runner.graphs.piecewise is None and runner.graphs.piece_size(40, eager=False) is None
 
 
 def test_device_buffers_on_cpu_pad_in_place_and_read_sampled_tokens_directly():

@@ -34,8 +34,8 @@ logger = logging.getLogger("pagedllm")
 
 
 def piecewise_sizes(max_tokens: int) -> list[int]:
-    """The padded token counts captured, up to ``max_tokens``: every 32 to 256, then eight
-    steps per doubling (at most 12.5% padding), and ``max_tokens`` itself."""
+    """The padded token counts captured, up to ``max_tokens``: every 32 to 256, then four per
+    doubling (a step past 256 tokens pads by less than a quarter), and ``max_tokens`` itself."""
     sizes, step, t = [], 32, 32
     while t < max_tokens:
         sizes.append(t)
