@@ -49,3 +49,28 @@ def test_async_mixed_lengths_and_early_stops_match_sync(tiny_models):
     for a, b in zip(got_stop, ref_stop):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids and len(a.outputs[0].token_ids) <= 3
         assert a.outputs[0].finish_reason == b.outputs[0].finish_reason == "stop"
+
+
+def test_generate_interrupted_with_a_step_in_flight_leaves_the_engine_empty(tiny_models, monkeypatch):
+    """Ctrl-C (or a failed request's error) inside LLM.generate while a step is in flight: the
+    call aborts its requests, the step in flight lands, no block or request is left, and the
+    next call gives transformers' tokens."""
+    prompts = mixed_prompts()
+    llm = make_llm(tiny_models["qwen3"], async_scheduling=True, max_num_batched_tokens=32)
+    engine = llm.llm_engine
+    step, calls = engine.step, []
+
+    def interrupted_step():
+        calls.append(1)
+        if len(calls) == 4:
+            assert engine.engine_core._batch_queue  # a step is in flight here
+            raise KeyboardInterrupt
+        return step()
+
+    monkeypatch.setattr(engine, "step", interrupted_step)
+    with pytest.raises(KeyboardInterrupt):
+        generate_ids(llm, prompts)
+    monkeypatch.setattr(engine, "step", step)
+    kv = engine.engine_core.kv_cache_manager
+    assert not engine.has_unfinished_requests() and kv.num_free_blocks == kv.num_blocks
+    assert generate_ids(llm, prompts) == hf_greedy(tiny_models["qwen3"], prompts)

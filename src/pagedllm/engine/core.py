@@ -104,7 +104,13 @@ class EngineCore:
                                                                        request.prompt_token_ids)
 
     def abort_requests(self, request_ids: list[str]) -> EngineCoreOutputs:
-        return EngineCoreOutputs(self.scheduler.abort_requests(request_ids))
+        outputs = self.scheduler.abort_requests(request_ids)
+        # Steps still in flight (async scheduling, pipeline stages) with nothing left to run: land
+        # them now, so an engine whose requests were all aborted holds nothing (an interrupted
+        # LLM.generate leaves it as it found it); their outputs belong to aborted requests.
+        while self._batch_queue and not self.scheduler.has_unfinished_requests():
+            self.step()
+        return EngineCoreOutputs(outputs)
 
     def step(self) -> EngineCoreOutputs:
         if self._max_in_flight > 1:
