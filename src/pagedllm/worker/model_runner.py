@@ -2,8 +2,8 @@
 
 The pieces it drives: ``InputBatch`` (the persistent per-request rows, sampling values
 included), ``SamplingMetadataBuilder`` (a step's sampling tensors from those rows),
-``DeviceBuffers`` (pinned staging and fixed device inputs) and ``CudaGraphs`` (decode
-graphs; start-up warm-up and compile dry run).
+``DeviceBuffers`` (pinned staging and fixed device inputs) and ``CudaGraphs`` (decode graphs,
+the piecewise graphs of steps with prefill chunks; start-up warm-up and compile dry run).
 """
 from __future__ import annotations
 

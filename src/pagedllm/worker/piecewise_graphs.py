@@ -22,6 +22,7 @@ run only after the attention that reads them (replays run in capture order, on o
 from __future__ import annotations
 
 import bisect
+import contextlib
 import dataclasses
 import logging
 
@@ -103,7 +104,7 @@ class PiecewiseGraphs:
         self.graphs: dict[int, tuple[list[torch.cuda.CUDAGraph], list[_Call], torch.Tensor]] = {}
         self._outs: dict[tuple, torch.Tensor] = {}  # attention outputs, by (row shape, dtype): outside the pool
         self._capturing: tuple[list, list, object] | None = None  # (pieces, calls, pool) of the size in capture
-        self.replays = 0  # steps served (tests and logs read it)
+        self.replays = 0  # steps served (tests read it)
 
     def size_for(self, num_tokens: int) -> int | None:
         i = bisect.bisect_left(self.sizes, num_tokens)
@@ -157,8 +158,13 @@ class PiecewiseGraphs:
                     pieces[0].capture_begin(pool=pool)
                     try:
                         out = model(*args)
-                    finally:
-                        pieces[-1].capture_end()
+                    except Exception as e:  # e.g. a layer that reads a device value on the host
+                        with contextlib.suppress(Exception):
+                            pieces[-1].capture_end()
+                        raise RuntimeError(f"capturing the forward of {n} tokens in pieces failed ({e}); "
+                                           "PAGEDLLM_PIECEWISE_GRAPH_TOKENS=0 runs steps with prefill chunks "
+                                           "eagerly") from e
+                    pieces[-1].capture_end()
             finally:
                 self._capturing = None
                 for layer, backend in zip(attn_layers, backends):
