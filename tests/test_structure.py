@@ -300,3 +300,20 @@ def test_data_files_ship_in_the_wheel():
             if name.endswith(".json")]
     assert data, "no data files found"
     assert [path for path in data if not any(fnmatch.fnmatch(path, p) for p in patterns)] == []
+
+
+def test_models_pass_attention_metadata_through_unread():
+    """The piecewise CUDA graphs (worker/piecewise_graphs.py) capture everything between the
+    attention calls once per padded size: a model layer that read a field of the step's attention
+    metadata on the host (``attn_metadata.max_query_len``, ...) would bake the capture's value in.
+    Models hand the metadata to the attention backend and read nothing but its KV-group view."""
+    model_dir = os.path.join(SRC, PKG, "model")
+    reads = []
+    for name in sorted(os.listdir(model_dir)):
+        if name.endswith(".py"):
+            with open(os.path.join(model_dir, name)) as f:
+                tree = ast.parse(f.read())
+            reads += [f"{name}:{node.lineno} {node.value.id}.{node.attr}" for node in ast.walk(tree)
+                      if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                      and node.value.id in ("attn_metadata", "metadata", "md") and node.attr != "for_group"]
+    assert reads == []
