@@ -29,6 +29,7 @@ import logging
 import torch
 from torch import nn
 
+from pagedllm import envs
 from pagedllm.attention.backend import AttentionMetadata
 
 logger = logging.getLogger("pagedllm")
@@ -199,8 +200,6 @@ def piecewise_graphs_for(runner) -> PiecewiseGraphs | None:
     with an attention backend that cannot be captured, ``enforce_eager``, pipeline stages,
     pooling models, speculative decoding (its proposers read the target's forward as it runs),
     or ``PAGEDLLM_PIECEWISE_GRAPH_TOKENS=0``. Steps with LoRA adapters run eagerly."""
-    from pagedllm import envs
-
     max_tokens = min(envs.PAGEDLLM_PIECEWISE_GRAPH_TOKENS, runner.max_num_tokens)
     if runner.device.type != "cuda" or not runner.graphs.graph_safe or runner.config.model_config.enforce_eager \
             or runner.pp_size > 1 or runner.pooling is not None or runner.draft is not None or max_tokens < 32:
