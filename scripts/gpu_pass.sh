@@ -4,7 +4,7 @@
 # STAGES is a comma list of: tests, throughput, throughput8b, latency, long, startup, structured, lora,
 # moetune, moe, quant, quanttune, pooling, embed, embedprof, moedebug, fp8kv, fp8kvbench, structuredab,
 # prefill, prefillab, longprof, structuredub, structuredoverlap, structuredchain, w4tune, fp8tune, fp8norm, spec, loratests, lorakernel, loraprof, tpar, tpartput, gemvtune, gemvab, moequanttune, moeblocktune,
-# moequantprefill, startupprof (default: startup,tests,throughput,throughput8b,latency).
+# moequantprefill, startupprof, pieces, tp2tests (default: startup,tests,throughput,throughput8b,latency).
 # Needs the SmolLM2 tokenizer saved under .gpu/tokenizer (carried with the call), and wheels carried in .whl
 # for what the device lacks: xgrammar with apache-tvm-ffi, llguidance, pydantic (+ pydantic-core,
 # annotated-types, typing-inspection), jsonschema (+ jsonschema-specifications, referencing, rpds-py),
@@ -312,6 +312,23 @@ if stage tpartput; then
   done
 fi
 stage base8b && bench base_latency_8b python -m pagedllm.benchmarks.latency --shape llama3-8b --batch-sizes 1,32
+# Piecewise CUDA graphs (issue 19): what a step with a prefill chunk costs eager, in one graph and in
+# pieces, then serving workload 3 and the 2-GPU tests with them on and off (PIECES_PROMPTS requests per rate).
+if stage pieces; then
+  for s in qwen3-0.6b llama3-8b; do
+    bench mixed_probe_$s timeout 200 python scripts/mixed_step_probe.py --shape $s
+    grep -A 6 '^#' "$OUT/mixed_probe_$s.log"
+  done
+  for rate in 16 4; do for tokens in 2048 0; do
+    PAGEDLLM_PIECEWISE_GRAPH_TOKENS=$tokens bench serve_${rate}_pieces_$tokens timeout 300 python -m pagedllm.benchmarks.serve \
+      --launch --tokenizer .gpu/tokenizer --request-rate $rate --num-prompts ${PIECES_PROMPTS:-500}
+  done; done
+fi
+if stage tp2tests; then  # two GPUs: tensor parallelism with the custom all-reduce, the chain's PDL and the pieces
+  python -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_custom_all_reduce.py tests/gpu/test_device_ids.py \
+    tests/distributed/test_tensor_parallel.py tests/distributed/test_tensor_parallel_archs.py > "$OUT/tp2tests.log" 2>&1
+  echo "   tp2 tests rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tp2tests.log" | tail -8 | cut -c1-250
+fi
 echo "== results"
 python - "$RES" <<'PY'
 import json, sys
