@@ -170,8 +170,8 @@ class PiecewiseGraphs:
                 self._capturing = None
                 for layer, backend in zip(attn_layers, backends):
                     layer.attn_backend = backend
-            if len(pieces) != len(calls) + 1 or not calls:
-                raise RuntimeError(f"piecewise capture: {len(pieces)} pieces for {len(calls)} attention calls")
+            if not calls:  # attention that bypassed the backend would be baked into the graph
+                raise RuntimeError("piecewise capture: the forward made no call to an attention backend")
             self.graphs[n] = (pieces, calls, out)
         self.sizes = list(self.candidate_sizes)
 
