@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from pagedllm.attention.backend import AttentionBackend, AttentionMetadata
+from pagedllm.attention.kv_quant import is_fp8
 from pagedllm.attention.triton_kernels import reshape_and_cache, unified_attention
 
 
@@ -19,9 +20,19 @@ class TritonAttentionBackend(AttentionBackend):
     def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata, scale, sliding_window=None,
                 logits_soft_cap=None, causal=True, kv_scale=None, out=None):
         """``out``: where the attention output goes (shaped like ``query``; default a new tensor)."""
+        self.write_kv(key, value, kv_cache, metadata, kv_scale)
+        return self.attend(query, kv_cache, metadata, scale, sliding_window, logits_soft_cap, causal, kv_scale, out)
+
+    def write_kv(self, key, value, kv_cache, metadata: AttentionMetadata, kv_scale=None) -> None:
+        """The step's K/V into the cache at ``metadata.slot_mapping`` (the piecewise graphs capture
+        this half: it reads nothing of the step but the slot mapping's buffer)."""
         fp8 = self.check_kv_scale(key, value, kv_cache, metadata, kv_scale)
-        kv_scale = kv_scale if fp8 else None
-        reshape_and_cache(key, value, kv_cache, metadata.slot_mapping, kv_scale)
+        reshape_and_cache(key, value, kv_cache, metadata.slot_mapping, kv_scale if fp8 else None)
+
+    def attend(self, query, kv_cache, metadata: AttentionMetadata, scale, sliding_window=None, logits_soft_cap=None,
+               causal=True, kv_scale=None, out=None):
+        """Attention of ``query`` over the cache as ``write_kv`` left it."""
+        kv_scale = kv_scale if is_fp8(kv_cache.dtype) else None
         if out is None:
             out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         unified_attention(

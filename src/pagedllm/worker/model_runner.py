@@ -413,7 +413,7 @@ class ModelRunner:
             pos_d = buf.upload("positions", positions, piece_size)
             seq_d = buf.upload("seq_lens", seq_lens)
             qsl_d = buf.upload("query_start_loc", qsl)
-            (bt_d, slots_d), *group_tables = buf.upload_step_tables(tables)
+            (bt_d, slots_d), *group_tables = buf.upload_step_tables(tables, piece_size)  # pieces: padded, -1
             md = AttentionMetadata(
                 num_actual_tokens=total, slot_mapping=slots_d, block_tables=bt_d, query_start_loc=qsl_d,
                 seq_lens=seq_d, query_start_loc_cpu=qsl_list, seq_lens_cpu=seq_lens.tolist(),

@@ -7,17 +7,18 @@ on the H100 hosts that is 20-45 ms of host time a step (``scripts/mixed_step_pro
 times what the GPU needs up to a few thousand tokens. Here the forward is captured in pieces
 for a set of padded token counts: piece 0 runs from the embedding to layer 0's attention, piece i
 from layer i - 1's attention output to layer i's attention inputs, the last to the final norm.
-A step pads its tokens to the next captured count and replays piece 0, runs layer 0's attention
-(and its KV write) eagerly on the real tokens with the step's metadata, replays piece 1, and so
-on (vLLM's piecewise graphs, which it cuts with torch.compile; here the attention backend is the
+A step pads its tokens to the next captured count and replays piece 0 (which ends with layer 0's
+KV write, over the fixed slot-mapping buffer: padding rows have slot -1), runs layer 0's attention
+eagerly on the real tokens with the step's metadata, replays piece 1, and so on (vLLM's piecewise graphs, which it cuts with torch.compile; here the attention backend is the
 cut). Padding rows go through the projections like any row and never reach attention or the
 cache; every op outside attention treats rows independently, so the real rows are exact.
 
-Capture swaps each attention layer's backend for a stand-in whose ``forward`` ends the piece being
-captured, records the call (its q, k, v: tensors in the graphs' memory pool) and returns a fixed
-output buffer that the next piece reads, then begins the next piece. The q, k, v are kept as
-non-owning views: their memory may be handed to later pieces of the same forward, which at replay
-run only after the attention that reads them (replays run in capture order, on one stream).
+Capture swaps each attention layer's backend for a stand-in whose ``forward`` captures the KV
+write (``write_kv``), ends the piece being captured, records the call (its q: a tensor in the
+graphs' memory pool) and returns a fixed output buffer that the next piece reads, then begins the
+next piece; a replay calls the backend's ``attend``. The q is kept as a non-owning view: its
+memory may be handed to later pieces of the same forward, which at replay run only after the
+attention that reads it (replays run in capture order, on one stream).
 """
 from __future__ import annotations
 
@@ -70,8 +71,6 @@ class _Call:
     layer: nn.Module
     backend: object
     q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
     out: torch.Tensor
     scale: float
     args: tuple
@@ -88,7 +87,9 @@ class _Cut:
         return getattr(self.backend, name)
 
     def forward(self, query, key, value, kv_cache, metadata, scale, *args, **kwargs):
-        return self.owner.cut(self.layer, self.backend, query, key, value, scale, args, kwargs)
+        # The KV write stays in the piece: it reads only the slot mapping's fixed buffer.
+        self.backend.write_kv(key, value, kv_cache, metadata, kwargs.get("kv_scale"))
+        return self.owner.cut(self.layer, self.backend, query, scale, args, kwargs)
 
 
 class PiecewiseGraphs:
@@ -119,12 +120,11 @@ class PiecewiseGraphs:
                                                 device=self.device)
         return buf[:rows]
 
-    def cut(self, layer, backend, query, key, value, scale, args, kwargs) -> torch.Tensor:
+    def cut(self, layer, backend, query, scale, args, kwargs) -> torch.Tensor:
         pieces, calls, pool = self._capturing
         pieces[-1].capture_end()
         out = self._out_buffer(query, query.shape[0])  # allocated outside capture: not in the pool
-        calls.append(_Call(layer, backend, _weak_view(query), _weak_view(key), _weak_view(value), out, scale,
-                           args, kwargs))
+        calls.append(_Call(layer, backend, _weak_view(query), out, scale, args, kwargs))
         graph = torch.cuda.CUDAGraph()
         pieces.append(graph)
         graph.capture_begin(pool=pool)
@@ -140,14 +140,25 @@ class PiecewiseGraphs:
             seq_lens=torch.tensor([n], dtype=torch.int32, device=self.device),
             query_start_loc_cpu=[0, n], seq_lens_cpu=[n], max_query_len=n, max_seq_len=n)
 
+    def capture_metadata(self, n: int) -> AttentionMetadata:
+        """The warm-up metadata, its slot mappings the fixed buffers a step uploads (padded with -1):
+        the KV writes captured in the pieces read them."""
+        buf = self.buffers
+        md = self.warm_up_metadata(n)
+        md.slot_mapping = buf.slot_mapping[:n].fill_(-1)
+        if buf.num_kv_groups > 1:
+            md.with_groups([(md.block_tables, buf.dev[f"slot_mapping_{g}"][:n].fill_(-1))
+                            for g in range(1, buf.num_kv_groups)])
+        return md
+
     def capture(self, model: nn.Module, pool, stream: torch.cuda.Stream) -> None:
         """Capture every size, largest first, into ``pool`` on ``stream``."""
         buf, attn_layers = self.buffers, self.attn_layers
         buf.input_ids.zero_()
         buf.positions.zero_()
         for n in reversed(self.candidate_sizes):
-            args = (buf.input_ids[:n], buf.positions[:n], self.warm_up_metadata(n))
-            model(*args)  # compiles kernels, settles allocator state
+            model(buf.input_ids[:n], buf.positions[:n], self.warm_up_metadata(n))  # compiles kernels, settles memory
+            args = (buf.input_ids[:n], buf.positions[:n], self.capture_metadata(n))
             torch.cuda.synchronize(self.device)
             backends = [layer.attn_backend for layer in attn_layers]
             for layer, backend in zip(attn_layers, backends):
@@ -183,8 +194,8 @@ class PiecewiseGraphs:
         for piece, call in zip(pieces, calls):
             piece.replay()
             layer = call.layer
-            call.backend.forward(call.q[:n], call.k[:n], call.v[:n], layer.kv_cache, md.for_group(layer.kv_cache_group),
-                                 call.scale, *call.args, out=call.out[:n], **call.kwargs)
+            call.backend.attend(call.q[:n], layer.kv_cache, md.for_group(layer.kv_cache_group), call.scale,
+                                *call.args, out=call.out[:n], **call.kwargs)
         pieces[-1].replay()
         self.replays += 1
         return out[:n]
