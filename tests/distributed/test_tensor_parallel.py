@@ -43,6 +43,11 @@ def generate_with_logprobs(llm: LLM, prompts: list[list[int]]) -> tuple[list[lis
     return ids, lps
 
 
+def _piece_replays(worker) -> int | None:
+    pieces = worker.model_runner.graphs.piecewise
+    return None if pieces is None else pieces.replays
+
+
 @pytest.mark.parametrize("name,async_scheduling", [("llama", False), ("qwen3", True), ("llama-kv1", False)])
 def test_tp2_greedy_outputs_equal_tp1(tp_models, module_llms, name, async_scheduling):
     model_dir = tp_models[name]
@@ -50,6 +55,8 @@ def test_tp2_greedy_outputs_equal_tp1(tp_models, module_llms, name, async_schedu
     llm = tp2(module_llms, name, model_dir, async_scheduling=async_scheduling)
     ids, lps = generate_with_logprobs(llm, PROMPTS)
     assert ids == ref_ids
+    replays = llm.collective_rpc(_piece_replays)  # GPU ranks: the prefill steps replayed piecewise graphs
+    assert replays == [None, None] if not torch.cuda.is_available() else replays[0] == replays[1] > 0, replays
     # Row-parallel sums add in another order than one matmul: equal up to the last bits.
     for got, want in zip(lps, ref_lps):
         assert got == pytest.approx(want, abs=1e-4)

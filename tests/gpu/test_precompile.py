@@ -59,6 +59,9 @@ def test_start_up_compiles_in_the_pool(tiny_models, tmp_path):
     assert pooled["in_place"] == [], "compiled in place: " + json.dumps([pooled["in_place"], pooled["diffs"][:6]])
     serial = _start(tiny_models["qwen3"], tmp_path / "serial", parallel=False)
     assert len(serial["in_place"]) >= 8  # norms, rotary, KV write, attention shapes, GEMMs, sampler
+    # Only the largest graph of each set warms up eagerly: the other sizes load or compile their
+    # kernel variants inside their capture (CudaGraphs.capture).
+    assert "in pieces at" in serial["log"], serial["log"][-2000:]
     assert pooled["ids"] == serial["ids"]
     assert "(dry run" in pooled["log"]
     again = _start(tiny_models["qwen3"], tmp_path / "pooled", parallel=True)

@@ -9,9 +9,10 @@ for a set of padded token counts: piece 0 runs from the embedding to layer 0's a
 from layer i - 1's attention output to layer i's attention inputs, the last to the final norm.
 A step pads its tokens to the next captured count and replays piece 0 (which ends with layer 0's
 KV write, over the fixed slot-mapping buffer: padding rows have slot -1), runs layer 0's attention
-eagerly on the real tokens with the step's metadata, replays piece 1, and so on (vLLM's piecewise graphs, which it cuts with torch.compile; here the attention backend is the
-cut). Padding rows go through the projections like any row and never reach attention or the
-cache; every op outside attention treats rows independently, so the real rows are exact.
+eagerly on the real tokens with the step's metadata, replays piece 1, and so on (vLLM's
+piecewise graphs, which it cuts with torch.compile; here the attention backend is the cut).
+Padding rows go through the projections like any row and never reach attention or the cache;
+every op outside attention treats rows independently, so the real rows are exact.
 
 Capture swaps each attention layer's backend for a stand-in whose ``forward`` captures the KV
 write (``write_kv``), ends the piece being captured, records the call (its q: a tensor in the
@@ -157,9 +158,10 @@ class PiecewiseGraphs:
         buf.input_ids.zero_()
         buf.positions.zero_()
         for n in reversed(self.candidate_sizes):
-            model(buf.input_ids[:n], buf.positions[:n], self.warm_up_metadata(n))  # compiles kernels, settles memory
+            if n == self.candidate_sizes[-1]:  # one eager warm-up, at the largest size (see CudaGraphs.capture)
+                model(buf.input_ids[:n], buf.positions[:n], self.warm_up_metadata(n))
+                torch.cuda.synchronize(self.device)
             args = (buf.input_ids[:n], buf.positions[:n], self.capture_metadata(n))
-            torch.cuda.synchronize(self.device)
             backends = [layer.attn_backend for layer in attn_layers]
             for layer, backend in zip(attn_layers, backends):
                 layer.attn_backend = _Cut(self, layer, backend)
