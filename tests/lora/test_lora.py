@@ -110,14 +110,19 @@ def test_a_batch_mixing_adapters_and_the_base_runs_one_forward_per_step(llm, tin
 
     runner.model.forward = counting_forward
     llm.llm_engine.engine_core.step = counting_step
+    pieces = runner.graphs.piecewise
+    replays = pieces.replays if pieces is not None else 0
     try:
         got = _generate(llm, loras)
     finally:
         del runner.model.forward, llm.llm_engine.engine_core.step
     assert got == want
-    if torch.cuda.is_available():  # decode steps with adapters replay the LoRA graphs
+    if torch.cuda.is_available():  # decode steps with adapters replay the LoRA graphs, prefill steps the pieces
         assert runner.graphs.lora_graphs and set(runner.graphs.lora_graphs) == set(runner.graphs.graphs)
-    assert 0 < forwards <= steps  # at most one forward per step (CUDA graphs replay base-only ones), any mix
+        assert set(pieces.lora_graphs) == set(pieces.graphs) and pieces.replays > replays
+    else:
+        assert forwards > 0
+    assert forwards <= steps  # at most one forward per step (CUDA graphs replay base-only ones), any mix
 
 
 def test_one_device_slot_evicts_and_reloads_with_the_same_tokens(tiny_models, adapters):

@@ -49,7 +49,7 @@ class LoRAManager:
         self.free_slots = list(range(lora_config.max_loras - 1, -1, -1))
         self.host: OrderedDict[int, LoRAAdapter] = OrderedDict()
         self.num_loads = 0  # adapters written into a device slot (tests read it)
-        self.max_graph_tokens = 0  # set by the runner: the largest decode graph's batch
+        self.max_graph_tokens = 0  # set by capture: the most tokens a LoRA graph (decode or piecewise) takes
         self.pinned: set[int] = set()
 
     def add_request(self, request: LoRARequest) -> None:
@@ -116,17 +116,19 @@ class LoRAManager:
 
     def prepare_step(self, lora_ids: np.ndarray, counts: np.ndarray, graph_size: int | None = None) -> bool:
         """Map the step's tokens to slots (``lora_ids``: each request's adapter, 0 = none;
-        ``counts``: its tokens); ``graph_size``: a decode step replaying a LoRA graph of that
-        size, mapped through its buffers. Returns whether any adapter runs."""
+        ``counts``: its tokens); ``graph_size``: the tokens of the LoRA graph the step replays (a
+        decode graph's, or the piecewise graphs' padded count), mapped through its buffers.
+        Returns whether any adapter runs."""
         if not lora_ids.any():
             set_mapping(None, self.device)
             return False
         slot_of = self.activate(set(lora_ids[lora_ids > 0].tolist()))
         slots = np.fromiter((slot_of.get(i, -1) for i in lora_ids.tolist()), dtype=np.int64, count=len(lora_ids))
+        token_slots = slots if len(slots) == int(counts.sum()) else np.repeat(slots, counts)
         if graph_size is None:
-            set_mapping(np.repeat(slots, counts), self.device)
+            set_mapping(token_slots, self.device)
         else:
-            self._fill_graph_buffers(slots, graph_size)
+            self._fill_graph_buffers(token_slots, graph_size)
         return True
 
     # ---- CUDA graphs of decode steps with adapters -----------------------------------------------
@@ -165,7 +167,7 @@ class LoRAManager:
     def _fill_graph_buffers(self, slots: np.ndarray, graph_size: int) -> None:
         from pagedllm.ops.triton_lora import sort_by_slot
 
-        ids, tiles = sort_by_slot(slots)  # a decode step: one token per request
+        ids, tiles = sort_by_slot(slots)  # each token's slot
         for buf, values in zip(self.graph_buffers(graph_size), (ids, tiles, slots)):
             host = np.full(buf.shape[0], -1, dtype=np.int64)
             host[:len(values)] = values

@@ -81,10 +81,10 @@ class CudaGraphs:
         i = bisect.bisect_left(sizes, num_reqs)
         return sizes[i] if i < len(sizes) else None
 
-    def piece_size(self, num_tokens: int, eager: bool) -> int | None:
+    def piece_size(self, num_tokens: int, eager: bool, lora: bool = False) -> int | None:
         """The padded token count whose piecewise graphs a step with prefill chunks replays
-        (None: it runs eagerly; ``eager``: it must, e.g. its LoRA adapters are not captured)."""
-        return None if eager or self.piecewise is None else self.piecewise.size_for(num_tokens)
+        (None: it runs eagerly; ``eager``: it must; ``lora``: it runs adapters)."""
+        return None if eager or self.piecewise is None else self.piecewise.size_for(num_tokens, lora)
 
     def replay(self, size: int, num_tokens: int, lora: bool = False, q: int = 1) -> torch.Tensor:
         """Replay the graph of ``size`` requests (of ``q`` tokens each) over the buffers as
@@ -146,13 +146,13 @@ class CudaGraphs:
         # Our own capture stream: torch's default one is created once per process, on whichever
         # device was current then, and capturing there would switch this engine to that device.
         stream = torch.cuda.Stream(self.device)
+        lora = lora if lora is not None and lora.graphs_supported() else None
+        if lora is not None:  # the token-to-slot buffers hold the largest graph's tokens
+            lora.max_graph_tokens = max(sizes[-1], self.piecewise.candidate_sizes[-1] if self.piecewise else 0)
         if self.piecewise is not None:
-            self.piecewise.capture(model, pool, stream)
+            self.piecewise.capture(model, pool, stream, lora)
         buf = self.reset_inputs()
-        sets = [(self.graphs, None)]
-        if lora is not None and lora.graphs_supported():
-            lora.max_graph_tokens = sizes[-1]
-            sets.append((self.lora_graphs, lora))
+        sets = [(self.graphs, None)] + ([(self.lora_graphs, lora)] if lora is not None else [])
         for graphs, with_lora in sets:
             for bs in reversed(sizes):
                 if with_lora is not None:

@@ -242,11 +242,12 @@ class ModelRunner:
         if lora_ids is not None:  # the adapters into device slots, the tokens mapped to them
             counts = np.fromiter((sched.num_scheduled_tokens[s.req_id] for s in states), dtype=np.int64,
                                  count=len(states))
-            self.lora.prepare_step(lora_ids, counts, batch.graph_size)
+            self.lora.prepare_step(lora_ids, counts, batch.graph_size or batch.piece_size)
         if batch.graph_size is not None:
             hidden = self.graphs.replay(batch.graph_size, batch.num_tokens, lora=lora_ids is not None, q=batch.graph_q)
         elif batch.piece_size is not None:
-            hidden = self.graphs.piecewise.replay(batch.piece_size, batch.num_tokens, batch.attn_metadata)
+            hidden = self.graphs.piecewise.replay(batch.piece_size, batch.num_tokens, batch.attn_metadata,
+                                                  lora=lora_ids is not None)
         elif self.pooling is not None and self.pooling.is_encoder:
             hidden = self.model(batch.input_ids, batch.positions, batch.attn_metadata,
                                 token_type_ids=self.pooling.token_types(states, batch.query_start_loc, batch.num_tokens))
@@ -401,7 +402,7 @@ class ModelRunner:
             s.num_computed_tokens = end
 
         q, graph_size = self._graph_for(counts, total, lora)
-        piece_size = None if graph_size is not None else self.graphs.piece_size(total, lora or self._kv_scales_pending)
+        piece_size = None if graph_size is not None else self.graphs.piece_size(total, self._kv_scales_pending, lora)
         buf = self._buffers
         qsl_list = qsl.tolist()
         buf.begin_step()

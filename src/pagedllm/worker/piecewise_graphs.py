@@ -105,11 +105,14 @@ class PiecewiseGraphs:
         self.candidate_sizes = piecewise_sizes(max_tokens)
         self.sizes: list[int] = []  # captured, ascending (empty: such steps run eagerly)
         self.graphs: dict[int, tuple[list[torch.cuda.CUDAGraph], list[_Call], torch.Tensor]] = {}
+        self.lora_graphs: dict[int, tuple[list[torch.cuda.CUDAGraph], list[_Call], torch.Tensor]] = {}  # with adapters
         self._outs: dict[tuple, torch.Tensor] = {}  # attention outputs, by (row shape, dtype): outside the pool
         self._capturing: tuple[list, list, object] | None = None  # (pieces, calls, pool) of the size in capture
         self.replays = 0  # steps served (tests read it)
 
-    def size_for(self, num_tokens: int) -> int | None:
+    def size_for(self, num_tokens: int, lora: bool = False) -> int | None:
+        if lora and not self.lora_graphs:
+            return None
         i = bisect.bisect_left(self.sizes, num_tokens)
         return self.sizes[i] if i < len(self.sizes) else None
 
@@ -152,46 +155,59 @@ class PiecewiseGraphs:
                             for g in range(1, buf.num_kv_groups)])
         return md
 
-    def capture(self, model: nn.Module, pool, stream: torch.cuda.Stream) -> None:
-        """Capture every size, largest first, into ``pool`` on ``stream``."""
-        buf, attn_layers = self.buffers, self.attn_layers
+    def capture(self, model: nn.Module, pool, stream: torch.cuda.Stream, lora=None) -> None:
+        """Capture every size, largest first, into ``pool`` on ``stream``; with ``lora`` (a
+        ``LoRAManager`` whose kernels can be captured) every size again with its adapters, over the
+        manager's fixed token-to-slot buffers (``LoRAManager.capture_mapping``)."""
+        buf = self.buffers
         buf.input_ids.zero_()
         buf.positions.zero_()
-        for n in reversed(self.candidate_sizes):
-            if n == self.candidate_sizes[-1]:  # one eager warm-up, at the largest size (see CudaGraphs.capture)
-                model(buf.input_ids[:n], buf.positions[:n], self.warm_up_metadata(n))
-                torch.cuda.synchronize(self.device)
-            args = (buf.input_ids[:n], buf.positions[:n], self.capture_metadata(n))
-            backends = [layer.attn_backend for layer in attn_layers]
-            for layer, backend in zip(attn_layers, backends):
-                layer.attn_backend = _Cut(self, layer, backend)
-            pieces, calls = [torch.cuda.CUDAGraph()], []
-            self._capturing = (pieces, calls, pool)
-            try:
-                with torch.cuda.stream(stream):
-                    pieces[0].capture_begin(pool=pool)
-                    try:
-                        out = model(*args)
-                    except Exception as e:  # e.g. a layer that reads a device value on the host
-                        with contextlib.suppress(Exception):
-                            pieces[-1].capture_end()
-                        raise RuntimeError(f"capturing the forward of {n} tokens in pieces failed ({e}); "
-                                           "PAGEDLLM_PIECEWISE_GRAPH_TOKENS=0 runs steps with prefill chunks "
-                                           "eagerly") from e
-                    pieces[-1].capture_end()
-            finally:
-                self._capturing = None
-                for layer, backend in zip(attn_layers, backends):
-                    layer.attn_backend = backend
-            if not calls:  # attention that bypassed the backend would be baked into the graph
-                raise RuntimeError("piecewise capture: the forward made no call to an attention backend")
-            self.graphs[n] = (pieces, calls, out)
+        for graphs, with_lora in [(self.graphs, None)] + ([(self.lora_graphs, lora)] if lora is not None else []):
+            for n in reversed(self.candidate_sizes):
+                if with_lora is not None:
+                    with_lora.capture_mapping(n)
+                if n == self.candidate_sizes[-1]:  # one eager warm-up a set, at the largest size (CudaGraphs.capture)
+                    model(buf.input_ids[:n], buf.positions[:n], self.warm_up_metadata(n))
+                    torch.cuda.synchronize(self.device)
+                graphs[n] = self._capture_size(model, n, pool, stream)
+            if with_lora is not None:
+                with_lora.clear_mapping()
         self.sizes = list(self.candidate_sizes)
 
-    def replay(self, size: int, num_tokens: int, md: AttentionMetadata) -> torch.Tensor:
+    def _capture_size(self, model: nn.Module, n: int, pool, stream: torch.cuda.Stream):
+        """The pieces, calls and output of the forward over ``n`` tokens."""
+        buf, attn_layers = self.buffers, self.attn_layers
+        args = (buf.input_ids[:n], buf.positions[:n], self.capture_metadata(n))
+        backends = [layer.attn_backend for layer in attn_layers]
+        for layer, backend in zip(attn_layers, backends):
+            layer.attn_backend = _Cut(self, layer, backend)
+        pieces, calls = [torch.cuda.CUDAGraph()], []
+        self._capturing = (pieces, calls, pool)
+        try:
+            with torch.cuda.stream(stream):
+                pieces[0].capture_begin(pool=pool)
+                try:
+                    out = model(*args)
+                except Exception as e:  # e.g. a layer that reads a device value on the host
+                    with contextlib.suppress(Exception):
+                        pieces[-1].capture_end()
+                    raise RuntimeError(f"capturing the forward of {n} tokens in pieces failed ({e}); "
+                                       "PAGEDLLM_PIECEWISE_GRAPH_TOKENS=0 runs steps with prefill chunks "
+                                       "eagerly") from e
+                pieces[-1].capture_end()
+        finally:
+            self._capturing = None
+            for layer, backend in zip(attn_layers, backends):
+                layer.attn_backend = backend
+        if not calls:  # attention that bypassed the backend would be baked into the graph
+            raise RuntimeError("piecewise capture: the forward made no call to an attention backend")
+        return pieces, calls, out
+
+    def replay(self, size: int, num_tokens: int, md: AttentionMetadata, lora: bool = False) -> torch.Tensor:
         """The forward of a step whose ``num_tokens`` inputs are uploaded (padded to ``size``),
-        attention over ``md``; the first ``num_tokens`` rows of the output."""
-        pieces, calls, out = self.graphs[size]
+        attention over ``md``; the first ``num_tokens`` rows of the output. ``lora``: the graphs
+        with adapters, whose token-to-slot buffers the step filled (``LoRAManager.prepare_step``)."""
+        pieces, calls, out = (self.lora_graphs if lora else self.graphs)[size]
         n = num_tokens
         for piece, call in zip(pieces, calls):
             piece.replay()
@@ -204,6 +220,7 @@ class PiecewiseGraphs:
 
     def release(self) -> None:
         self.graphs = {}  # the calls' weak views go with the graphs that own their memory
+        self.lora_graphs = {}
         self.sizes = []
         self._outs = {}
 
@@ -212,7 +229,8 @@ def piecewise_graphs_for(runner) -> PiecewiseGraphs | None:
     """The runner's piecewise graphs, or None where steps with prefill chunks stay eager: on CPU,
     with an attention backend that cannot be captured, ``enforce_eager``, pipeline stages,
     pooling models, speculative decoding (its proposers read the target's forward as it runs),
-    or ``PAGEDLLM_PIECEWISE_GRAPH_TOKENS=0``. Steps with LoRA adapters run eagerly."""
+    or ``PAGEDLLM_PIECEWISE_GRAPH_TOKENS=0``. Steps with LoRA adapters replay graphs of their own
+    where the adapters' kernels can be captured (``LoRAManager.graphs_supported``)."""
     max_tokens = min(envs.PAGEDLLM_PIECEWISE_GRAPH_TOKENS, runner.max_num_tokens)
     if runner.device.type != "cuda" or not runner.graphs.graph_safe or runner.config.model_config.enforce_eager \
             or runner.pp_size > 1 or runner.pooling is not None or runner.draft is not None or max_tokens < 32:
