@@ -68,6 +68,8 @@ class Pooler(nn.Module):
         """Take one chunk's rows (positions ``start``.., their ``token_ids``); on the prompt's
         ``last`` chunk return the pooled rows ([H], or [T, H] for ALL / STEP)."""
         kind = self.pooling_type
+        # Rows kept past this step are copied: ``hidden`` may be a CUDA graph's output buffer (the
+        # piecewise graphs'), which the next step's replay overwrites.
         if start == 0:  # (re)started: a preempted request is recomputed from its first token
             self._partial.pop(req_id, None)
         if kind == "LAST":
@@ -75,7 +77,7 @@ class Pooler(nn.Module):
         part = self._partial.setdefault(req_id, _Partial())
         if kind == "CLS":
             if start == 0:
-                part.first = hidden[0]
+                part.first = hidden[0] if last else hidden[0].clone()
         elif kind == "MEAN":
             chunk_sum = hidden.float().sum(0)
             part.total = chunk_sum if part.total is None else part.total + chunk_sum
@@ -84,7 +86,7 @@ class Pooler(nn.Module):
             if kind == "STEP" and self.config.step_tag_id is not None:
                 keep = torch.tensor([t == self.config.step_tag_id for t in token_ids], device=hidden.device)
                 hidden = hidden[keep]
-            part.rows.append(hidden)
+            part.rows.append(hidden if last else hidden.clone())
         if not last:
             return None
         del self._partial[req_id]
