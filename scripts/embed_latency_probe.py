@@ -29,6 +29,7 @@ def main() -> None:
     p.add_argument("--shape", default="qwen3-0.6b")
     p.add_argument("--inputs", default="1,8")
     p.add_argument("--words", type=int, default=24)
+    p.add_argument("--profile", action="store_true", help="cProfile 10 one-input calls of each engine")
     args = p.parse_args()
     folder = build(args.shape, tempfile.mkdtemp(prefix="pagedllm-embed-"))
     rng = random.Random(0)
@@ -43,8 +44,19 @@ def main() -> None:
                 llm.embed(texts, use_tqdm=False)
                 if i >= 3:
                     times.append((time.perf_counter() - start) * 1e3)
+            pieces = llm.llm_engine.engine_core.executor.worker.model_runner.graphs.piecewise
             print(json.dumps({"shape": args.shape, "pieces": tokens, "inputs": n, "words": args.words,
-                              "ms_p50": round(statistics.median(times), 2), "ms_min": round(min(times), 2)}))
+                              "ms_p50": round(statistics.median(times), 2), "ms_min": round(min(times), 2),
+                              "piece_replays": pieces.replays if pieces is not None else None}))
+        if args.profile:  # where one call's time goes
+            import cProfile
+            import pstats
+
+            texts = [" ".join(rng.choice(WORDS) for _ in range(args.words))]
+            with cProfile.Profile() as prof:
+                for _ in range(10):
+                    llm.embed(texts, use_tqdm=False)
+            pstats.Stats(prof).sort_stats("tottime").print_stats(14)
         del llm
         gc.collect()
         torch.cuda.empty_cache()
