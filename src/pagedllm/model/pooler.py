@@ -68,8 +68,8 @@ class Pooler(nn.Module):
         """Take one chunk's rows (positions ``start``.., their ``token_ids``); on the prompt's
         ``last`` chunk return the pooled rows ([H], or [T, H] for ALL / STEP)."""
         kind = self.pooling_type
-        # Rows kept past this step are copied: ``hidden`` may be a CUDA graph's output buffer (the
-        # piecewise graphs'), which the next step's replay overwrites.
+        # Rows kept past this step are copied: they must not alias the step's output, which a step
+        # that replays CUDA graphs returns in a buffer the next replay overwrites.
         if start == 0:  # (re)started: a preempted request is recomputed from its first token
             self._partial.pop(req_id, None)
         if kind == "LAST":
