@@ -4,7 +4,7 @@
 # STAGES is a comma list of: tests, throughput, throughput8b, latency, long, startup, structured, lora,
 # moetune, moe, quant, quanttune, pooling, embed, embedprof, moedebug, fp8kv, fp8kvbench, structuredab,
 # prefill, prefillab, longprof, structuredub, structuredoverlap, structuredchain, w4tune, fp8tune, fp8norm, spec, loratests, lorakernel, loraprof, tpar, tpartput, gemvtune, gemvab, moequanttune, moeblocktune,
-# moequantprefill, startupprof, pieces, tp2tests (default: startup,tests,throughput,throughput8b,latency).
+# moequantprefill, startupprof, pieces, lorapieces, tp2tests (default: startup,tests,throughput,throughput8b,latency).
 # Needs the SmolLM2 tokenizer saved under .gpu/tokenizer (carried with the call), and wheels carried in .whl
 # for what the device lacks: xgrammar with apache-tvm-ffi, llguidance, pydantic (+ pydantic-core,
 # annotated-types, typing-inspection), jsonschema (+ jsonschema-specifications, referencing, rpds-py),
@@ -323,6 +323,12 @@ if stage pieces; then
     PAGEDLLM_PIECEWISE_GRAPH_TOKENS=$tokens bench serve_${rate}_pieces_$tokens timeout 300 python -m pagedllm.benchmarks.serve \
       --launch --tokenizer .gpu/tokenizer --request-rate $rate --num-prompts ${PIECES_PROMPTS:-500}
   done; done
+fi
+if stage lorapieces; then  # steps with LoRA adapters in the piecewise graphs, on and off (scripts/lora_prefill_probe.py)
+  for tokens in 2048 0 2048 0; do
+    PAGEDLLM_PIECEWISE_GRAPH_TOKENS=$tokens timeout 150 python scripts/lora_prefill_probe.py llama3-8b 2> "$OUT/lora_prefill_$tokens.err" \
+      | tee -a "$RES"
+  done
 fi
 if stage tp2tests; then  # two GPUs: tensor parallelism with the custom all-reduce, the chain's PDL and the pieces
   python -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_custom_all_reduce.py tests/gpu/test_device_ids.py \
