@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from pagedllm.sample.draw import BLOCK, _inverse_cdf, _race, draw, greedy
+from pagedllm.sample.metadata import SamplingMetadata
+from pagedllm.sample.sampler import Sampler
 
 VOCAB = 2 * BLOCK + 188  # not a whole number of blocks: the last one is padded
 
@@ -75,3 +77,8 @@ def test_greedy_is_torch_argmax(vocab):
     assert torch.equal(greedy(x), x.argmax(dim=-1))
     assert torch.equal(greedy(x[:, :-1]), x[:, :-1].argmax(dim=-1))  # rows that are not contiguous
     assert greedy(x).dtype == torch.int64
+    # The sampler's greedy rows skip the float32 upcast of half logits (it is exact): the same tokens.
+    half = x.bfloat16()
+    half[9, [11, vocab - 4]] = half[9].max() + 1  # ties that only exist after rounding to bfloat16
+    md = SamplingMetadata(temperature=torch.zeros(12), all_greedy=True, all_random=False)
+    assert torch.equal(Sampler()(half, md).sampled_token_ids, half.float().argmax(dim=-1))
