@@ -124,7 +124,7 @@ class LoRAManager:
             return False
         slot_of = self.activate(set(lora_ids[lora_ids > 0].tolist()))
         slots = np.fromiter((slot_of.get(i, -1) for i in lora_ids.tolist()), dtype=np.int64, count=len(lora_ids))
-        token_slots = slots if len(slots) == int(counts.sum()) else np.repeat(slots, counts)
+        token_slots = np.repeat(slots, counts)
         if graph_size is None:
             set_mapping(token_slots, self.device)
         else:

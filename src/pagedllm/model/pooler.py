@@ -85,8 +85,10 @@ class Pooler(nn.Module):
         else:  # ALL, STEP
             if kind == "STEP" and self.config.step_tag_id is not None:
                 keep = torch.tensor([t == self.config.step_tag_id for t in token_ids], device=hidden.device)
-                hidden = hidden[keep]
-            part.rows.append(hidden if last else hidden.clone())
+                hidden = hidden[keep]  # a copy already
+            elif not last:
+                hidden = hidden.clone()
+            part.rows.append(hidden)
         if not last:
             return None
         del self._partial[req_id]

@@ -22,7 +22,7 @@ from pagedllm.model.moe import FusedMoE
 from pagedllm.ops.tile_tables import ROW_BUCKETS
 from pagedllm.sample.sampler import SamplingMetadata
 from pagedllm.worker.device_buffers import DeviceBuffers
-from pagedllm.worker.piecewise_graphs import PiecewiseGraphs
+from pagedllm.worker.piecewise_graphs import PiecewiseGraphs, capture_sets
 
 logger = logging.getLogger("pagedllm")
 
@@ -152,14 +152,8 @@ class CudaGraphs:
         if self.piecewise is not None:
             self.piecewise.capture(model, pool, stream, lora)
         buf = self.reset_inputs()
-        sets = [(self.graphs, None)] + ([(self.lora_graphs, lora)] if lora is not None else [])
-        for graphs, with_lora in sets:
-            for bs in reversed(sizes):
-                if with_lora is not None:
-                    with_lora.capture_mapping(bs)
-                graphs[bs] = self._capture_one(model, buf, bs, 1, pool, stream, warm_up=bs == sizes[-1])
-            if with_lora is not None:
-                with_lora.clear_mapping()
+        capture_sets(self.graphs, self.lora_graphs, lora, sizes,
+                     lambda bs, warm_up: self._capture_one(model, buf, bs, 1, pool, stream, warm_up))
         for q in reversed(self.spec_qs):  # speculative steps: q tokens per request
             candidates = self.spec_candidate_sizes[q]
             self._spec_qsl[q] = torch.arange(0, (candidates[-1] + 1) * q, q, dtype=torch.int32, device=self.device)
@@ -176,8 +170,8 @@ class CudaGraphs:
         pieces = f"; steps with prefill chunks in pieces at {len(self.piecewise.sizes)} sizes up to " \
             f"{self.piecewise.sizes[-1]} tokens" if self.piecewise is not None and self.piecewise.sizes else ""
         logger.info("Captured %d CUDA graphs for decode batches of 1..%d%s%s%s in %.1f s",
-                    len(sizes) * len(sets) + len(self.spec_graphs), sizes[-1],
-                    " (with and without LoRA)" if len(sets) > 1 else "", spec, pieces, time.perf_counter() - t0)
+                    len(self.graphs) + len(self.lora_graphs) + len(self.spec_graphs), sizes[-1],
+                    " (with and without LoRA)" if self.lora_graphs else "", spec, pieces, time.perf_counter() - t0)
 
     def _capture_one(self, model: nn.Module, buf: DeviceBuffers, bs: int, q: int, pool,
                      stream: torch.cuda.Stream, warm_up: bool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:

@@ -66,6 +66,20 @@ def _weak_view(t: torch.Tensor) -> torch.Tensor:
     return torch.as_tensor(_Array(), device=t.device).view(t.dtype)
 
 
+def capture_sets(graphs: dict, lora_graphs: dict, lora, sizes: list[int], capture_one) -> None:
+    """Fill ``graphs`` at every size, largest first, and with ``lora`` (a LoRA manager whose
+    kernels can be captured, else None) ``lora_graphs`` too, its tokens mapped through the
+    manager's fixed buffers of each size: ``capture_one(size, warm_up)`` returns one size's graphs.
+    Only the largest size of a set warms up eagerly (``CudaGraphs.capture`` says why)."""
+    for target, mapping in [(graphs, None)] + ([(lora_graphs, lora)] if lora is not None else []):
+        for n in reversed(sizes):
+            if mapping is not None:
+                mapping.capture_mapping(n)
+            target[n] = capture_one(n, n == sizes[-1])
+        if mapping is not None:
+            mapping.clear_mapping()
+
+
 @dataclasses.dataclass
 class _Call:
     """One attention call between two pieces, as ``Attention.attend`` made it at capture."""
@@ -159,24 +173,19 @@ class PiecewiseGraphs:
         """Capture every size, largest first, into ``pool`` on ``stream``; with ``lora`` (a
         ``LoRAManager`` whose kernels can be captured) every size again with its adapters, over the
         manager's fixed token-to-slot buffers (``LoRAManager.capture_mapping``)."""
-        buf = self.buffers
-        buf.input_ids.zero_()
-        buf.positions.zero_()
-        for graphs, with_lora in [(self.graphs, None)] + ([(self.lora_graphs, lora)] if lora is not None else []):
-            for n in reversed(self.candidate_sizes):
-                if with_lora is not None:
-                    with_lora.capture_mapping(n)
-                if n == self.candidate_sizes[-1]:  # one eager warm-up a set, at the largest size (CudaGraphs.capture)
-                    model(buf.input_ids[:n], buf.positions[:n], self.warm_up_metadata(n))
-                    torch.cuda.synchronize(self.device)
-                graphs[n] = self._capture_size(model, n, pool, stream)
-            if with_lora is not None:
-                with_lora.clear_mapping()
+        self.buffers.input_ids.zero_()
+        self.buffers.positions.zero_()
+        capture_sets(self.graphs, self.lora_graphs, lora, self.candidate_sizes,
+                     lambda n, warm_up: self._capture_size(model, n, pool, stream, warm_up))
         self.sizes = list(self.candidate_sizes)
 
-    def _capture_size(self, model: nn.Module, n: int, pool, stream: torch.cuda.Stream):
-        """The pieces, calls and output of the forward over ``n`` tokens."""
+    def _capture_size(self, model: nn.Module, n: int, pool, stream: torch.cuda.Stream, warm_up: bool):
+        """The pieces, calls and output of the forward over ``n`` tokens (``warm_up``: run it
+        eagerly first)."""
         buf, attn_layers = self.buffers, self.attn_layers
+        if warm_up:
+            model(buf.input_ids[:n], buf.positions[:n], self.warm_up_metadata(n))
+            torch.cuda.synchronize(self.device)
         args = (buf.input_ids[:n], buf.positions[:n], self.capture_metadata(n))
         backends = [layer.attn_backend for layer in attn_layers]
         for layer, backend in zip(attn_layers, backends):
