@@ -94,13 +94,13 @@ def test_decoder_mean_across_chunks_and_preemption(pooling_models):
 @pytest.mark.parametrize("pooling_type", ["ALL", "CLS"])
 def test_decoder_rows_kept_across_chunks_equal_transformers(pooling_models, pooling_type):
     """ALL (every token's state) and CLS (the first token's) of a decoder whose prompts run in
-    several chunks: the rows kept from earlier chunks equal transformers' (the pooler copies them:
-    a step's hidden states may be a CUDA graph's output buffer, which the next replay overwrites)."""
+    several chunks: the rows kept from earlier chunks equal transformers'. On a GPU the chunks
+    replay piecewise graphs, whose output buffer each step overwrites: the pooler must copy them."""
     from transformers import AutoModel
 
     folder = pooling_models["qwen3-last"]
     llm = LLM(folder, pooler_config={"pooling_type": pooling_type}, kv_cache_memory_bytes=TEST_KV_BYTES,
-              dtype="float32", max_num_batched_tokens=32, max_num_seqs=4, max_model_len=256)
+              dtype="float32", max_num_batched_tokens=32, max_num_seqs=4, max_model_len=256)  # 32: the smallest piece
     tokenizer = llm.get_tokenizer()
     prompts = [tokenizer(text)["input_ids"] for text in TEXTS]
     outs = llm.encode([{"prompt_token_ids": ids} for ids in prompts], use_tqdm=False)
@@ -111,6 +111,8 @@ def test_decoder_rows_kept_across_chunks_equal_transformers(pooling_models, pool
         torch.testing.assert_close(out.outputs.data, ref if pooling_type == "ALL" else ref[0], atol=1e-4, rtol=1e-4)
     runner = llm.llm_engine.engine_core.executor.worker.model_runner
     assert runner.pooling.pooler.num_partial() == 0
+    if torch.cuda.is_available():
+        assert runner.graphs.piecewise.replays > 0
 
 
 def test_encode_gives_the_raw_pooled_states_and_activation_switches(qwen_last):

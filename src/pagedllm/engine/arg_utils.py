@@ -323,8 +323,8 @@ class EngineArgs:
             runner_type=runner, convert=convert, pooler_config=pooler, is_encoder=is_encoder, pooling_kind=pooling_kind,
             quantization=quantization,
         )
-        if runner == "pooling":
-            model_config.enforce_eager = True  # prefill-only steps: no decode graphs to replay
+        if runner == "pooling" and is_encoder:  # their forward takes token types: nothing to replay
+            model_config.enforce_eager = True  # (a decoder's prompt steps replay the piecewise graphs)
         cache_config = CacheConfig(
             block_size=self.block_size or 16, gpu_memory_utilization=self.gpu_memory_utilization,
             num_gpu_blocks_override=self.num_gpu_blocks_override,
