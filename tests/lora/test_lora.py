@@ -1,8 +1,9 @@
-"""LoRA adapters against `peft` on a tiny random Llama: greedy tokens identical in fp32 for
-each adapter (ranks 4, 8 and 64, rsLoRA, every projection or a few); one batch mixing three
-adapters and the base runs one forward per step; evicting and reloading adapters (one device
-slot) changes nothing; the prefix cache never shares blocks across adapters; bad adapters
-are refused before they reach the engine."""
+"""LoRA adapters against `peft` on a tiny random Llama: greedy tokens identical in fp32 for each
+adapter (ranks 4, 8 and 64, rsLoRA, every projection or a few); one batch mixing three adapters
+and the base runs one forward per step; evicting and reloading adapters (one device slot)
+changes nothing; adapters under preemption, chunked prefill and n=2 keep peft's tokens; the
+prefix cache never shares blocks across adapters; bad adapters are refused before they reach the
+engine."""
 from __future__ import annotations
 
 import functools
@@ -137,6 +138,29 @@ def test_one_device_slot_evicts_and_reloads_with_the_same_tokens(tiny_models, ad
     assert manager.num_loads > 3 and len(manager.host) <= 2
     core = small.llm_engine.engine_core
     assert core.kv_cache_manager.num_free_blocks == core.kv_cache_manager.num_blocks
+
+
+def test_adapters_compose_with_preemption_chunking_and_n(tiny_models, adapters):
+    """Three adapters and the base mixed, with a KV cache too small for the batch (preemption),
+    32-token prefill chunks (the smallest piece), two device slots for three adapters and n=2:
+    every sequence is its adapter's peft greedy output, and afterwards no block is held. On a GPU
+    the prompt chunks replay the LoRA pieces."""
+    small = LLM(tiny_models["llama"], num_gpu_blocks_override=12, block_size=16, dtype="float32", enable_lora=True,
+                max_loras=2, max_lora_rank=64, max_model_len=160, max_num_batched_tokens=32,
+                enable_prefix_caching=False)
+    names = list(ADAPTERS) + [None]
+    loras = [adapters[names[i % 4]] if names[i % 4] else None for i in range(len(PROMPTS))]
+    want = [_peft_greedy(tiny_models["llama"], lora.lora_path if lora else None)[i] for i, lora in enumerate(loras)]
+    sp = SamplingParams(n=2, temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = small.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], sp, use_tqdm=False, lora_request=loras)
+    assert [[tuple(c.token_ids) for c in o.outputs] for o in outs] == [[w, w] for w in want]
+    core = small.llm_engine.engine_core
+    assert core.scheduler.num_preemptions > 0
+    assert core.kv_cache_manager.num_free_blocks == core.kv_cache_manager.num_blocks
+    runner = core.executor.worker.model_runner
+    assert len(runner.lora.slot_of) <= 2
+    if torch.cuda.is_available():
+        assert runner.graphs.piecewise.lora_graphs and runner.graphs.piecewise.replays > 0
 
 
 def test_the_prefix_cache_never_shares_blocks_across_adapters(llm, adapters):
