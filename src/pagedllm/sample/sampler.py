@@ -66,14 +66,15 @@ def compute_logprobs_with_ranks(
 
 class Sampler:
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
-        if self._only_temperature(md) and triton_ops_for(logits) is not None:  # CUDA, kernels enabled
-            from pagedllm.sample.triton_sampler import gumbel_sample
+        if self._only_temperature(md):
+            if triton_ops_for(logits) is not None:  # CUDA, kernels enabled
+                from pagedllm.sample.triton_sampler import gumbel_sample
 
-            return SamplerOutput(gumbel_sample(logits, md.temperature))
-        if md.all_greedy and self._only_temperature(md):
-            # bfloat16 -> float32 is exact: the argmax (ties and NaNs alike) is the same token without
-            # the upcast, which took ~2 ms a step for 32 x 49,152 logits in a CPU decode step.
-            return SamplerOutput(greedy(logits))
+                return SamplerOutput(gumbel_sample(logits, md.temperature))
+            if md.all_greedy:
+                # bfloat16 -> float32 is exact: the argmax (ties and NaNs alike) is the same token without
+                # the upcast, which took ~2 ms a step for 32 x 49,152 logits in a CPU decode step.
+                return SamplerOutput(greedy(logits))
         logits = logits.to(torch.float32)
         # Logprobs are reported for the model's raw distribution, as vLLM does by default.
         raw_logprobs = torch.log_softmax(logits, dim=-1) if md.max_num_logprobs is not None else None

@@ -238,9 +238,9 @@ def piecewise_graphs_for(runner) -> PiecewiseGraphs | None:
     """The runner's piecewise graphs, or None where steps with prefill chunks stay eager: on CPU,
     with an attention backend that cannot be captured, ``enforce_eager``, pipeline stages,
     encoder pooling models (their forward takes token types), speculative decoding (its proposers
-    read the target's forward as it runs),
-    or ``PAGEDLLM_PIECEWISE_GRAPH_TOKENS=0``. Steps with LoRA adapters replay graphs of their own
-    where the adapters' kernels can be captured (``LoRAManager.graphs_supported``)."""
+    read the target's forward as it runs), or ``PAGEDLLM_PIECEWISE_GRAPH_TOKENS=0``. Steps with
+    LoRA adapters replay graphs of their own where the adapters' kernels can be captured
+    (``LoRAManager.graphs_supported``)."""
     max_tokens = min(envs.PAGEDLLM_PIECEWISE_GRAPH_TOKENS, runner.max_num_tokens)
     if runner.device.type != "cuda" or not runner.graphs.graph_safe or runner.config.model_config.enforce_eager \
             or runner.pp_size > 1 or (runner.pooling is not None and runner.pooling.is_encoder) \
