@@ -112,7 +112,7 @@ def test_a_batch_mixing_adapters_and_the_base_runs_one_forward_per_step(llm, tin
     runner.model.forward = counting_forward
     llm.llm_engine.engine_core.step = counting_step
     pieces = runner.graphs.piecewise
-    replays = pieces.replays if pieces is not None else 0
+    replays = pieces.lora_replays if pieces is not None else 0
     try:
         got = _generate(llm, loras)
     finally:
@@ -120,7 +120,7 @@ def test_a_batch_mixing_adapters_and_the_base_runs_one_forward_per_step(llm, tin
     assert got == want
     if torch.cuda.is_available():  # decode steps with adapters replay the LoRA graphs, prefill steps the pieces
         assert runner.graphs.lora_graphs and set(runner.graphs.lora_graphs) == set(runner.graphs.graphs)
-        assert set(pieces.lora_graphs) == set(pieces.graphs) and pieces.replays > replays
+        assert set(pieces.lora_graphs) == set(pieces.graphs) and pieces.lora_replays > replays
     else:
         assert forwards > 0
     assert forwards <= steps  # at most one forward per step (CUDA graphs replay base-only ones), any mix
@@ -160,7 +160,7 @@ def test_adapters_compose_with_preemption_chunking_and_n(tiny_models, adapters):
     runner = core.executor.worker.model_runner
     assert len(runner.lora.slot_of) <= 2
     if torch.cuda.is_available():
-        assert runner.graphs.piecewise.lora_graphs and runner.graphs.piecewise.replays > 0
+        assert runner.graphs.piecewise.lora_graphs and runner.graphs.piecewise.lora_replays > 0
 
 
 def test_the_prefix_cache_never_shares_blocks_across_adapters(llm, adapters):

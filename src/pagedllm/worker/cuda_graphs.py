@@ -44,16 +44,18 @@ class CudaGraphs:
     """The decode graphs of one runner (or of its draft model), by padded batch size, over the
     runner's device buffers. With speculative decoding (k drafts at most) more sets hold steps
     of q = 2 .. 1 + k tokens per request: the shape of a step where every request verifies
-    q - 1 drafts (n-gram proposals may be shorter than k)."""
+    q - 1 drafts (n-gram proposals may be shorter than k). ``decodes=False`` (pooling runners:
+    every step they run is prompts, which the piecewise graphs serve) captures no decode graphs."""
 
     def __init__(self, buffers: DeviceBuffers, device: torch.device, graph_safe: bool, pp_size: int,
-                 max_num_reqs: int, max_num_tokens: int, max_model_len: int, max_spec_q: int | None = None) -> None:
+                 max_num_reqs: int, max_num_tokens: int, max_model_len: int, max_spec_q: int | None = None,
+                 decodes: bool = True) -> None:
         self.buffers = buffers
         self.device = device
         self.graph_safe = graph_safe  # the attention backend can be captured
         self.pp_size = pp_size
         self.max_model_len = max_model_len
-        self.candidate_sizes = cuda_graph_sizes(max_num_reqs, max_num_tokens)
+        self.candidate_sizes = cuda_graph_sizes(max_num_reqs, max_num_tokens) if decodes else []
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.sizes: list[int] = []  # captured sizes, ascending (empty: every step runs eagerly)
         # With LoRA: a second set whose adapters map through the LoRA manager's fixed buffers.
@@ -148,7 +150,8 @@ class CudaGraphs:
         stream = torch.cuda.Stream(self.device)
         lora = lora if lora is not None and lora.graphs_supported() else None
         if lora is not None:  # the token-to-slot buffers hold the largest graph's tokens
-            lora.max_graph_tokens = max(sizes[-1], self.piecewise.candidate_sizes[-1] if self.piecewise else 0)
+            lora.max_graph_tokens = max(sizes[-1] if sizes else 0,
+                                        self.piecewise.candidate_sizes[-1] if self.piecewise else 0)
         if self.piecewise is not None:
             self.piecewise.capture(model, pool, stream, lora)
         buf = self.reset_inputs()
@@ -169,8 +172,9 @@ class CudaGraphs:
             if self.spec_qs else ""
         pieces = f"; steps with prefill chunks in pieces at {len(self.piecewise.sizes)} sizes up to " \
             f"{self.piecewise.sizes[-1]} tokens" if self.piecewise is not None and self.piecewise.sizes else ""
-        logger.info("Captured %d CUDA graphs for decode batches of 1..%d%s%s%s in %.1f s",
-                    len(self.graphs) + len(self.lora_graphs) + len(self.spec_graphs), sizes[-1],
+        logger.info("Captured %d CUDA graphs for decode batches of %s%s%s%s in %.1f s",
+                    len(self.graphs) + len(self.lora_graphs) + len(self.spec_graphs),
+                    f"1..{sizes[-1]}" if sizes else "no size (prompts only)",
                     " (with and without LoRA)" if self.lora_graphs else "", spec, pieces, time.perf_counter() - t0)
 
     def _capture_one(self, model: nn.Module, buf: DeviceBuffers, bs: int, q: int, pool,

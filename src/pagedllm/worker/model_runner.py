@@ -99,12 +99,12 @@ class ModelRunner:
         ib = self.input_batch
         self.sampling_metadata = SamplingMetadataBuilder(ib.sampling, ib.sampling_counts, ib.token_ids_cpu,
                                                          ib.num_prompt_tokens, self.vocab_size, device)
-        self._buffers = DeviceBuffers(self.max_num_tokens, self.max_num_reqs, max_blocks_per_req, device,
-                                      len(self.kv_groups))
+        self._buffers = DeviceBuffers(self.max_num_tokens, self.max_num_reqs, max_blocks_per_req, device, len(self.kv_groups))
         spec = config.speculative_config
         self.graphs = CudaGraphs(self._buffers, device, getattr(self.attn_backend, "cuda_graph_safe", False),
                                  self.pp_size, self.max_num_reqs, self.max_num_tokens, sc.max_model_len,
-                                 max_spec_q=None if spec is None else 1 + spec.num_speculative_tokens)
+                                 max_spec_q=None if spec is None else 1 + spec.num_speculative_tokens,
+                                 decodes=config.model_config.runner_type != "pooling")
         self.lora = lora_manager_for(self.input_batch, config, model, device, self.dtype)
         # Speculative decoding with a draft model or an EAGLE head (worker/spec_draft.py, spec_eagle.py).
         proposer = {"eagle": EagleProposer, "eagle3": Eagle3Proposer}.get(spec.method, DraftModel) if spec else None

@@ -123,6 +123,7 @@ class PiecewiseGraphs:
         self._outs: dict[tuple, torch.Tensor] = {}  # attention outputs, by (row shape, dtype): outside the pool
         self._capturing: tuple[list, list, object] | None = None  # (pieces, calls, pool) of the size in capture
         self.replays = 0  # steps served (tests read it)
+        self.lora_replays = 0  # of which with adapters
 
     def size_for(self, num_tokens: int, lora: bool = False) -> int | None:
         if lora and not self.lora_graphs:
@@ -225,6 +226,7 @@ class PiecewiseGraphs:
                                 *call.args, out=call.out[:n], **call.kwargs)
         pieces[-1].replay()
         self.replays += 1
+        self.lora_replays += lora
         return out[:n]
 
     def release(self) -> None:
