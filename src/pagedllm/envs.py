@@ -102,6 +102,10 @@ _VARS = [
            "merge, SiLU-and-mul) wait for the kernel before them to end before they launch, instead of launching "
            "while it runs (programmatic dependent launch, ops/triton_pdl.py; A/B measurements).",
            _not_zero),
+    EnvVar("PAGEDLLM_FUSED_ROTARY_KV", "bool (0 = off)", True,
+           "0: the Triton attention backend's layers launch rotary (with Qwen3's q/k norm) and the KV write as "
+           "two kernels instead of one (A/B measurements; the values are the same bit for bit).",
+           _not_zero),
     EnvVar("PAGEDLLM_FP8_NORM_QUANT", "bool (0 = off)", True,
            "0: an fp8 W8A8 projection with per-token activations quantizes its input with a launch of its own, "
            "instead of taking the rows the RMSNorm or SiLU-and-mul kernel before it quantized (model/loader.py; "

@@ -278,3 +278,40 @@ def test_qk_norm_rotary_equals_norms_then_rotary(ops, dtype, heads, head_dim):
 
     _check(q_out, q_ref, _rotate64(norm64(q, q_norm.weight), cos_sin))
     _check(k_out, k_ref, _rotate64(norm64(k, k_norm.weight), cos_sin))
+
+
+@pytest.mark.parametrize("dtype,cache_dtype,norm", [
+    (torch.float32, None, False), (torch.bfloat16, None, True),
+    (torch.bfloat16, torch.float8_e4m3fn, False), (torch.float16, torch.float8_e5m2, True)])
+def test_rotary_with_the_kv_write_stores_what_rotary_then_reshape_and_cache_store(ops, dtype, cache_dtype, norm):
+    """The Triton backend's fused launch (q/k norm, rotary, KV write) against the two launches it
+    replaces: the same q and the same cache bytes, bit for bit (model-dtype and fp8 caches, a
+    padding slot -1, k and v as views of one projection)."""
+    from pagedllm.attention import triton_kernels
+
+    num_tokens, hq, hk, hd = 7, 8, 2, 64
+    qkv = _rand(num_tokens, (hq + 2 * hk) * hd, dtype=dtype, scale=3.0)
+    q, k, v = (x.view(num_tokens, -1, hd) for x in qkv.split([hq * hd, hk * hd, hk * hd], dim=-1))
+    rope = _rope(hd)
+    positions = torch.randint(0, 4096, (num_tokens,), device=DEVICE)
+    slots = torch.tensor([5, 0, -1, 17, 31, 8, 9], device=DEVICE)
+    kv_scale = torch.tensor([0.02, 0.05], device=DEVICE) if cache_dtype is not None else None
+    norm_args = (_rand(hd, dtype=dtype) + 1, _rand(hd, dtype=dtype) + 1, 1e-6) if norm else ()
+    results = []
+    for fused in (False, True):
+        cache = torch.zeros(2, 4, 8, hk, hd, dtype=cache_dtype or dtype, device=DEVICE)
+        if fused:
+            q_out, k_out = ops.rotary_embedding(positions, q, k, rope.cos_sin_cache, *norm_args,
+                                                kv_write=ops.KVWrite(v, cache, slots, kv_scale))
+            assert k_out is None
+        else:
+            q_out, k_out = ops.rotary_embedding(positions, q, k, rope.cos_sin_cache, *norm_args)
+            triton_kernels.reshape_and_cache(k_out, v, cache, slots, kv_scale)
+        results.append((q_out, cache.view(torch.uint8)))
+    assert torch.equal(results[0][0], results[1][0])
+    assert torch.equal(results[0][1], results[1][1])
+    assert results[1][1].view(cache_dtype or dtype)[:, 0, 0].float().abs().sum() > 0  # slot 0 was written
+    with pytest.raises(ValueError, match="kv_scale"):  # an fp8 cache without its scales
+        ops.rotary_embedding(positions, q, k, rope.cos_sin_cache,
+                             kv_write=ops.KVWrite(v, torch.zeros(2, 4, 8, hk, hd, dtype=torch.float8_e4m3fn,
+                                                                 device=DEVICE), slots))

@@ -69,6 +69,9 @@ class AttentionBackend:
     """
 
     name: str = "abstract"
+    # True where the backend has ``rotary_write_kv`` (rotary and the KV write in one launch, then
+    # ``attend``): the Triton backend's layers call that pair instead of rotary + ``forward``.
+    fuses_rotary: bool = False
 
     def forward(
         self,

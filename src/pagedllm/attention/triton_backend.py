@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import torch
 
+from pagedllm import envs
 from pagedllm.attention.backend import AttentionBackend, AttentionMetadata
 from pagedllm.attention.kv_quant import is_fp8
 from pagedllm.attention.triton_kernels import reshape_and_cache, unified_attention
+from pagedllm.ops.triton_ops import KVWrite, rotary_embedding
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -16,6 +18,10 @@ class TritonAttentionBackend(AttentionBackend):
 
     name = "triton"
     cuda_graph_safe = True
+
+    def __init__(self) -> None:
+        # A layer may call rotary_write_kv + attend instead of its rotary + forward (one launch fewer).
+        self.fuses_rotary = envs.PAGEDLLM_FUSED_ROTARY_KV
 
     def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata, scale, sliding_window=None,
                 logits_soft_cap=None, causal=True, kv_scale=None, out=None):
@@ -28,6 +34,19 @@ class TritonAttentionBackend(AttentionBackend):
         this half: it reads nothing of the step but the slot mapping's buffer)."""
         fp8 = self.check_kv_scale(key, value, kv_cache, metadata, kv_scale)
         reshape_and_cache(key, value, kv_cache, metadata.slot_mapping, kv_scale if fp8 else None)
+
+    def rotary_write_kv(self, positions, query, key, value, kv_cache, metadata: AttentionMetadata, cos_sin_cache,
+                        q_norm_weight=None, k_norm_weight=None, eps=0.0, kv_scale=None) -> torch.Tensor:
+        """Rotary of ``query`` and ``key`` (each head RMS-normed first with the norm weights: Qwen3),
+        and the rotated keys with ``value`` written to the cache as ``write_kv`` writes them, in one
+        launch; returns the rotated query for ``attend``. Not for a step that computes the FP8 KV
+        scales (they are taken from the K/V before rotary's caller could see them)."""
+        if metadata.calculate_kv_scales:
+            raise ValueError("rotary_write_kv cannot compute FP8 KV scales: use rotary, then forward")
+        kv_scale = kv_scale if is_fp8(kv_cache.dtype) else None
+        write = KVWrite(value, kv_cache, metadata.slot_mapping, kv_scale)
+        return rotary_embedding(positions, query, key, cos_sin_cache, q_norm_weight, k_norm_weight, eps,
+                                kv_write=write)[0]
 
     def attend(self, query, kv_cache, metadata: AttentionMetadata, scale, sliding_window=None, logits_soft_cap=None,
                causal=True, kv_scale=None, out=None):

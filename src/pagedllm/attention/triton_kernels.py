@@ -75,11 +75,17 @@ def _reshape_and_cache_kernel(
     k = tl.load(key_ptr + t * stride_kt + h * stride_kh + d, mask=mask)
     v = tl.load(value_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
     dst = block * stride_c_block + off * stride_c_slot + h * stride_c_head + d
-    if FP8_MAX > 0:  # fp8 cache: x / scale (IEEE division, as torch), saturated, rounded to nearest even
-        k = tl.clamp(tl.math.div_rn(k.to(tl.float32), tl.load(kv_scale_ptr)), -FP8_MAX, FP8_MAX)
-        v = tl.clamp(tl.math.div_rn(v.to(tl.float32), tl.load(kv_scale_ptr + 1)), -FP8_MAX, FP8_MAX)
-    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    store_kv(k_cache_ptr + dst, k, kv_scale_ptr, FP8_MAX, mask)
+    store_kv(v_cache_ptr + dst, v, kv_scale_ptr + 1, FP8_MAX, mask)
+
+
+@triton.jit
+def store_kv(dst, x, scale_ptr, FP8_MAX: tl.constexpr, mask):
+    """Store K or V values ``x`` (model dtype) into the cache at ``dst``: as they are, or in an fp8
+    cache ``saturate(x / scale)`` (IEEE division, as torch), rounded to nearest even."""
+    if FP8_MAX > 0:
+        x = tl.clamp(tl.math.div_rn(x.to(tl.float32), tl.load(scale_ptr)), -FP8_MAX, FP8_MAX)
+    tl.store(dst, x.to(dst.dtype.element_ty), mask=mask)
 
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
@@ -97,18 +103,18 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Te
         raise ValueError(f"key {tuple(key.shape)}, value {tuple(value.shape)} and kv_cache "
                          f"{tuple(kv_cache.shape)} disagree on [num_kv_heads, head_dim]")
     assert key.stride(-1) == 1 and value.stride(-1) == 1 and kv_cache.is_contiguous()
-    fp8_max = _fp8_max(kv_cache, kv_scale)
+    bound = fp8_max(kv_cache, kv_scale)
     _reshape_and_cache_kernel[(num_tokens,)](
         key, value, kv_cache[0], kv_cache[1], slot_mapping, slot_mapping if kv_scale is None else kv_scale,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         BLOCK_SIZE=kv_cache.shape[2], NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        HEADS_PAD=triton.next_power_of_2(num_kv_heads), DIM_PAD=triton.next_power_of_2(head_dim), FP8_MAX=fp8_max,
+        HEADS_PAD=triton.next_power_of_2(num_kv_heads), DIM_PAD=triton.next_power_of_2(head_dim), FP8_MAX=bound,
         num_warps=4 if num_kv_heads * head_dim >= 1024 else 1, **enter_args(key.device),
     )
 
 
-def _fp8_max(kv_cache: torch.Tensor, kv_scale: torch.Tensor | None) -> float:
+def fp8_max(kv_cache: torch.Tensor, kv_scale: torch.Tensor | None) -> float:
     """The saturation bound of an fp8 cache (its kernels' switch), 0.0 for a cache in the model dtype."""
     if not is_fp8(kv_cache.dtype):
         return 0.0
@@ -346,7 +352,7 @@ def _check_attention_inputs(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.
         raise ValueError(f"sliding_window={sliding_window} must be >= 1 (or None)")
     if logits_soft_cap is not None and not logits_soft_cap > 0:
         raise ValueError(f"logits_soft_cap={logits_soft_cap} must be > 0 (or None)")
-    if _fp8_max(kv_cache, kv_scale) > 0:  # fp8 K/V are widened to q's dtype
+    if fp8_max(kv_cache, kv_scale) > 0:  # fp8 K/V are widened to q's dtype
         if out.dtype != q.dtype:
             raise ValueError(f"q {q.dtype} and out {out.dtype} must share a dtype")
     elif q.dtype != kv_cache.dtype or out.dtype != q.dtype:

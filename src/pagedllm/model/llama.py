@@ -62,6 +62,20 @@ class Attention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         ops = layers.triton_ops_for(q)  # looked up at call time: one switch for every layer
+        if self.attn_backend is None:
+            raise RuntimeError("Attention.attn_backend is not set; the model runner must set it before forward")
+        if self.kv_cache_group:
+            attn_metadata = attn_metadata.for_group(self.kv_cache_group)
+        backend = self.attn_backend
+        if backend.fuses_rotary and ops is not None and self.rotary_emb.fused_ok(q, k) \
+                and self.fused_qk_norm == self.qk_norm and not attn_metadata.calculate_kv_scales:
+            # q/k norm, rotary and the KV write in one launch, then attention over the cache.
+            norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else ()
+            q = backend.rotary_write_kv(positions, q, k, v, self.kv_cache, attn_metadata,
+                                        self.rotary_emb.cos_sin_cache, *norm, kv_scale=self.kv_scale)
+            o = backend.attend(q, self.kv_cache, attn_metadata, self.scale, self.sliding_window,
+                               logits_soft_cap=self.logits_soft_cap, kv_scale=self.kv_scale)
+            return self.o_proj(o.flatten(1, 2))
         if self.fused_qk_norm and ops is not None and self.rotary_emb.fused_ok(q, k):  # one launch for all three
             q, k = ops.qk_norm_rotary(positions, q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
                                       self.rotary_emb.cos_sin_cache)
@@ -69,12 +83,8 @@ class Attention(nn.Module):
             if self.qk_norm:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = self.rotary_emb(positions, q, k)
-        if self.attn_backend is None:
-            raise RuntimeError("Attention.attn_backend is not set; the model runner must set it before forward")
-        if self.kv_cache_group:
-            attn_metadata = attn_metadata.for_group(self.kv_cache_group)
-        o = self.attn_backend.forward(q, k, v, self.kv_cache, attn_metadata, self.scale, self.sliding_window,
-                                      logits_soft_cap=self.logits_soft_cap, kv_scale=self.kv_scale)
+        o = backend.forward(q, k, v, self.kv_cache, attn_metadata, self.scale, self.sliding_window,
+                            logits_soft_cap=self.logits_soft_cap, kv_scale=self.kv_scale)
         return self.o_proj(o.flatten(1, 2))
 
 

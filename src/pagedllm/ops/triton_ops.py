@@ -9,11 +9,14 @@ strided [T, H, D] views that split a fused projection (Qwen3's per-head q/k norm
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from pagedllm.attention.triton_kernels import fp8_max, store_kv
 from pagedllm.ops.triton_fp8 import FP8_MAX, MIN_SCALE
 from pagedllm.ops.triton_gemv import decode_config, small_m_linear
 from pagedllm.ops.triton_lora import pdl_supported
@@ -81,10 +84,11 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, q_ptr, s_ptr, x_stride0, inter_size, BL
 
 
 @triton.jit
-def _rotate_heads(x_ptr, w_ptr, out_ptr, t, x_stride0, x_stride1, head0, cos, sin, offs_d, mask_d, eps,
+def _rotate_heads(x_ptr, w_ptr, t, x_stride0, x_stride1, head0, cos, sin, offs_d, mask_d, eps,
                   NUM_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, HAS_NORM: tl.constexpr):
-    """Rotate heads [head0, head0 + BLOCK_H) of token t: [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin];
-    with HAS_NORM each head is first RMS-normed with weight w (Qwen3's q/k norm), rounded as RMSNorm."""
+    """Heads [head0, head0 + BLOCK_H) of token t rotated: [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin],
+    returned as (heads, mask, first half, second half) in the model dtype; with HAS_NORM each head
+    is first RMS-normed with weight w (Qwen3's q/k norm), rounded as RMSNorm."""
     dtype = x_ptr.dtype.element_ty
     heads = head0 + tl.arange(0, BLOCK_H)
     mask = (heads < NUM_HEADS)[:, None] & mask_d[None, :]
@@ -100,16 +104,20 @@ def _rotate_heads(x_ptr, w_ptr, out_ptr, t, x_stride0, x_stride1, head0, cos, si
     # Each product and sum rounded to the model dtype, as torch computes it in that dtype.
     x1c, x2s = (x1 * cos).to(dtype).to(tl.float32), (x2 * sin).to(dtype).to(tl.float32)
     x2c, x1s = (x2 * cos).to(dtype).to(tl.float32), (x1 * sin).to(dtype).to(tl.float32)
-    dst = out_ptr + (t * NUM_HEADS + heads[:, None]) * (2 * HALF) + offs_d[None, :]
-    tl.store(dst, (x1c - x2s).to(dtype), mask=mask)
-    tl.store(dst + HALF, (x2c + x1s).to(dtype), mask=mask)
+    return heads, mask, (x1c - x2s).to(dtype), (x2c + x1s).to(dtype)
 
 
 @triton.jit
 def _rotary_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, q_out_ptr, k_out_ptr, cos_sin_ptr, pos_ptr, q_stride0, q_stride1,
-                   k_stride0, k_stride1, cos_sin_stride0, eps, NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr,
+                   k_stride0, k_stride1, cos_sin_stride0, eps,
+                   v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, kv_scale_ptr, v_stride0, v_stride1,
+                   stride_c_block, stride_c_slot, stride_c_head,
+                   NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr,
                    HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, HAS_NORM: tl.constexpr,
-                   ENTER: tl.constexpr):
+                   ENTER: tl.constexpr, WRITE_KV: tl.constexpr, CACHE_BLOCK: tl.constexpr, FP8_MAX: tl.constexpr):
+    """q's and k's heads rotated (grid axis 1: q's head blocks, then k's). WRITE_KV: k's programs
+    store the rotated k, and v's same heads, into the paged cache at the token's slot (-1: none),
+    as ``reshape_and_cache`` stores them, instead of writing k out."""
     pdl_enter(ENTER)  # launched early: wait for the kernel before, then let the next launch
     t = tl.program_id(0).to(tl.int64)
     head_block = tl.program_id(1)
@@ -122,11 +130,28 @@ def _rotary_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, q_out_ptr, k_out_ptr, cos_sin_p
     sin = tl.load(table + HALF + offs_d, mask=mask_d, other=0.0).to(dtype).to(tl.float32)[None, :]
     q_blocks = tl.cdiv(NUM_Q_HEADS, BLOCK_H)
     if head_block < q_blocks:
-        _rotate_heads(q_ptr, qw_ptr, q_out_ptr, t, q_stride0, q_stride1, head_block * BLOCK_H, cos, sin, offs_d,
-                      mask_d, eps, NUM_Q_HEADS, HALF, BLOCK_H, HAS_NORM)
+        heads, mask, o1, o2 = _rotate_heads(q_ptr, qw_ptr, t, q_stride0, q_stride1, head_block * BLOCK_H, cos, sin,
+                                            offs_d, mask_d, eps, NUM_Q_HEADS, HALF, BLOCK_H, HAS_NORM)
+        dst = q_out_ptr + (t * NUM_Q_HEADS + heads[:, None]) * (2 * HALF) + offs_d[None, :]
+        tl.store(dst, o1, mask=mask)
+        tl.store(dst + HALF, o2, mask=mask)
     else:
-        _rotate_heads(k_ptr, kw_ptr, k_out_ptr, t, k_stride0, k_stride1, (head_block - q_blocks) * BLOCK_H, cos,
-                      sin, offs_d, mask_d, eps, NUM_K_HEADS, HALF, BLOCK_H, HAS_NORM)
+        heads, mask, o1, o2 = _rotate_heads(k_ptr, kw_ptr, t, k_stride0, k_stride1, (head_block - q_blocks) * BLOCK_H,
+                                            cos, sin, offs_d, mask_d, eps, NUM_K_HEADS, HALF, BLOCK_H, HAS_NORM)
+        if WRITE_KV:
+            slot = tl.load(slot_ptr + t).to(tl.int64)
+            if slot >= 0:
+                dst = (slot // CACHE_BLOCK) * stride_c_block + (slot % CACHE_BLOCK) * stride_c_slot \
+                    + heads[:, None] * stride_c_head + offs_d[None, :]
+                store_kv(k_cache_ptr + dst, o1, kv_scale_ptr, FP8_MAX, mask)
+                store_kv(k_cache_ptr + dst + HALF, o2, kv_scale_ptr, FP8_MAX, mask)
+                v_src = v_ptr + t * v_stride0 + heads[:, None] * v_stride1 + offs_d[None, :]
+                store_kv(v_cache_ptr + dst, tl.load(v_src, mask=mask), kv_scale_ptr + 1, FP8_MAX, mask)
+                store_kv(v_cache_ptr + dst + HALF, tl.load(v_src + HALF, mask=mask), kv_scale_ptr + 1, FP8_MAX, mask)
+        else:
+            dst = k_out_ptr + (t * NUM_K_HEADS + heads[:, None]) * (2 * HALF) + offs_d[None, :]
+            tl.store(dst, o1, mask=mask)
+            tl.store(dst + HALF, o2, mask=mask)
 
 
 def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
@@ -241,10 +266,12 @@ def silu_and_mul(x: torch.Tensor, fp8_out: bool = False) -> torch.Tensor:
 
 def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor,
                      q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None,
-                     eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+                     eps: float = 0.0, kv_write: KVWrite | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Neox-style rotary of q [T, Hq, D] and k [T, Hk, D] at ``positions`` [T], from the float32
     ``cos_sin_cache`` [max_position, D] (cos then sin halves); one launch for both. With norm
-    weights, each head is RMS-normed first (Qwen3's q/k norm) in the same launch."""
+    weights, each head is RMS-normed first (Qwen3's q/k norm) in the same launch. With
+    ``kv_write`` the rotated k and ``kv_write.value`` go into the paged cache in the same launch
+    (the attention backend's fused KV write) and no k is returned: (q_out, None)."""
     if q.dim() != 3 or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2] or q.dtype != k.dtype:
         raise ValueError(f"q and k must be [T, H, D] of one dtype with equal T and D, got {tuple(q.shape)} "
                          f"{q.dtype} and {tuple(k.shape)} {k.dtype}")
@@ -262,19 +289,47 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
         q = q.contiguous()
     if k.stride(-1) != 1:
         k = k.contiguous()
-    q_out, k_out = torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype,
-                                                                                       device=k.device)
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = None if kv_write is not None else torch.empty(k.shape, dtype=k.dtype, device=k.device)
     if num_tokens == 0:
         return q_out, k_out
     half = head_dim // 2
     block_h = min(triton.next_power_of_2(max(num_q_heads, num_k_heads)), 8)
     head_blocks = triton.cdiv(num_q_heads, block_h) + triton.cdiv(num_k_heads, block_h)
+    kv = kv_write.launch_args(k) if kv_write is not None else dict(
+        v=q, k_cache=q, v_cache=q, slots=positions, scale=q, strides=(0,) * 5, block=1, fp8_max=0.0)
     _rotary_kernel[(num_tokens, head_blocks)](
-        q, k, q_norm_weight if has_norm else q, k_norm_weight if has_norm else k, q_out, k_out, cos_sin_cache,
-        positions, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0), eps,
+        q, k, q_norm_weight if has_norm else q, k_norm_weight if has_norm else k, q_out,
+        k if k_out is None else k_out, cos_sin_cache, positions, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        cos_sin_cache.stride(0), eps, kv["v"], kv["k_cache"], kv["v_cache"], kv["slots"], kv["scale"], *kv["strides"],
         NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=num_k_heads, HALF=half, BLOCK_H=block_h,
-        BLOCK_D=triton.next_power_of_2(half), HAS_NORM=has_norm, num_warps=4, **enter_args(q.device))
+        BLOCK_D=triton.next_power_of_2(half), HAS_NORM=has_norm, WRITE_KV=kv_write is not None,
+        CACHE_BLOCK=kv["block"], FP8_MAX=kv["fp8_max"], num_warps=4, **enter_args(q.device))
     return q_out, k_out
+
+
+@dataclasses.dataclass
+class KVWrite:
+    """Where ``rotary_embedding`` stores the rotated keys and ``value`` [T, Hk, D]: a layer's paged
+    cache [2, num_blocks, block_size, Hk, D] at ``slot_mapping`` (-1: none), fp8 with ``kv_scale``."""
+    value: torch.Tensor
+    kv_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+    kv_scale: torch.Tensor | None = None
+
+    def launch_args(self, key: torch.Tensor) -> dict:
+        v, cache = self.value, self.kv_cache
+        if v.shape != key.shape or tuple(cache.shape[3:]) != tuple(key.shape[1:]) or cache.shape[0] != 2:
+            raise ValueError(f"value {tuple(v.shape)} and kv_cache {tuple(cache.shape)} must match key "
+                             f"{tuple(key.shape)} as [T, Hk, D] and [2, blocks, block_size, Hk, D]")
+        if self.slot_mapping.shape[0] < key.shape[0]:
+            raise ValueError(f"slot_mapping has {self.slot_mapping.shape[0]} entries for {key.shape[0]} tokens")
+        assert v.stride(-1) == 1 and cache.is_contiguous()
+        bound = fp8_max(cache, self.kv_scale)
+        return dict(v=v, k_cache=cache[0], v_cache=cache[1], slots=self.slot_mapping,
+                    scale=self.slot_mapping if self.kv_scale is None else self.kv_scale,
+                    strides=(v.stride(0), v.stride(1), cache.stride(1), cache.stride(2), cache.stride(3)),
+                    block=cache.shape[2], fp8_max=bound)
 
 
 def qk_norm_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,

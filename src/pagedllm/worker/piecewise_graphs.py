@@ -17,7 +17,8 @@ every op outside attention treats rows independently, so the real rows are exact
 Capture swaps each attention layer's backend for a stand-in whose ``forward`` captures the KV
 write (``write_kv``), ends the piece being captured, records the call (its q: a tensor in the
 graphs' memory pool) and returns a fixed output buffer that the next piece reads, then begins the
-next piece; a replay calls the backend's ``attend``. The q is kept as a non-owning view: its
+next piece (a layer that calls the backend's ``rotary_write_kv`` has that captured as it is, and
+its ``attend`` cuts the same way); a replay calls the backend's ``attend``. The q is kept as a non-owning view: its
 memory may be handed to later pieces of the same forward, which at replay run only after the
 attention that reads it (replays run in capture order, on one stream).
 """
@@ -104,6 +105,10 @@ class _Cut:
     def forward(self, query, key, value, kv_cache, metadata, scale, *args, **kwargs):
         # The KV write stays in the piece: it reads only the slot mapping's fixed buffer.
         self.backend.write_kv(key, value, kv_cache, metadata, kwargs.get("kv_scale"))
+        return self.owner.cut(self.layer, self.backend, query, scale, args, kwargs)
+
+    def attend(self, query, kv_cache, metadata, scale, *args, **kwargs):
+        # After the backend's rotary_write_kv (captured in the piece, as the KV write above).
         return self.owner.cut(self.layer, self.backend, query, scale, args, kwargs)
 
 
