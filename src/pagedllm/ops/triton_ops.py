@@ -141,13 +141,14 @@ def _rotary_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, q_out_ptr, k_out_ptr, cos_sin_p
         if WRITE_KV:
             slot = tl.load(slot_ptr + t).to(tl.int64)
             if slot >= 0:
+                v_src = v_ptr + t * v_stride0 + heads[:, None] * v_stride1 + offs_d[None, :]
+                v1, v2 = tl.load(v_src, mask=mask), tl.load(v_src + HALF, mask=mask)  # before any store
                 dst = (slot // CACHE_BLOCK) * stride_c_block + (slot % CACHE_BLOCK) * stride_c_slot \
                     + heads[:, None] * stride_c_head + offs_d[None, :]
                 store_kv(k_cache_ptr + dst, o1, kv_scale_ptr, FP8_MAX, mask)
                 store_kv(k_cache_ptr + dst + HALF, o2, kv_scale_ptr, FP8_MAX, mask)
-                v_src = v_ptr + t * v_stride0 + heads[:, None] * v_stride1 + offs_d[None, :]
-                store_kv(v_cache_ptr + dst, tl.load(v_src, mask=mask), kv_scale_ptr + 1, FP8_MAX, mask)
-                store_kv(v_cache_ptr + dst + HALF, tl.load(v_src + HALF, mask=mask), kv_scale_ptr + 1, FP8_MAX, mask)
+                store_kv(v_cache_ptr + dst, v1, kv_scale_ptr + 1, FP8_MAX, mask)
+                store_kv(v_cache_ptr + dst + HALF, v2, kv_scale_ptr + 1, FP8_MAX, mask)
         else:
             dst = k_out_ptr + (t * NUM_K_HEADS + heads[:, None]) * (2 * HALF) + offs_d[None, :]
             tl.store(dst, o1, mask=mask)
@@ -266,12 +267,14 @@ def silu_and_mul(x: torch.Tensor, fp8_out: bool = False) -> torch.Tensor:
 
 def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor,
                      q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None,
-                     eps: float = 0.0, kv_write: KVWrite | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     eps: float = 0.0, kv_write: KVWrite | None = None, block_h: int | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Neox-style rotary of q [T, Hq, D] and k [T, Hk, D] at ``positions`` [T], from the float32
     ``cos_sin_cache`` [max_position, D] (cos then sin halves); one launch for both. With norm
     weights, each head is RMS-normed first (Qwen3's q/k norm) in the same launch. With
     ``kv_write`` the rotated k and ``kv_write.value`` go into the paged cache in the same launch
-    (the attention backend's fused KV write) and no k is returned: (q_out, None)."""
+    (the attention backend's fused KV write) and no k is returned: (q_out, None). ``block_h``:
+    heads per program (default: up to 8; a benchmark's override)."""
     if q.dim() != 3 or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2] or q.dtype != k.dtype:
         raise ValueError(f"q and k must be [T, H, D] of one dtype with equal T and D, got {tuple(q.shape)} "
                          f"{q.dtype} and {tuple(k.shape)} {k.dtype}")
@@ -294,7 +297,7 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
     if num_tokens == 0:
         return q_out, k_out
     half = head_dim // 2
-    block_h = min(triton.next_power_of_2(max(num_q_heads, num_k_heads)), 8)
+    block_h = block_h or min(triton.next_power_of_2(max(num_q_heads, num_k_heads)), 8)
     head_blocks = triton.cdiv(num_q_heads, block_h) + triton.cdiv(num_k_heads, block_h)
     kv = kv_write.launch_args(k) if kv_write is not None else dict(
         v=q, k_cache=q, v_cache=q, slots=positions, scale=q, strides=(0,) * 5, block=1, fp8_max=0.0)
