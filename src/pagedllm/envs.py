@@ -106,6 +106,11 @@ _VARS = [
            "0: the Triton attention backend's layers launch rotary (with Qwen3's q/k norm) and the KV write as "
            "two kernels instead of one (A/B measurements; the values are the same bit for bit).",
            _not_zero),
+    EnvVar("PAGEDLLM_FP8_KV_F16_DOTS", "bool (0 = off)", True,
+           "0: attention of bfloat16 queries over an fp8 KV cache widens K/V to bfloat16 for its dots (as the "
+           "model dtype) instead of to float16, which takes one conversion instruction per pair of values "
+           "instead of three (A/B measurements).",
+           _not_zero),
     EnvVar("PAGEDLLM_FP8_NORM_QUANT", "bool (0 = off)", True,
            "0: an fp8 W8A8 projection with per-token activations quantizes its input with a launch of its own, "
            "instead of taking the rows the RMSNorm or SiLU-and-mul kernel before it quantized (model/loader.py; "

@@ -147,7 +147,7 @@ def _attention_kernel(
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     USE_WINDOW: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr,
     Q_LEN_FILTER: tl.constexpr, Q_LEN_THRESHOLD: tl.constexpr, SOFTCAP: tl.constexpr, KV_FP8: tl.constexpr,
-    CAUSAL: tl.constexpr = True, ENTER: tl.constexpr = False,
+    CAUSAL: tl.constexpr = True, ENTER: tl.constexpr = False, F16_DOTS: tl.constexpr = False,
 ):
     pdl_enter(ENTER)  # launched early (ops/triton_pdl.py): wait for the kernel before first
     # One flat grid axis, KV head fastest: the programs of one sequence run side by side and
@@ -185,6 +185,12 @@ def _attention_kernel(
     if DIM_PAD != HEAD_DIM:
         q_mask = q_mask & (d[None, :] < HEAD_DIM)
     q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0)
+    if F16_DOTS:
+        # bf16 queries over an fp8 cache: the dots run in float16, which fp8 K/V widen to in one
+        # instruction per pair (to bfloat16 it takes two more, through float16). q is exact in
+        # float16 between 2**-14 and 65504 (bfloat16 has 8 significant bits, float16 11); beyond
+        # the range it saturates, smaller entries lose bits in float16's subnormals.
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
     q_pos = context_len + q_tok  # absolute position of each row's query token
 
     # Keys this tile can see: up to its last query token (causal; else all), from the window's start.
@@ -406,6 +412,8 @@ def unified_attention(
         NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=group_pad, BLOCK_SIZE=kv_cache.shape[2],
         HEAD_DIM=head_dim, DIM_PAD=dim_pad, USE_WINDOW=sliding_window is not None, IEEE=ieee,
         SOFTCAP=logits_soft_cap is not None, CAUSAL=causal, KV_FP8=is_fp8(kv_cache.dtype), **enter_args(q.device))
+    if common["KV_FP8"] and q.dtype == torch.bfloat16 and envs.PAGEDLLM_FP8_KV_F16_DOTS:
+        common["F16_DOTS"] = True
     # K and V halves as two pointers: their distance (num_blocks x block bytes, past 2**31 elements for large
     # caches) would be an argument Triton types i32 or i64 by its value, one compiled variant per cache size.
     args = [q, out, *kv_cache.unbind(), block_tables, seq_lens, query_start_loc, q if kv_scale is None else kv_scale]
