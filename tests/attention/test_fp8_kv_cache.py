@@ -184,6 +184,33 @@ def test_triton_backend_equals_torch_backend_with_fp8_cache(kernels):
     assert rel_err(outs[0][:b.num_real_tokens], outs[1][:b.num_real_tokens].double().cpu()) < TOL[torch.bfloat16]
 
 
+def test_float16_dots_over_an_fp8_cache_match_the_bfloat16_dots(kernels, monkeypatch):
+    """bfloat16 queries over an fp8 cache run their dots in float16 (PAGEDLLM_FP8_KV_F16_DOTS):
+    as close to the dequantized float64 reference as the bfloat16 dots are, or closer; and a query
+    past float16's range saturates instead of turning the output into inf / NaN."""
+    rng = random.Random(4)
+    b = make_batch(rng, block_size=16, num_kv_heads=2, group=2, head_dim=64, dtype=torch.bfloat16,
+                   runs=[(30, 1), (7, 1), (0, 5), (50, 1)])
+    kv_scale = torch.tensor([4.0 / 448, 4.0 / 448])
+    deq, cache = fp8_batch(b, E4M3, kv_scale)
+    cache, kv_scale = cache.to(DEVICE), kv_scale.to(DEVICE)
+    kernels.reshape_and_cache(b.k_new, b.v_new, cache, b.slots, kv_scale)
+    ref = reference(deq, 0.125, None)
+    errs = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("PAGEDLLM_FP8_KV_F16_DOTS", flag)
+        out = torch.zeros_like(b.q)
+        kernels.unified_attention(b.q, cache, b.block_tables, b.qsl, b.seq_lens, 0.125, out, kv_scale=kv_scale)
+        errs[flag] = rel_err(out[:b.num_real_tokens], ref)
+    assert errs["1"] <= max(errs["0"], 1e-3) * 1.5 and errs["1"] < TOL[torch.bfloat16], errs
+    monkeypatch.setenv("PAGEDLLM_FP8_KV_F16_DOTS", "1")
+    q = b.q.clone()
+    q[:, :, 0] = 1e6  # past float16's 65504: saturates in the dots
+    out = torch.zeros_like(q)
+    kernels.unified_attention(q, cache, b.block_tables, b.qsl, b.seq_lens, 0.125, out, kv_scale=kv_scale)
+    assert out[:b.num_real_tokens].isfinite().all()
+
+
 def test_triton_fp8_cache_needs_scales(kernels):
     b = make_batch(random.Random(0), block_size=8, num_kv_heads=2, group=2, head_dim=64, dtype=torch.bfloat16,
                    runs=[(3, 2)])
