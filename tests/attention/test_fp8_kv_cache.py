@@ -184,6 +184,37 @@ def test_triton_backend_equals_torch_backend_with_fp8_cache(kernels):
     assert rel_err(outs[0][:b.num_real_tokens], outs[1][:b.num_real_tokens].double().cpu()) < TOL[torch.bfloat16]
 
 
+@pytest.mark.parametrize("calculate", [False, True])
+def test_rotary_write_kv_equals_rotary_then_forward_with_an_fp8_cache(kernels, calculate):
+    """The Triton backend's fused rotary + KV write against rotary then ``forward``: the same cache
+    bytes, output and scales, also on the step that computes the FP8 KV scales (from the rotated
+    K/V, so that step takes the two launches)."""
+    from pagedllm.attention.triton_backend import TritonAttentionBackend
+    from pagedllm.ops.triton_ops import rotary_embedding
+    from tests.ops.test_triton_ops import _rope
+
+    b = make_batch(random.Random(5), block_size=16, num_kv_heads=2, group=2, head_dim=64, dtype=torch.bfloat16,
+                   runs=[(13, 6), (0, 9), (40, 1)])
+    md = dataclasses.replace(metadata(b, 9), calculate_kv_scales=calculate)
+    positions = torch.arange(b.q.shape[0], device=DEVICE) * 3
+    cos_sin = _rope(64).cos_sin_cache
+    backend = TritonAttentionBackend()
+    _, cache0 = fp8_batch(b, E4M3, torch.tensor([4.0 / 448, 4.0 / 448]))
+    results = []
+    for fused in (True, False):
+        cache, kv_scale = cache0.clone().to(DEVICE), torch.tensor([4.0 / 448, 4.0 / 448], device=DEVICE)
+        if fused:
+            q = backend.rotary_write_kv(positions, b.q, b.k_new, b.v_new, cache, md, cos_sin, kv_scale=kv_scale)
+            out = backend.attend(q, cache, md, 0.125, kv_scale=kv_scale)
+        else:
+            q, k = rotary_embedding(positions, b.q, b.k_new, cos_sin)
+            out = backend.forward(q, k, b.v_new, cache, md, 0.125, kv_scale=kv_scale)
+        results.append((out[:b.num_real_tokens], cache.view(torch.uint8), kv_scale))
+    assert torch.equal(results[0][1], results[1][1]) and torch.equal(results[0][2], results[1][2])
+    assert torch.equal(results[0][0], results[1][0])
+    assert (results[0][2] != 4.0 / 448).all() == calculate
+
+
 def test_float16_dots_over_an_fp8_cache_match_the_bfloat16_dots(kernels, monkeypatch):
     """bfloat16 queries over an fp8 cache run their dots in float16 (PAGEDLLM_FP8_KV_F16_DOTS):
     as close to the dequantized float64 reference as the bfloat16 dots are, or closer; and a query

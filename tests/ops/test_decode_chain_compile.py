@@ -24,11 +24,17 @@ compile_("silu-and-mul", triton_ops._silu_and_mul_kernel, silu,
          {"BLOCK": 16384, "TRIGGER": False, "FP8_OUT": True, "ENTER": True}, options=pdl, want_ptx=both)
 rotary = {"q_ptr": "*bf16", "k_ptr": "*bf16", "qw_ptr": "*bf16", "kw_ptr": "*bf16", "q_out_ptr": "*bf16",
           "k_out_ptr": "*bf16", "cos_sin_ptr": "*fp32", "pos_ptr": "*i64", "q_stride0": "i32", "q_stride1": "i32",
-          "k_stride0": "i32", "k_stride1": "i32", "cos_sin_stride0": "i32", "eps": "fp32", "NUM_Q_HEADS": c,
-          "NUM_K_HEADS": c, "HALF": c, "BLOCK_H": c, "BLOCK_D": c, "HAS_NORM": c, "ENTER": c}
-compile_("rotary with q/k norm", triton_ops._rotary_kernel, rotary,
-         {"NUM_Q_HEADS": 16, "NUM_K_HEADS": 8, "HALF": 64, "BLOCK_H": 8, "BLOCK_D": 64, "HAS_NORM": True,
-          "ENTER": True}, options=pdl, want_ptx=both)
+          "k_stride0": "i32", "k_stride1": "i32", "cos_sin_stride0": "i32", "eps": "fp32",
+          "v_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "slot_ptr": "*i64", "kv_scale_ptr": "*fp32",
+          "v_stride0": "i32", "v_stride1": "i32", "stride_c_block": "i32", "stride_c_slot": "i32",
+          "stride_c_head": "i32", "NUM_Q_HEADS": c, "NUM_K_HEADS": c, "HALF": c, "BLOCK_H": c, "BLOCK_D": c,
+          "HAS_NORM": c, "ENTER": c, "WRITE_KV": c, "CACHE_BLOCK": c, "FP8_MAX": c}
+shape = {"NUM_Q_HEADS": 16, "NUM_K_HEADS": 8, "HALF": 64, "BLOCK_H": 8, "BLOCK_D": 64, "HAS_NORM": True,
+         "ENTER": True, "CACHE_BLOCK": 16, "FP8_MAX": 0.0}
+compile_("rotary with q/k norm", triton_ops._rotary_kernel, rotary, dict(shape, WRITE_KV=False), options=pdl,
+         want_ptx=both)
+compile_("rotary with q/k norm and the KV write", triton_ops._rotary_kernel, dict(rotary, k_cache_ptr="*fp8e4nv",
+         v_cache_ptr="*fp8e4nv"), dict(shape, WRITE_KV=True, FP8_MAX=448.0), options=pdl, want_ptx=both)
 cache = {"key_ptr": "*bf16", "value_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16",
          "slot_ptr": "*i64", "kv_scale_ptr": "*fp32", "stride_kt": "i32", "stride_kh": "i32", "stride_vt": "i32",
          "stride_vh": "i32", "stride_c_block": "i32", "stride_c_slot": "i32", "stride_c_head": "i32",
@@ -45,5 +51,6 @@ compile_("split merge", triton_kernels._merge_splits_kernel, merge,
 
 
 def test_decode_chain_kernels_compile_for_sm90_launched_early(tmp_path):
-    assert compile_for_sm90(SM90_NORM_SILU + _BODY, tmp_path) == {"rms norm": True, "silu-and-mul": True, "rotary with q/k norm": True,
-                                                 "KV write": True, "split merge": True}
+    assert compile_for_sm90(SM90_NORM_SILU + _BODY, tmp_path) == {
+        "rms norm": True, "silu-and-mul": True, "rotary with q/k norm": True,
+        "rotary with q/k norm and the KV write": True, "KV write": True, "split merge": True}

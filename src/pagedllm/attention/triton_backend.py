@@ -39,10 +39,12 @@ class TritonAttentionBackend(AttentionBackend):
                         q_norm_weight=None, k_norm_weight=None, eps=0.0, kv_scale=None) -> torch.Tensor:
         """Rotary of ``query`` and ``key`` (each head RMS-normed first with the norm weights: Qwen3),
         and the rotated keys with ``value`` written to the cache as ``write_kv`` writes them, in one
-        launch; returns the rotated query for ``attend``. Not for a step that computes the FP8 KV
-        scales (they are taken from the K/V before rotary's caller could see them)."""
+        launch; returns the rotated query for ``attend``. A step that computes the FP8 KV scales
+        takes the two launches: the scales come from the rotated K/V before they are written."""
         if metadata.calculate_kv_scales:
-            raise ValueError("rotary_write_kv cannot compute FP8 KV scales: use rotary, then forward")
+            query, key = rotary_embedding(positions, query, key, cos_sin_cache, q_norm_weight, k_norm_weight, eps)
+            self.write_kv(key, value, kv_cache, metadata, kv_scale)
+            return query
         kv_scale = kv_scale if is_fp8(kv_cache.dtype) else None
         write = KVWrite(value, kv_cache, metadata.slot_mapping, kv_scale)
         return rotary_embedding(positions, query, key, cos_sin_cache, q_norm_weight, k_norm_weight, eps,

@@ -405,15 +405,13 @@ def unified_attention(
         return out
     _check_attention_inputs(q, kv_cache, out, sliding_window, logits_soft_cap, kv_scale)
     group = num_heads // num_kv_heads
-    group_pad = triton.next_power_of_2(group)
+    group_pad, ieee = triton.next_power_of_2(group), q.dtype == torch.float32
     dim_pad = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16
-    ieee = q.dtype == torch.float32
     common = dict(
         NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=group_pad, BLOCK_SIZE=kv_cache.shape[2],
         HEAD_DIM=head_dim, DIM_PAD=dim_pad, USE_WINDOW=sliding_window is not None, IEEE=ieee,
-        SOFTCAP=logits_soft_cap is not None, CAUSAL=causal, KV_FP8=is_fp8(kv_cache.dtype), **enter_args(q.device))
-    if common["KV_FP8"] and q.dtype == torch.bfloat16 and envs.PAGEDLLM_FP8_KV_F16_DOTS:
-        common["F16_DOTS"] = True
+        SOFTCAP=logits_soft_cap is not None, CAUSAL=causal, KV_FP8=is_fp8(kv_cache.dtype),
+        F16_DOTS=_f16_dots(q, kv_cache), **enter_args(q.device))
     # K and V halves as two pointers: their distance (num_blocks x block bytes, past 2**31 elements for large
     # caches) would be an argument Triton types i32 or i64 by its value, one compiled variant per cache size.
     args = [q, out, *kv_cache.unbind(), block_tables, seq_lens, query_start_loc, q if kv_scale is None else kv_scale]
@@ -456,6 +454,11 @@ def unified_attention(
     launch(short_cfg, 0, splits, parts)
     _merge_splits(out, parts, query_start_loc, num_seqs, dim_pad)
     return out
+
+
+def _f16_dots(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """Whether bfloat16 queries over an fp8 cache meet K/V in float16 (``PAGEDLLM_FP8_KV_F16_DOTS``)."""
+    return is_fp8(kv_cache.dtype) and q.dtype == torch.bfloat16 and envs.PAGEDLLM_FP8_KV_F16_DOTS
 
 
 def _takes_prefill_kernel(causal: bool, sliding_window: int | None, logits_soft_cap: float | None,

@@ -68,7 +68,7 @@ class Attention(nn.Module):
             attn_metadata = attn_metadata.for_group(self.kv_cache_group)
         backend = self.attn_backend
         if backend.fuses_rotary and ops is not None and self.rotary_emb.fused_ok(q, k) \
-                and self.fused_qk_norm == self.qk_norm and not attn_metadata.calculate_kv_scales:
+                and self.fused_qk_norm == self.qk_norm:
             # q/k norm, rotary and the KV write in one launch, then attention over the cache.
             norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else ()
             q = backend.rotary_write_kv(positions, q, k, v, self.kv_cache, attn_metadata,
