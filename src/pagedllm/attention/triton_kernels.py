@@ -28,9 +28,11 @@ to ``MAX_SPLITS``: a fresh machine compiles two kernels for split decodes, not t
 FP8 KV cache (``kv_cache`` in float8 e4m3fn / e5m2, ``kv_scale`` = float32 ``[k_scale, v_scale]``
 on the device, read through a pointer so CUDA graphs see later values): the KV write stores
 ``saturate(x / scale)`` (IEEE division and round-to-nearest-even, bit for bit torch's); the
-attention loop widens each K/V tile to q's dtype (exact) before the dots and folds the
-scales in once, k_scale into the score multiplier and v_scale into the accumulator. A model-
-dtype cache compiles the same code as before (``KV_FP8`` / ``FP8_MAX`` are constexpr switches).
+attention loop widens each K/V tile to q's dtype (exact) before the dots, or to float16 for
+bfloat16 queries (``F16_DOTS``: one conversion per pair instead of three; q is converted once),
+and folds the scales in once, k_scale into the score multiplier and v_scale into the
+accumulator. A model-dtype cache compiles the same code as before (``KV_FP8`` / ``FP8_MAX`` are
+constexpr switches).
 """
 from __future__ import annotations
 
@@ -358,7 +360,7 @@ def _check_attention_inputs(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.
         raise ValueError(f"sliding_window={sliding_window} must be >= 1 (or None)")
     if logits_soft_cap is not None and not logits_soft_cap > 0:
         raise ValueError(f"logits_soft_cap={logits_soft_cap} must be > 0 (or None)")
-    if fp8_max(kv_cache, kv_scale) > 0:  # fp8 K/V are widened to q's dtype
+    if fp8_max(kv_cache, kv_scale) > 0:  # fp8 K/V are widened for the dots (to q's dtype, or float16)
         if out.dtype != q.dtype:
             raise ValueError(f"q {q.dtype} and out {out.dtype} must share a dtype")
     elif q.dtype != kv_cache.dtype or out.dtype != q.dtype:
