@@ -1,6 +1,8 @@
 """Reference paged attention in plain torch: runs on CPU and any device."""
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -122,8 +124,10 @@ class TorchAttentionBackend(AttentionBackend):
         as that head's query rows, so K/V are neither expanded nor re-read per query head.
         """
         block_size, num_kv_heads, head_dim = read.cache.shape[2:]
-        # On CPU half types are attended in float32 (below): the additive mask is made in that dtype.
-        upcast = query.device.type == "cpu" and query.dtype != torch.float32
+        # On CPU half types are attended in float32 (below), bfloat16 on AMX excepted: the additive
+        # mask is made in the dtype attended.
+        upcast = query.device.type == "cpu" and query.dtype != torch.float32 \
+            and not (query.dtype == torch.bfloat16 and cpu_has_amx())
         tok, block_ids, valid, bias = _decode_plan(metadata, reqs, block_size, sliding_window,
                                                    torch.float32 if upcast else query.dtype)
         b = len(reqs)
@@ -139,8 +143,11 @@ class TorchAttentionBackend(AttentionBackend):
             if upcast:
                 # torch's CPU flash kernel in bfloat16 was ~6x slower than in float32 with one query
                 # row per head (docs/cpu_performance.md); with the grouped rows below it is ~1.3x
-                # slower (386 against 290 us at 32 x 128 keys), about what the upcast copies cost,
-                # so the sums stay in float32.
+                # slower (386 against 290 us at 32 x 128 keys) on an AVX512-BF16 EPYC, about what
+                # the upcast copies cost, so there the sums stay in float32. With AMX it is faster
+                # than the float32 path and its copies (a step's attention -22% on an Emerald
+                # Rapids VM), and its probabilities are rounded to bfloat16 before the second
+                # matmul, as transformers' own attention rounds them and as prefill chunks here do.
                 q, k, v = q.float(), k.float(), v.float()
             group = q.shape[1] // num_kv_heads  # query head h reads K/V head h // group (HF's repeat_kv)
             o = F.scaled_dot_product_attention(
@@ -148,6 +155,13 @@ class TorchAttentionBackend(AttentionBackend):
                 attn_mask=bias[:, None, None, :], scale=scale,
             ).reshape(b, -1, head_dim)  # [B, H, D]
         out[tok] = o.to(out.dtype)
+
+
+@functools.cache
+def cpu_has_amx() -> bool:
+    """Whether this CPU has AMX tiles (its bfloat16 matrix units)."""
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(probe is not None and probe())
 
 
 def _decode_plan(metadata: AttentionMetadata, reqs: list[int], block_size: int, sliding_window: int | None,
