@@ -99,13 +99,7 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Te
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
-    if slot_mapping.shape[0] < num_tokens:
-        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for {num_tokens} tokens")
-    if value.shape != key.shape or tuple(kv_cache.shape[3:]) != (num_kv_heads, head_dim):
-        raise ValueError(f"key {tuple(key.shape)}, value {tuple(value.shape)} and kv_cache "
-                         f"{tuple(kv_cache.shape)} disagree on [num_kv_heads, head_dim]")
-    assert key.stride(-1) == 1 and value.stride(-1) == 1 and kv_cache.is_contiguous()
-    bound = fp8_max(kv_cache, kv_scale)
+    bound = check_kv_write(key, value, kv_cache, slot_mapping, kv_scale)
     _reshape_and_cache_kernel[(num_tokens,)](
         key, value, kv_cache[0], kv_cache[1], slot_mapping, slot_mapping if kv_scale is None else kv_scale,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
@@ -114,6 +108,20 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Te
         HEADS_PAD=triton.next_power_of_2(num_kv_heads), DIM_PAD=triton.next_power_of_2(head_dim), FP8_MAX=bound,
         num_warps=4 if num_kv_heads * head_dim >= 1024 else 1, **enter_args(key.device),
     )
+
+
+def check_kv_write(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                   kv_scale: torch.Tensor | None) -> float:
+    """Raise unless ``key`` and ``value`` [T, Hk, D] (last dim contiguous) can be written into
+    ``kv_cache`` [2, blocks, block_size, Hk, D] at ``slot_mapping``; the cache's ``fp8_max``."""
+    num_tokens = key.shape[0]
+    if slot_mapping.shape[0] < num_tokens:
+        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for {num_tokens} tokens")
+    if value.shape != key.shape or tuple(kv_cache.shape[3:]) != tuple(key.shape[1:]) or kv_cache.shape[0] != 2:
+        raise ValueError(f"key {tuple(key.shape)}, value {tuple(value.shape)} and kv_cache "
+                         f"{tuple(kv_cache.shape)} disagree on [num_kv_heads, head_dim]")
+    assert key.stride(-1) == 1 and value.stride(-1) == 1 and kv_cache.is_contiguous()
+    return fp8_max(kv_cache, kv_scale)
 
 
 def fp8_max(kv_cache: torch.Tensor, kv_scale: torch.Tensor | None) -> float:

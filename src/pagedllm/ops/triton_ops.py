@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from pagedllm.attention.triton_kernels import fp8_max, store_kv
+from pagedllm.attention.triton_kernels import check_kv_write, store_kv
 from pagedllm.ops.triton_fp8 import FP8_MAX, MIN_SCALE
 from pagedllm.ops.triton_gemv import decode_config, small_m_linear
 from pagedllm.ops.triton_lora import pdl_supported
@@ -322,13 +322,7 @@ class KVWrite:
 
     def launch_args(self, key: torch.Tensor) -> dict:
         v, cache = self.value, self.kv_cache
-        if v.shape != key.shape or tuple(cache.shape[3:]) != tuple(key.shape[1:]) or cache.shape[0] != 2:
-            raise ValueError(f"value {tuple(v.shape)} and kv_cache {tuple(cache.shape)} must match key "
-                             f"{tuple(key.shape)} as [T, Hk, D] and [2, blocks, block_size, Hk, D]")
-        if self.slot_mapping.shape[0] < key.shape[0]:
-            raise ValueError(f"slot_mapping has {self.slot_mapping.shape[0]} entries for {key.shape[0]} tokens")
-        assert v.stride(-1) == 1 and cache.is_contiguous()
-        bound = fp8_max(cache, self.kv_scale)
+        bound = check_kv_write(key, v, cache, self.slot_mapping, self.kv_scale)  # reshape_and_cache's checks
         return dict(v=v, k_cache=cache[0], v_cache=cache[1], slots=self.slot_mapping,
                     scale=self.slot_mapping if self.kv_scale is None else self.kv_scale,
                     strides=(v.stride(0), v.stride(1), cache.stride(1), cache.stride(2), cache.stride(3)),

@@ -18,9 +18,9 @@ Capture swaps each attention layer's backend for a stand-in whose ``forward`` ca
 write (``write_kv``), ends the piece being captured, records the call (its q: a tensor in the
 graphs' memory pool) and returns a fixed output buffer that the next piece reads, then begins the
 next piece (a layer that calls the backend's ``rotary_write_kv`` has that captured as it is, and
-its ``attend`` cuts the same way); a replay calls the backend's ``attend``. The q is kept as a non-owning view: its
-memory may be handed to later pieces of the same forward, which at replay run only after the
-attention that reads it (replays run in capture order, on one stream).
+its ``attend`` cuts the same way); a replay calls the backend's ``attend``. The q is kept as a
+non-owning view: its memory may be handed to later pieces of the same forward, which at replay
+run only after the attention that reads it (replays run in capture order, on one stream).
 """
 from __future__ import annotations
 
