@@ -130,14 +130,15 @@ def time_graphs(cases, iters: int, **kw) -> float:
     return statistics.median(times[1:])
 
 
-def with_tiles(block_n=None, num_stages=None):
+def with_tiles(block_n=None, num_stages=None, num_warps=None):
     """Override the short (decode) tile config while timing a variant."""
     original = tk._tile_config
 
     def patched(long_queries, *args):
         cfg = original(long_queries, *args)
         if not long_queries:
-            cfg = dict(cfg, **{k: v for k, v in (("BLOCK_N", block_n), ("num_stages", num_stages)) if v})
+            cfg = dict(cfg, **{k: v for k, v in (("BLOCK_N", block_n), ("num_stages", num_stages),
+                                                  ("num_warps", num_warps)) if v})
         return cfg
 
     return original, patched
@@ -162,19 +163,20 @@ def main(argv=None) -> None:
               ("qwen3-0.6b", 64, 2048), ("llama3-8b", 256, 1024)]
     if args.quick:
         decode = decode[:1] + decode[2:4]
-    variants = [("default", None, None, {})]
+    variants = [("default", None, None, None, {})]
     if not args.quick:
         key_tiles = (16, 32, 64) + ((128,) if kv_dtype is not None else ())  # fp8: the same bytes need 2x the keys
-        variants += [(f"n{n}/s{s}", n, s, {}) for n in key_tiles for s in (2, 3, 4)]
-        variants += [(f"splits={k}", None, None, {"num_kv_splits": k}) for k in (1, 4, 16)]
+        variants += [(f"n{n}/s{s}/w{w}", n, s, w, {}) for w in (4, 8) for n in key_tiles for s in (2, 3, 4)
+                     if w == 4 or n >= 32]
+        variants += [(f"splits={k}", None, None, None, {"num_kv_splits": k}) for k in (1, 2, 4, 16)]
     for shape, batch, ctx in decode:
         heads, kvh, hd = SHAPES[shape]
         kv_bytes = batch * ctx * kvh * hd * 2 * kv_itemsize
         n_sets = max(1, min(8, (256 << 20) // kv_bytes))  # rotate caches past L2
         cases = [make_case(heads, kvh, hd, [(ctx - 1, 1)] * batch, dtype, gen, kv_dtype=kv_dtype)
                  for _ in range(n_sets)]
-        for name, block_n, stages, kw in variants:
-            original, patched = with_tiles(block_n, stages)
+        for name, block_n, stages, warps, kw in variants:
+            original, patched = with_tiles(block_n, stages, warps)
             tk._tile_config = patched
             try:
                 t = time_graphs(cases, 200, **kw)
