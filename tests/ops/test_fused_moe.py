@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from pagedllm.ops.fused_moe import fused_experts_bmm_loop, fused_experts_torch, route
 from pagedllm.ops.moe_scales import WEIGHT_FORMATS, ExpertScales, weight_format
-from pagedllm.ops.tile_tables import TileTable
+from pagedllm.ops.tile_tables import TileTable, read_table
 from tests.ops.conftest import DEVICE
 
 NUM_EXPERTS, HIDDEN, INTER = 6, 40, 24
@@ -200,6 +200,31 @@ def test_int4_experts_match_their_dequantized_weights(triton_fused_moe, dtype, s
     config = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 64, "num_warps": 4, "num_stages": 2}  # K tile cut to the group
     got = triton_fused_moe.fused_experts_triton(x, q13, q2, weights, ids, config=config, scales=scales)
     torch.testing.assert_close(got.float(), want.float(), **tol)
+
+
+def test_every_int4_tile_of_the_shipped_table_matches_the_dequantized_experts(triton_fused_moe):
+    """Each distinct tiling the shipped table gives int4 experts (decode and the prefill buckets the
+    sweep wrote), over groups of 128 as real checkpoints have them, with and without zero points (every
+    other tiling each): the kernel's result is the 16-bit path's over the dequantized weights."""
+    table = read_table(triton_fused_moe.CONFIG_FILE)
+    tiles = {json.dumps(c, sort_keys=True): c for key, entry in table.items() if key.endswith(",W=int4")
+             for c in entry.values()}
+    assert len(tiles) >= 4  # decode and prefill tilings
+    g = torch.Generator().manual_seed(5)
+    experts, hidden, inter, group, tokens = 6, 256, 128, 128, 40
+    x = torch.randn(tokens, hidden, generator=g).to(torch.float16).to(DEVICE)
+    w13 = (torch.randn(experts, 2 * inter, hidden, generator=g) / hidden ** 0.5).to(DEVICE)
+    w2 = (torch.randn(experts, hidden, inter, generator=g) / inter ** 0.5).to(DEVICE)
+    weights, ids = (t.to(DEVICE) for t in route(torch.randn(tokens, experts, generator=g), 2, renormalize=True))
+    cases = []
+    for symmetric in (True, False):
+        (q13, s13, z13, dq13), (q2, s2, z2, dq2) = _int4_experts(w13, group, symmetric), _int4_experts(w2, group, symmetric)
+        cases.append(((q13, q2), ExpertScales(s13, s2, group=group, w13_zeros=z13, w2_zeros=z2),
+                      fused_experts_torch(x, dq13.half(), dq2.half(), weights, ids).float()))
+    for i, (name, config) in enumerate(sorted(tiles.items())):  # tiles alternate symmetric / zero points
+        (q13, q2), scales, want = cases[i % 2]
+        got = triton_fused_moe.fused_experts_triton(x, q13, q2, weights, ids, config=config, scales=scales)
+        torch.testing.assert_close(got.float(), want, atol=2e-3, rtol=2e-3, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def test_tile_config_table_lookup(triton_fused_moe, tmp_path, monkeypatch):
