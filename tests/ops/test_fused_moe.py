@@ -218,7 +218,8 @@ def test_every_int4_tile_of_the_shipped_table_matches_the_dequantized_experts(tr
     weights, ids = (t.to(DEVICE) for t in route(torch.randn(tokens, experts, generator=g), 2, renormalize=True))
     cases = []
     for symmetric in (True, False):
-        (q13, s13, z13, dq13), (q2, s2, z2, dq2) = _int4_experts(w13, group, symmetric), _int4_experts(w2, group, symmetric)
+        q13, s13, z13, dq13 = _int4_experts(w13, group, symmetric)
+        q2, s2, z2, dq2 = _int4_experts(w2, group, symmetric)
         cases.append(((q13, q2), ExpertScales(s13, s2, group=group, w13_zeros=z13, w2_zeros=z2),
                       fused_experts_torch(x, dq13.half(), dq2.half(), weights, ids).float()))
     for i, (name, config) in enumerate(sorted(tiles.items())):  # tiles alternate symmetric / zero points
