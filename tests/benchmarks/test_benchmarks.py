@@ -305,6 +305,9 @@ def test_moe_kernel_times_the_torch_paths_on_cpu_and_tune_table_merges(capsys, t
     assert {c["BLOCK_M"] for c in moe_kernel.tune_grid(256, 8, 128, "int4")} == {16, 32, 64}
     assert max(c["BLOCK_K"] for c in moe_kernel.tune_grid(1, 8, 128, "fp8")) == 256
     assert max(c["BLOCK_K"] for c in moe_kernel.tune_grid(1, 8, 128, "fp8-block")) == 128
+    # a pick is written only when it beats the bucket's tile by the margin (stop 47: a level pick at 2,048 tokens)
+    assert moe_kernel.keeps_pick(3.335, 2.875) and not moe_kernel.keeps_pick(1.843, 1.863)
+    assert not moe_kernel.keeps_pick(1.0, 0.99) and moe_kernel.keeps_pick(1.0, 0.97)
     table = tmp_path / "configs.json"
     table.write_text('{"E=8,H=64,I=32": {"1": {"BLOCK_M": 16}}}')
     moe_kernel._write_table(str(table), "E=8,H=64,I=32", {32: {"BLOCK_M": 32}})

@@ -6,9 +6,11 @@ time of each path over --iters calls (CUDA events on a GPU), and the Triton resu
 difference from the reference.
 
 --tune times a grid of tile configs per token count (in a CUDA graph up to 256 tokens, as
-decode steps run) and writes the fastest into the kernel's
-table (ops/fused_moe_configs.json, or --config-out), keyed by (experts, hidden, intermediate per
-rank, batch bucket); --tp sizes the intermediate per rank as tensor parallelism slices it.
+decode steps run), times the fastest again beside the tile the bucket takes now, and writes it into
+the kernel's table (ops/fused_moe_configs.json, or --config-out) only if it is faster by
+``TUNE_MARGIN`` (else the bucket keeps its tile: a pick within noise is no pick), keyed by (experts,
+hidden, intermediate per rank, batch bucket); --tp sizes the intermediate per rank as tensor
+parallelism slices it.
 --weight-format fp8 | fp8-block | int4: quantized experts (random fp8 weights with per-channel
 scales or 128 x 128 block scales; random int4 words, groups of 128 with float16 scales and zero
 points; smaller groups where the shape's sizes are not multiples of 128), timed and tuned under their own key of the table (``,W=<format>``; an untuned format
@@ -32,6 +34,12 @@ TUNE_GRID = {"BLOCK_M": (16, 32, 64, 128), "BLOCK_N": (32, 64, 128), "BLOCK_K": 
 
 
 GRAPH_TOKENS = 256  # up to here decode steps replay CUDA graphs: tiles are timed in one (beyond, CUDA events)
+TUNE_MARGIN = 0.02  # a tuned tile replaces the bucket's tile only when this much faster
+
+
+def keeps_pick(before_ms: float, picked_ms: float) -> bool:
+    """Whether --tune writes its pick: faster than the bucket's current tile by ``TUNE_MARGIN``."""
+    return picked_ms < before_ms * (1 - TUNE_MARGIN)
 
 
 def _time_ms(fn, iters: int, device: str, graph: bool = False) -> float:
@@ -177,11 +185,19 @@ def run(args) -> list[dict]:
             config = None
             if args.tune:
                 default = triton_fused_moe.get_config(num_experts, hidden, inter, num_tokens, top_k, fmt)
-                config, _ = _tune(inputs, scales, max(3, args.iters // 4), device, fmt)
-                tuned[triton_fused_moe.batch_bucket(num_tokens)] = config
-                _write_table(args.config_out or triton_fused_moe.CONFIG_FILE, key, tuned)  # kept if a later one fails
-                row["before_ms"] = round(_time_ms(lambda: triton_fused_moe.fused_experts_triton(
-                    *inputs, config=default, scales=scales), args.iters, device, graph=num_tokens <= GRAPH_TOKENS), 4)
+                picked, _ = _tune(inputs, scales, max(3, args.iters // 4), device, fmt)
+
+                def timed(c: dict) -> float:  # the pick and the bucket's tile, timed alike
+                    return _time_ms(lambda: triton_fused_moe.fused_experts_triton(*inputs, config=c, scales=scales),
+                                    args.iters, device, graph=num_tokens <= GRAPH_TOKENS)
+
+                row["before_ms"] = round(before_ms := timed(default), 4)
+                if picked is not None and keeps_pick(before_ms, timed(picked)):
+                    config = picked
+                    tuned[triton_fused_moe.batch_bucket(num_tokens)] = config
+                    _write_table(args.config_out or triton_fused_moe.CONFIG_FILE, key, tuned)  # kept if a later one fails
+                else:
+                    row["kept_bucket_tile"] = True
             config = config or triton_fused_moe.get_config(num_experts, hidden, inter, num_tokens, top_k, fmt)
             run_triton = lambda: triton_fused_moe.fused_experts_triton(*inputs, config=config,  # noqa: E731
                                                                        scales=scales)
