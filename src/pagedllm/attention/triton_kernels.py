@@ -257,7 +257,8 @@ def _attention_kernel(
         p = tl.math.exp2(sc - m_safe[:, None])
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = add_values(acc, alpha, p, v_cache_ptr + kv_off[:, None] + d[None, :], kv_mask, q.dtype, KV_FP8, IEEE)
+        acc = add_values(acc, alpha, p, v_cache_ptr + kv_off[:, None], k_ok[:, None], q.dtype, KV_FP8, IEEE,
+                         HEAD_DIM, DIM_PAD)
         m_i = m_new
 
     d_mask = d[None, :] < HEAD_DIM

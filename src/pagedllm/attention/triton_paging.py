@@ -54,14 +54,45 @@ def key_scores(q, k_ptrs, kv_mask, KV_FP8: tl.constexpr, IEEE: tl.constexpr):
 
 
 @triton.jit
-def add_values(acc, alpha, p, v_ptrs, kv_mask, dtype: tl.constexpr, KV_FP8: tl.constexpr, IEEE: tl.constexpr):
-    """The running output rescaled by ``alpha`` plus ``p @ V`` for one key tile."""
-    v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
-    if KV_FP8:
-        v = v.to(dtype)
+def add_values(acc, alpha, p, v_rows, rows_ok, dtype: tl.constexpr, KV_FP8: tl.constexpr, IEEE: tl.constexpr,
+               HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr):
+    """The running output rescaled by ``alpha`` plus ``p @ V`` for one key tile: ``v_rows`` points
+    at each key's V row ([BLOCK_N, 1]), ``rows_ok`` says which to read ([BLOCK_N, 1], or None: all)."""
+    if KV_FP8 and HEAD_DIM % 4 == 0:
+        v = fp8_rows_widened(v_rows, rows_ok, dtype, HEAD_DIM, DIM_PAD)
+    else:
+        d = tl.arange(0, DIM_PAD)[None, :]
+        mask = rows_ok
+        if DIM_PAD != HEAD_DIM:
+            mask = (d < HEAD_DIM) if rows_ok is None else rows_ok & (d < HEAD_DIM)
+        v = tl.load(v_rows + d) if mask is None else tl.load(v_rows + d, mask=mask, other=0.0)
+        if KV_FP8:
+            v = v.to(dtype)
     acc = acc * alpha[:, None]
     if IEEE:
         acc = tl.dot(p, v, acc, input_precision="ieee")
     else:
         acc = tl.dot(p.to(v.dtype), v, acc)
     return acc
+
+
+@triton.jit
+def fp8_rows_widened(rows, rows_ok, dtype: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr):
+    """An fp8 tile ([BLOCK_N, DIM_PAD], row starts 4-byte aligned) widened to ``dtype`` before it
+    meets a dot: read as 32-bit words and split into bytes in registers. Loaded as fp8 and widened
+    after, Triton keeps the tile in shared memory in fp8 and feeds a P @ V dot from it one byte per
+    instruction (the dot wants pairs of consecutive keys, a row apart in the cache; sm_90 has no
+    transposing ``ldmatrix`` for 8-bit data); this way the 16-bit tile goes through ``ldmatrix.trans``."""
+    fp8: tl.constexpr = rows.dtype.element_ty
+    w = tl.arange(0, DIM_PAD // 4)[None, :]
+    mask = rows_ok
+    if DIM_PAD != HEAD_DIM:
+        mask = (w < HEAD_DIM // 4) if rows_ok is None else rows_ok & (w < HEAD_DIM // 4)
+    words = rows.to(tl.pointer_type(tl.int32), bitcast=True) + w
+    x = tl.load(words) if mask is None else tl.load(words, mask=mask, other=0)
+    b0 = x.to(tl.uint8).to(fp8, bitcast=True).to(dtype)
+    b1 = (x >> 8).to(tl.uint8).to(fp8, bitcast=True).to(dtype)
+    b2 = (x >> 16).to(tl.uint8).to(fp8, bitcast=True).to(dtype)
+    b3 = (x >> 24).to(tl.uint8).to(fp8, bitcast=True).to(dtype)
+    # word j holds bytes 4j..4j+3 (little-endian): [.., j, i, k] = byte 2i + k
+    return tl.reshape(tl.join(tl.join(b0, b2), tl.join(b1, b3)), [x.shape[0], DIM_PAD])
