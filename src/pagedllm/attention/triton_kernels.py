@@ -258,7 +258,7 @@ def _attention_kernel(
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = add_values(acc, alpha, p, v_cache_ptr + kv_off[:, None], k_ok[:, None], q.dtype, KV_FP8, IEEE,
-                         HEAD_DIM, DIM_PAD)
+                         HEAD_DIM, DIM_PAD, BLOCK_M < 64)  # mma.sync tiles (wgmma needs 64 rows)
         m_i = m_new
 
     d_mask = d[None, :] < HEAD_DIM

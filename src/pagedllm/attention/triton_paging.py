@@ -55,10 +55,12 @@ def key_scores(q, k_ptrs, kv_mask, KV_FP8: tl.constexpr, IEEE: tl.constexpr):
 
 @triton.jit
 def add_values(acc, alpha, p, v_rows, rows_ok, dtype: tl.constexpr, KV_FP8: tl.constexpr, IEEE: tl.constexpr,
-               HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr):
+               HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, FP8_WORDS: tl.constexpr):
     """The running output rescaled by ``alpha`` plus ``p @ V`` for one key tile: ``v_rows`` points
-    at each key's V row ([BLOCK_N, 1]), ``rows_ok`` says which to read ([BLOCK_N, 1], or None: all)."""
-    if KV_FP8 and HEAD_DIM % 4 == 0:
+    at each key's V row ([BLOCK_N, 1]), ``rows_ok`` says which to read ([BLOCK_N, 1], or None: all).
+    ``FP8_WORDS``: an fp8 V tile is read through ``fp8_rows_widened`` (for ``mma.sync`` dots; the
+    prefill kernel's ``wgmma`` widens the fp8 tile to shared memory itself and was 6% slower so)."""
+    if KV_FP8 and FP8_WORDS and HEAD_DIM % 4 == 0:
         v = fp8_rows_widened(v_rows, rows_ok, dtype, HEAD_DIM, DIM_PAD)
     else:
         d = tl.arange(0, DIM_PAD)[None, :]

@@ -60,7 +60,7 @@ def _key_tiles(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_row, head_off, q_p
             p = tl.math.exp2(sc * scale_log2 - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = add_values(acc, alpha, p, v_cache_ptr + rows, rows_ok, q.dtype, KV_FP8, IEEE, HEAD_DIM, DIM_PAD)
+        acc = add_values(acc, alpha, p, v_cache_ptr + rows, rows_ok, q.dtype, KV_FP8, IEEE, HEAD_DIM, DIM_PAD, False)
         m_i = m_new
     return acc, l_i, m_i
 
