@@ -242,6 +242,34 @@ def test_float16_dots_over_an_fp8_cache_match_the_bfloat16_dots(kernels, monkeyp
     assert out[:b.num_real_tokens].isfinite().all()
 
 
+@pytest.mark.parametrize("cache_dtype,dtype,head_dim", [(E4M3, torch.bfloat16, 64), (E5M2, torch.float16, 40)])
+def test_fp8_values_read_as_words_equal_the_byte_reads(kernels, monkeypatch, cache_dtype, dtype, head_dim):
+    """Wide decode launches over an fp8 cache read V as 32-bit words split into bytes in registers
+    (``FP8_WORDS``); forced on for a small batch here, the output is bit for bit the byte path's
+    (both widen exactly), and close to the dequantized reference; a padded head dim (40 of 64) too."""
+    rng = random.Random(5)
+    b = make_batch(rng, block_size=16, num_kv_heads=2, group=2, head_dim=head_dim, dtype=dtype,
+                   runs=[(30, 1), (7, 1), (50, 1), (16, 1)], num_pad_seqs=1)
+    kv_scale = torch.tensor([4.0 / 448, 3.0 / 448])
+    deq, cache = fp8_batch(b, cache_dtype, kv_scale)
+    cache, kv_scale = cache.to(DEVICE), kv_scale.to(DEVICE)
+    kernels.reshape_and_cache(b.k_new, b.v_new, cache, b.slots, kv_scale)
+    tile_config, outs = kernels._tile_config, {}
+    for words in (True, False):
+        monkeypatch.setattr(kernels, "_tile_config", lambda *a, w=words, **k: {**tile_config(*a, **k), "FP8_WORDS": w})
+        out = torch.zeros_like(b.q)
+        kernels.unified_attention(b.q, cache, b.block_tables, b.qsl, b.seq_lens, head_dim ** -0.5, out,
+                                  max_query_len=1, num_kv_splits=1, kv_scale=kv_scale)
+        outs[words] = out[:b.num_real_tokens]
+    assert torch.equal(outs[True], outs[False])
+    assert rel_err(outs[True], reference(deq, head_dim ** -0.5, None)) < TOL[dtype]
+    # which launches take it: unsplit decodes of WIDE_DECODE_ROWS tokens and more, mma.sync tiles
+    assert tile_config(False, True, 2, 128, False, fp8_unsplit=True, wide_decode=True)["FP8_WORDS"]
+    for args in ((True, False, 2, 128, False, True, True), (False, True, 2, 128, False, True, False),
+                 (False, True, 2, 128, False, False, True), (False, False, 2, 128, False, True, True)):
+        assert not tile_config(*args).get("FP8_WORDS"), args
+
+
 def test_triton_fp8_cache_needs_scales(kernels):
     b = make_batch(random.Random(0), block_size=8, num_kv_heads=2, group=2, head_dim=64, dtype=torch.bfloat16,
                    runs=[(3, 2)])

@@ -158,6 +158,7 @@ def _attention_kernel(
     USE_WINDOW: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr,
     Q_LEN_FILTER: tl.constexpr, Q_LEN_THRESHOLD: tl.constexpr, SOFTCAP: tl.constexpr, KV_FP8: tl.constexpr,
     CAUSAL: tl.constexpr = True, ENTER: tl.constexpr = False, F16_DOTS: tl.constexpr = False,
+    FP8_WORDS: tl.constexpr = False,
 ):
     pdl_enter(ENTER)  # launched early (ops/triton_pdl.py): wait for the kernel before first
     # One flat grid axis, KV head fastest: the programs of one sequence run side by side and
@@ -258,7 +259,7 @@ def _attention_kernel(
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = add_values(acc, alpha, p, v_cache_ptr + kv_off[:, None], k_ok[:, None], q.dtype, KV_FP8, IEEE,
-                         HEAD_DIM, DIM_PAD, BLOCK_M < 64)  # mma.sync tiles (wgmma needs 64 rows)
+                         HEAD_DIM, DIM_PAD, FP8_WORDS and BLOCK_M < 64)  # mma.sync tiles (wgmma needs 64 rows)
         m_i = m_new
 
     d_mask = d[None, :] < HEAD_DIM
@@ -351,12 +352,13 @@ def _tile_config(long_queries: bool, block_q_1: bool, group_pad: int, head_dim: 
     block_q = 1 if block_q_1 else max(1, 16 // group_pad)
     block_m = max(16, block_q * group_pad)
     block_n, stages = (16 if (big or ieee) else 32), (2 if big else 3)
+    words = False
     if fp8_unsplit and not (big or ieee):
-        block_n, stages = 128, 2
+        block_n, stages, words = 128, 2, wide_decode and block_q_1
     elif wide_decode and block_q_1 and not (big or ieee):
         block_n, stages = 64, 2
     return dict(BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=8 if (big and ieee) else 4,
-                num_stages=stages)
+                num_stages=stages, FP8_WORDS=words)
 
 
 def _check_attention_inputs(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
