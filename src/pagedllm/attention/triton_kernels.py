@@ -31,8 +31,9 @@ on the device, read through a pointer so CUDA graphs see later values): the KV w
 attention loop widens each K/V tile to q's dtype (exact) before the dots, or to float16 for
 bfloat16 queries (``F16_DOTS``: one conversion per pair instead of three; q is converted once),
 and folds the scales in once, k_scale into the score multiplier and v_scale into the
-accumulator. A model-dtype cache compiles the same code as before (``KV_FP8`` / ``FP8_MAX`` are
-constexpr switches).
+accumulator. Wide decode launches (``FP8_WORDS``) read V as 32-bit words widened in registers, so
+that P @ V meets a 16-bit tile (``triton_paging.fp8_rows_widened``; KERNEL_NOTES.md, stop 48). A
+model-dtype cache compiles the same code as before (``KV_FP8`` / ``FP8_MAX`` are constexpr switches).
 """
 from __future__ import annotations
 
@@ -329,7 +330,9 @@ def _tile_config(long_queries: bool, block_q_1: bool, group_pad: int, head_dim: 
       An fp8 tile holds half the bytes, and the widening to q's dtype costs issue slots; on the
       H100 (``kernel_bench --kv-cache-dtype fp8``) 32-key tiles reached 0.60-0.64 of copy
       bandwidth at 64-256 sequences x 1-2k tokens, 128-key tiles 0.65-0.76. Split decodes
-      (few sequences, short parts) keep 32-key tiles.
+      (few sequences, short parts) keep 32-key tiles. Those of ``WIDE_DECODE_ROWS`` tokens and more
+      read V as words (``FP8_WORDS``): 0.925-0.943x the time at 128-256 sequences on the H200,
+      1.04-1.15x below (the extra pass of the 16-bit tile through shared memory; KERNEL_NOTES.md).
     - Decode launches of ``WIDE_DECODE_ROWS`` tokens and more over a 16-bit cache without split-KV
       (``wide_decode``): 64-key tiles, 2 stages. With that many programs in flight per SM the third
       stage only costs occupancy: on the H100 (``kernel_bench``) 256 sequences x 1,024 tokens went
