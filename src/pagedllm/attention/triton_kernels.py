@@ -47,7 +47,7 @@ import triton.language as tl
 from pagedllm import envs
 from pagedllm.attention.kv_quant import FP8_MAX, is_fp8
 from pagedllm.attention.triton_prefill import prefill_attention
-from pagedllm.attention.triton_paging import add_values, find_seq, key_scores, load_block_ids
+from pagedllm.attention.triton_paging import add_values, find_seq, key_scores, load_block_ids, words_dims
 from pagedllm.ops.triton_pdl import enter_args, pdl_enter
 
 LOG2_E = math.log2(math.e)
@@ -221,6 +221,8 @@ def _attention_kernel(
         tile_lo = tile_lo + split * per_split
         tile_hi = tl.minimum(tile_lo + per_split, tile_hi)
 
+    # V as words (fp8_rows_widened) where it applies: mma.sync tiles (wgmma needs 64 rows)
+    WORDS: tl.constexpr = FP8_WORDS and KV_FP8 and HEAD_DIM % 4 == 0 and BLOCK_M < 64
     if KV_FP8:
         # fp8 K/V tiles are widened to q's dtype (exact) for the dots; the per-tensor scales are
         # folded in once: k_scale into the score multiplier, v_scale into the output.
@@ -260,9 +262,11 @@ def _attention_kernel(
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = add_values(acc, alpha, p, v_cache_ptr + kv_off[:, None], k_ok[:, None], q.dtype, KV_FP8, IEEE,
-                         HEAD_DIM, DIM_PAD, FP8_WORDS and BLOCK_M < 64)  # mma.sync tiles (wgmma needs 64 rows)
+                         HEAD_DIM, DIM_PAD, WORDS)
         m_i = m_new
 
+    if WORDS:  # acc's columns in fp8_rows_widened's order
+        d = words_dims(d, DIM_PAD)
     d_mask = d[None, :] < HEAD_DIM
     if KV_FP8:
         acc = acc * tl.load(kv_scale_ptr + 1)

@@ -58,9 +58,10 @@ def add_values(acc, alpha, p, v_rows, rows_ok, dtype: tl.constexpr, KV_FP8: tl.c
                HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, FP8_WORDS: tl.constexpr):
     """The running output rescaled by ``alpha`` plus ``p @ V`` for one key tile: ``v_rows`` points
     at each key's V row ([BLOCK_N, 1]), ``rows_ok`` says which to read ([BLOCK_N, 1], or None: all).
-    ``FP8_WORDS``: an fp8 V tile is read through ``fp8_rows_widened`` (for ``mma.sync`` dots; the
-    prefill kernel's ``wgmma`` widens the fp8 tile to shared memory itself and was 6% slower so)."""
-    if KV_FP8 and FP8_WORDS and HEAD_DIM % 4 == 0:
+    ``FP8_WORDS`` (an fp8 cache, ``HEAD_DIM % 4 == 0``; for ``mma.sync`` dots: the prefill kernel's
+    ``wgmma`` widens the fp8 tile in shared memory itself and was 6% slower so): V is read through
+    ``fp8_rows_widened``, and the output's columns come in ``words_dims`` order."""
+    if FP8_WORDS:
         v = fp8_rows_widened(v_rows, rows_ok, dtype, HEAD_DIM, DIM_PAD)
     else:
         d = tl.arange(0, DIM_PAD)[None, :]
@@ -81,10 +82,13 @@ def add_values(acc, alpha, p, v_rows, rows_ok, dtype: tl.constexpr, KV_FP8: tl.c
 @triton.jit
 def fp8_rows_widened(rows, rows_ok, dtype: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr):
     """An fp8 tile ([BLOCK_N, DIM_PAD], row starts 4-byte aligned) widened to ``dtype`` before it
-    meets a dot: read as 32-bit words and split into bytes in registers. Loaded as fp8 and widened
-    after, Triton keeps the tile in shared memory in fp8 and feeds a P @ V dot from it one byte per
-    instruction (the dot wants pairs of consecutive keys, a row apart in the cache; sm_90 has no
-    transposing ``ldmatrix`` for 8-bit data); this way the 16-bit tile goes through ``ldmatrix.trans``."""
+    meets a dot, its columns in ``words_dims`` order. Loaded as fp8 and widened after, Triton keeps
+    the tile in shared memory in fp8 and feeds a P @ V dot from it one byte per instruction (the dot
+    wants pairs of consecutive keys, a row apart in the cache; sm_90 has no transposing ``ldmatrix``
+    for 8-bit data). Read as 32-bit words and split into bytes in registers, the 16-bit tile goes
+    through ``ldmatrix.trans``; the columns are permuted so that each thread's 16 loaded bytes land
+    as two 16-byte runs of the 16-bit tile, whose stores to shared memory then hit distinct banks
+    (in natural order they are one 32-byte run: 2-way conflicts)."""
     fp8: tl.constexpr = rows.dtype.element_ty
     w = tl.arange(0, DIM_PAD // 4)[None, :]
     mask = rows_ok
@@ -96,5 +100,14 @@ def fp8_rows_widened(rows, rows_ok, dtype: tl.constexpr, HEAD_DIM: tl.constexpr,
     b1 = (x >> 8).to(tl.uint8).to(fp8, bitcast=True).to(dtype)
     b2 = (x >> 16).to(tl.uint8).to(fp8, bitcast=True).to(dtype)
     b3 = (x >> 24).to(tl.uint8).to(fp8, bitcast=True).to(dtype)
-    # word j holds bytes 4j..4j+3 (little-endian): [.., j, i, k] = byte 2i + k
-    return tl.reshape(tl.join(tl.join(b0, b2), tl.join(b1, b3)), [x.shape[0], DIM_PAD])
+    # [keys, j, i, k] = byte 2i + k of word j (little-endian), dim 4j + 2i + k; to [keys, i, j, k]
+    tile = tl.permute(tl.join(tl.join(b0, b2), tl.join(b1, b3)), (0, 2, 1, 3))
+    return tl.reshape(tile, [x.shape[0], DIM_PAD])
+
+
+@triton.jit
+def words_dims(c, DIM_PAD: tl.constexpr):
+    """The head dim held by column ``c`` of a ``fp8_rows_widened`` tile: c = i * DIM_PAD / 2 + 2j + k
+    holds dim 4j + 2i + k."""
+    half: tl.constexpr = DIM_PAD // 2
+    return 4 * ((c % half) // 2) + 2 * (c // half) + c % 2
