@@ -47,7 +47,8 @@ import triton.language as tl
 from pagedllm import envs
 from pagedllm.attention.kv_quant import FP8_MAX, is_fp8
 from pagedllm.attention.triton_prefill import prefill_attention
-from pagedllm.attention.triton_paging import add_values, find_seq, key_scores, load_block_ids, words_dims
+from pagedllm.attention.triton_paging import (add_fp8_values_as_words, add_values, find_seq, key_scores,
+                                              load_block_ids, words_dims)
 from pagedllm.ops.triton_pdl import enter_args, pdl_enter
 
 LOG2_E = math.log2(math.e)
@@ -261,8 +262,11 @@ def _attention_kernel(
         p = tl.math.exp2(sc - m_safe[:, None])
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = add_values(acc, alpha, p, v_cache_ptr + kv_off[:, None], k_ok[:, None], q.dtype, KV_FP8, IEEE,
-                         HEAD_DIM, DIM_PAD, WORDS)
+        if WORDS:
+            acc = add_fp8_values_as_words(acc, alpha, p, v_cache_ptr + kv_off[:, None], k_ok[:, None], q.dtype,
+                                          HEAD_DIM, DIM_PAD)
+        else:
+            acc = add_values(acc, alpha, p, v_cache_ptr + kv_off[:, None] + d[None, :], kv_mask, q.dtype, KV_FP8, IEEE)
         m_i = m_new
 
     if WORDS:  # acc's columns in fp8_rows_widened's order
@@ -335,8 +339,8 @@ def _tile_config(long_queries: bool, block_q_1: bool, group_pad: int, head_dim: 
       H100 (``kernel_bench --kv-cache-dtype fp8``) 32-key tiles reached 0.60-0.64 of copy
       bandwidth at 64-256 sequences x 1-2k tokens, 128-key tiles 0.65-0.76. Split decodes
       (few sequences, short parts) keep 32-key tiles. Those of ``WIDE_DECODE_ROWS`` tokens and more
-      read V as words (``FP8_WORDS``): 0.925-0.943x the time at 128-256 sequences on the H200,
-      1.04-1.15x below (the extra pass of the 16-bit tile through shared memory; KERNEL_NOTES.md).
+      read V as words (``FP8_WORDS``): 0.90-0.92x the time at 128-256 sequences on the H200,
+      1.04-1.13x below (the extra pass of the 16-bit tile through shared memory; KERNEL_NOTES.md).
     - Decode launches of ``WIDE_DECODE_ROWS`` tokens and more over a 16-bit cache without split-KV
       (``wide_decode``): 64-key tiles, 2 stages. With that many programs in flight per SM the third
       stage only costs occupancy: on the H100 (``kernel_bench``) 256 sequences x 1,024 tokens went

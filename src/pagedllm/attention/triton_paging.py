@@ -54,23 +54,26 @@ def key_scores(q, k_ptrs, kv_mask, KV_FP8: tl.constexpr, IEEE: tl.constexpr):
 
 
 @triton.jit
-def add_values(acc, alpha, p, v_rows, rows_ok, dtype: tl.constexpr, KV_FP8: tl.constexpr, IEEE: tl.constexpr,
-               HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, FP8_WORDS: tl.constexpr):
-    """The running output rescaled by ``alpha`` plus ``p @ V`` for one key tile: ``v_rows`` points
-    at each key's V row ([BLOCK_N, 1]), ``rows_ok`` says which to read ([BLOCK_N, 1], or None: all).
-    ``FP8_WORDS`` (an fp8 cache, ``HEAD_DIM % 4 == 0``; for ``mma.sync`` dots: the prefill kernel's
-    ``wgmma`` widens the fp8 tile in shared memory itself and was 6% slower so): V is read through
-    ``fp8_rows_widened``, and the output's columns come in ``words_dims`` order."""
-    if FP8_WORDS:
-        v = fp8_rows_widened(v_rows, rows_ok, dtype, HEAD_DIM, DIM_PAD)
-    else:
-        d = tl.arange(0, DIM_PAD)[None, :]
-        mask = rows_ok
-        if DIM_PAD != HEAD_DIM:
-            mask = (d < HEAD_DIM) if rows_ok is None else rows_ok & (d < HEAD_DIM)
-        v = tl.load(v_rows + d) if mask is None else tl.load(v_rows + d, mask=mask, other=0.0)
-        if KV_FP8:
-            v = v.to(dtype)
+def add_values(acc, alpha, p, v_ptrs, kv_mask, dtype: tl.constexpr, KV_FP8: tl.constexpr, IEEE: tl.constexpr):
+    """The running output rescaled by ``alpha`` plus ``p @ V`` for one key tile."""
+    v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+    if KV_FP8:
+        v = v.to(dtype)
+    return accumulate(acc, alpha, p, v, IEEE)
+
+
+@triton.jit
+def add_fp8_values_as_words(acc, alpha, p, v_rows, rows_ok, dtype: tl.constexpr, HEAD_DIM: tl.constexpr,
+                            DIM_PAD: tl.constexpr):
+    """``add_values`` for an fp8 cache read through ``fp8_rows_widened`` (``v_rows``: each key's V row,
+    [BLOCK_N, 1]; ``rows_ok`` which to read, [BLOCK_N, 1]); the output's columns come in
+    ``words_dims`` order. For ``mma.sync`` dots: the prefill kernel's ``wgmma`` widens an fp8 tile
+    in shared memory itself and was 6% slower this way."""
+    return accumulate(acc, alpha, p, fp8_rows_widened(v_rows, rows_ok, dtype, HEAD_DIM, DIM_PAD), False)
+
+
+@triton.jit
+def accumulate(acc, alpha, p, v, IEEE: tl.constexpr):
     acc = acc * alpha[:, None]
     if IEEE:
         acc = tl.dot(p, v, acc, input_precision="ieee")
@@ -93,9 +96,8 @@ def fp8_rows_widened(rows, rows_ok, dtype: tl.constexpr, HEAD_DIM: tl.constexpr,
     w = tl.arange(0, DIM_PAD // 4)[None, :]
     mask = rows_ok
     if DIM_PAD != HEAD_DIM:
-        mask = (w < HEAD_DIM // 4) if rows_ok is None else rows_ok & (w < HEAD_DIM // 4)
-    words = rows.to(tl.pointer_type(tl.int32), bitcast=True) + w
-    x = tl.load(words) if mask is None else tl.load(words, mask=mask, other=0)
+        mask = mask & (w < HEAD_DIM // 4)
+    x = tl.load(rows.to(tl.pointer_type(tl.int32), bitcast=True) + w, mask=mask, other=0)
     b0 = x.to(tl.uint8).to(fp8, bitcast=True).to(dtype)
     b1 = (x >> 8).to(tl.uint8).to(fp8, bitcast=True).to(dtype)
     b2 = (x >> 16).to(tl.uint8).to(fp8, bitcast=True).to(dtype)

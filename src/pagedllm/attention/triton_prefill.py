@@ -42,13 +42,10 @@ def _key_tiles(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_row, head_off, q_p
         k_pos = t * BLOCK_N + n
         phys = phys_next.to(tl.int64)
         phys_next = load_block_ids(bt_row, t + 1, tile_hi, kv_stop, n, BLOCK_N, BLOCK_SIZE)
-        rows = (phys * stride_c_block + (k_pos % BLOCK_SIZE) * stride_c_slot + head_off)[:, None]
-        kv_ptrs = rows + d[None, :]
+        kv_ptrs = (phys * stride_c_block + (k_pos % BLOCK_SIZE) * stride_c_slot + head_off)[:, None] + d[None, :]
         if MASKED:  # keys past the run's last one are other sequences' or garbage (NaN): never load them
-            rows_ok = (k_pos < kv_stop)[:, None]
-            kv_mask = rows_ok & (d[None, :] < HEAD_DIM)
+            kv_mask = (k_pos < kv_stop)[:, None] & (d[None, :] < HEAD_DIM)
         else:
-            rows_ok = None
             kv_mask = d[None, :] < HEAD_DIM  # all true (folded away) unless head_dim is padded
         sc = key_scores(q, k_cache_ptr + kv_ptrs, kv_mask, KV_FP8, IEEE)
         if MASKED:
@@ -60,7 +57,7 @@ def _key_tiles(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_row, head_off, q_p
             p = tl.math.exp2(sc * scale_log2 - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = add_values(acc, alpha, p, v_cache_ptr + rows, rows_ok, q.dtype, KV_FP8, IEEE, HEAD_DIM, DIM_PAD, False)
+        acc = add_values(acc, alpha, p, v_cache_ptr + kv_ptrs, kv_mask, q.dtype, KV_FP8, IEEE)
         m_i = m_new
     return acc, l_i, m_i
 
