@@ -242,11 +242,14 @@ def test_float16_dots_over_an_fp8_cache_match_the_bfloat16_dots(kernels, monkeyp
     assert out[:b.num_real_tokens].isfinite().all()
 
 
-@pytest.mark.parametrize("cache_dtype,dtype,head_dim", [(E4M3, torch.bfloat16, 64), (E5M2, torch.float16, 40)])
+@pytest.mark.parametrize("cache_dtype,dtype,head_dim", [(E4M3, torch.bfloat16, 64), (E5M2, torch.float16, 40),
+                                                     (E4M3, torch.float32, 64)])
 def test_fp8_values_read_as_words_equal_the_byte_reads(kernels, monkeypatch, cache_dtype, dtype, head_dim):
     """Wide decode launches over an fp8 cache read V as 32-bit words split into bytes in registers
     (``FP8_WORDS``); forced on for a small batch here, the output is bit for bit the byte path's
-    (both widen exactly), and close to the dequantized reference; a padded head dim (40 of 64) too."""
+    (both widen exactly), and close to the dequantized reference; a padded head dim (40 of 64) too.
+    float32 queries keep IEEE dots on the word path (bit for bit on a GPU, where a tf32 dot would
+    differ; the interpreter computes both in float32)."""
     rng = random.Random(5)
     b = make_batch(rng, block_size=16, num_kv_heads=2, group=2, head_dim=head_dim, dtype=dtype,
                    runs=[(30, 1), (7, 1), (50, 1), (16, 1)], num_pad_seqs=1)

@@ -263,7 +263,7 @@ def _attention_kernel(
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if WORDS:
-            acc = add_fp8_values_as_words(acc, alpha, p, v_cache_ptr + kv_off[:, None], k_ok[:, None], q.dtype,
+            acc = add_fp8_values_as_words(acc, alpha, p, v_cache_ptr + kv_off[:, None], k_ok[:, None], q.dtype, IEEE,
                                           HEAD_DIM, DIM_PAD)
         else:
             acc = add_values(acc, alpha, p, v_cache_ptr + kv_off[:, None] + d[None, :], kv_mask, q.dtype, KV_FP8, IEEE)

@@ -63,13 +63,13 @@ def add_values(acc, alpha, p, v_ptrs, kv_mask, dtype: tl.constexpr, KV_FP8: tl.c
 
 
 @triton.jit
-def add_fp8_values_as_words(acc, alpha, p, v_rows, rows_ok, dtype: tl.constexpr, HEAD_DIM: tl.constexpr,
-                            DIM_PAD: tl.constexpr):
+def add_fp8_values_as_words(acc, alpha, p, v_rows, rows_ok, dtype: tl.constexpr, IEEE: tl.constexpr,
+                            HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr):
     """``add_values`` for an fp8 cache read through ``fp8_rows_widened`` (``v_rows``: each key's V row,
     [BLOCK_N, 1]; ``rows_ok`` which to read, [BLOCK_N, 1]); the output's columns come in
     ``words_dims`` order. For ``mma.sync`` dots: the prefill kernel's ``wgmma`` widens an fp8 tile
     in shared memory itself and was 6% slower this way."""
-    return accumulate(acc, alpha, p, fp8_rows_widened(v_rows, rows_ok, dtype, HEAD_DIM, DIM_PAD), False)
+    return accumulate(acc, alpha, p, fp8_rows_widened(v_rows, rows_ok, dtype, HEAD_DIM, DIM_PAD), IEEE)
 
 
 @triton.jit
