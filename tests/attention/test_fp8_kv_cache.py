@@ -266,10 +266,11 @@ def test_fp8_values_read_as_words_equal_the_byte_reads(kernels, monkeypatch, cac
         outs[words] = out[:b.num_real_tokens]
     assert torch.equal(outs[True], outs[False])
     assert rel_err(outs[True], reference(deq, head_dim ** -0.5, None)) < TOL[dtype]
-    # which launches take it: unsplit decodes of WIDE_DECODE_ROWS tokens and more, mma.sync tiles
+    # which launches take it: unsplit decodes of WIDE_DECODE_ROWS tokens and more, whole words a row, mma.sync tiles
     assert tile_config(False, True, 2, 128, False, fp8_unsplit=True, wide_decode=True)["FP8_WORDS"]
     for args in ((True, False, 2, 128, False, True, True), (False, True, 2, 128, False, True, False),
-                 (False, True, 2, 128, False, False, True), (False, False, 2, 128, False, True, True)):
+                 (False, True, 2, 128, False, False, True), (False, False, 2, 128, False, True, True),
+                 (False, True, 2, 66, False, True, True), (False, True, 64, 128, False, True, True)):
         assert not tile_config(*args).get("FP8_WORDS"), args
 
 

@@ -222,8 +222,6 @@ def _attention_kernel(
         tile_lo = tile_lo + split * per_split
         tile_hi = tl.minimum(tile_lo + per_split, tile_hi)
 
-    # V as words (fp8_rows_widened) where it applies: mma.sync tiles (wgmma needs 64 rows)
-    WORDS: tl.constexpr = FP8_WORDS and KV_FP8 and HEAD_DIM % 4 == 0 and BLOCK_M < 64
     if KV_FP8:
         # fp8 K/V tiles are widened to q's dtype (exact) for the dots; the per-tensor scales are
         # folded in once: k_scale into the score multiplier, v_scale into the output.
@@ -262,14 +260,14 @@ def _attention_kernel(
         p = tl.math.exp2(sc - m_safe[:, None])
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        if WORDS:
+        if FP8_WORDS:  # an fp8 cache (_tile_config decides where)
             acc = add_fp8_values_as_words(acc, alpha, p, v_cache_ptr + kv_off[:, None], k_ok[:, None], q.dtype, IEEE,
                                           HEAD_DIM, DIM_PAD)
         else:
             acc = add_values(acc, alpha, p, v_cache_ptr + kv_off[:, None] + d[None, :], kv_mask, q.dtype, KV_FP8, IEEE)
         m_i = m_new
 
-    if WORDS:  # acc's columns in fp8_rows_widened's order
+    if FP8_WORDS:  # acc's columns in fp8_rows_widened's order
         d = words_dims(d, DIM_PAD)
     d_mask = d[None, :] < HEAD_DIM
     if KV_FP8:
@@ -365,7 +363,8 @@ def _tile_config(long_queries: bool, block_q_1: bool, group_pad: int, head_dim: 
     block_n, stages = (16 if (big or ieee) else 32), (2 if big else 3)
     words = False
     if fp8_unsplit and not (big or ieee):
-        block_n, stages, words = 128, 2, wide_decode and block_q_1
+        # V as words (fp8_rows_widened): 4-byte words of a row; mma.sync tiles (wgmma needs 64 rows)
+        block_n, stages, words = 128, 2, wide_decode and block_q_1 and head_dim % 4 == 0 and block_m < 64
     elif wide_decode and block_q_1 and not (big or ieee):
         block_n, stages = 64, 2
     return dict(BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=8 if (big and ieee) else 4,
