@@ -120,6 +120,10 @@ _VARS = [
            "Steps of up to this many tokens that carry a prefill chunk replay CUDA graphs captured in pieces "
            "between the attention calls, attention run eagerly between them (worker/piecewise_graphs.py); larger "
            "steps run eagerly. 0: every such step runs eagerly.", _count("PAGEDLLM_PIECEWISE_GRAPH_TOKENS")),
+    EnvVar("PAGEDLLM_ATTENTION_SIDE_STREAM", "bool (0 = off)", True,
+           "0: in a step that carries prefill chunks, the decodes' attention launch runs before the chunks' on the "
+           "same CUDA stream instead of beside it on a second stream (attention/triton_kernels.py; A/B "
+           "measurements).", _not_zero),
     EnvVar("PAGEDLLM_PREFILL_KERNEL", "bool (0 = off)", True,
            "0: causal prefill chunks (query runs longer than a decode tile, no sliding window or soft cap) run in the "
            "unified paged-attention kernel's long tiles instead of the prefill kernel (attention/triton_prefill.py; "

@@ -106,3 +106,31 @@ for hd in (128, 256):
 '''
     results = compile_for_sm90(body, tmp_path)
     assert results and all(v is True for v in results.values()), results
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA streams: the interpreter has one")
+@pytest.mark.parametrize("unified", [False, True], ids=["prefill_kernel", "unified_long_tiles"])
+def test_mixed_step_decodes_beside_the_chunks_equal_one_stream(kernels, monkeypatch, unified):
+    """A mixed step's decodes run on a second stream beside the chunks (``_fork``): the output is
+    the one stream's bit for bit, the side stream is used, and a read of ``out`` right after the
+    call (on the current stream, no synchronize) already sees the decodes' rows."""
+    rng = random.Random(11)
+    runs = [(rng.randint(1000, 4000), 1) for _ in range(12)] + [(0, 3000), (2000, 900), (7, 1)]
+    b = make_batch(rng, block_size=16, num_kv_heads=8, group=2, head_dim=128, dtype=torch.bfloat16, runs=runs,
+                   num_pad_seqs=1, num_pad_rows=1)
+    forks = []
+    real = kernels._fork
+
+    def fork(device):
+        forks.append(real(device))
+        return forks[-1]
+
+    monkeypatch.setattr(kernels, "_fork", fork)
+    outs = []
+    for on in ("1", "0"):
+        monkeypatch.setenv("PAGEDLLM_ATTENTION_SIDE_STREAM", on)
+        out = run_kernels(kernels, b, 128 ** -0.5, None, max_query_len=3000, prefill_kernel=not unified)
+        outs.append(out.clone())  # cloned on the current stream: must follow the side stream's writes
+    assert isinstance(forks[0], torch.cuda.Stream) and forks[1] is None
+    assert torch.equal(outs[0][:b.num_real_tokens], outs[1][:b.num_real_tokens])
+    check(outs[0], b, 128 ** -0.5, None, torch.bfloat16, runs)

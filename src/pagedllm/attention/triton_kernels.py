@@ -37,6 +37,7 @@ model-dtype cache compiles the same code as before (``KV_FP8`` / ``FP8_MAX`` are
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 
@@ -458,12 +459,16 @@ def unified_attention(
         )
 
     if has_long:  # short runs in short tiles; long ones in the prefill kernel where it applies
-        launch(unsplit_cfg, 1, 1, (out, out, out))
+        side = _fork(q.device)  # the decodes' K/V reads beside the chunks' dots
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            launch(unsplit_cfg, 1, 1, (out, out, out))
         if _takes_prefill_kernel(causal, sliding_window, logits_soft_cap, prefill_kernel):
             prefill_attention(q, kv_cache, block_tables, query_start_loc, seq_lens, scalars[0], out, kv_scale,
                               threshold, common["KV_FP8"])
         else:
             launch(_tile_config(True, False, group_pad, head_dim, ieee), 2, 1, (out, out, out))
+        if side is not None:
+            torch.cuda.current_stream(q.device).wait_stream(side)
         return out
 
     splits = num_kv_splits if num_kv_splits is not None else \
@@ -477,6 +482,27 @@ def unified_attention(
     launch(short_cfg, 0, splits, parts)
     _merge_splits(out, parts, query_start_loc, num_seqs, dim_pad)
     return out
+
+
+@functools.cache
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device)
+
+
+def _fork(device: torch.device) -> torch.cuda.Stream | None:
+    """A second CUDA stream for a mixed step's decodes, beside its prefill chunks, that starts once
+    the current stream's work so far (the KV write) is done; None on the CPU (the interpreter) or with
+    ``PAGEDLLM_ATTENTION_SIDE_STREAM=0``. The decodes' programs are few (one a decode and KV head) and
+    bound by K/V bytes, the chunks' many and bound by their dots: beside each other the GPU fills the
+    SMs the decodes leave idle with chunk tiles. The caller joins the current stream back to it
+    (``wait_stream``) before anything reads ``out``; the tensors the side stream reads (q, the cache,
+    the step's metadata) outlive that join, so the allocator cannot give their memory to other work
+    while it runs. Under a CUDA graph capture the fork and join become graph dependencies."""
+    if device.type != "cuda" or not envs.PAGEDLLM_ATTENTION_SIDE_STREAM:
+        return None
+    side = _side_stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    return side
 
 
 def _f16_dots(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
