@@ -391,3 +391,35 @@ def test_wide_decode_batches_match_reference(kernels):
                    num_pad_seqs=1)
     out = run_kernels(kernels, b, 0.125, None, max_query_len=1, num_kv_splits=1)
     check(out, b, 0.125, None, torch.float16, "wide decode")
+
+
+@pytest.mark.parametrize("splits", [None, 2, 5])
+def test_mixed_step_decodes_split_over_their_keys(kernels, splits):
+    """A step of prefill chunks with decodes (and a 3-token run, short too) beside them: the short runs'
+    launch split over keys (partials by sequence, merged for short runs only), from the host facts
+    (``short_runs``) or forced; every row matches the float64 softmax, the chunks' rows included, and
+    a wrong host hint changes nothing but the split count."""
+    rng = random.Random(31)
+    runs = [(rng.randint(40, 90), 1), (0, 23), (57, 1), (rng.randint(30, 60), 3), (12, 19), (0, 1)]
+    b = make_batch(rng, block_size=8, num_kv_heads=2, group=2, head_dim=64, dtype=torch.float32, runs=runs,
+                   num_pad_seqs=1, num_pad_rows=2)
+    qsl, lens = b.qsl.tolist(), b.seq_lens.tolist()
+    short = kernels.count_short_runs(qsl, lens, kernels.short_run_tokens(4, 2))
+    assert short == (4, sum(c + q for c, q in runs if q <= 8))
+    for hint in (short, (1, 10 ** 6)):
+        out = run_kernels(kernels, b, 0.125, None, max_query_len=23, num_kv_splits=splits, short_runs=hint)
+        check(out, b, 0.125, None, torch.float32, (splits, hint))
+        assert out[b.qsl[-1].item():].isnan().all()
+
+
+def test_mixed_split_counts():
+    """Parts of MIXED_SPLIT_KEYS keys or more until the short runs' programs fill the SMs
+    MIXED_SPLIT_WAVES times; none without short runs; one when the host facts are unknown."""
+    from pagedllm.attention import triton_kernels as tk
+    cpu = torch.device("cpu")  # the interpreter's 132 SMs
+    assert tk._mixed_splits(None, 8, cpu) == 1 and tk._mixed_splits((0, 0), 8, cpu) == 0
+    assert tk._mixed_splits((4, 4 * 6000), 8, cpu) == 5  # 6k keys each: parts of >= 1,024
+    assert tk._mixed_splits((40, 40 * 6000), 8, cpu) == 2  # 320 programs: 2 fill 528
+    assert tk._mixed_splits((200, 200 * 6000), 8, cpu) == 1
+    assert tk._mixed_splits((2, 2 * 500), 8, cpu) == 1  # short contexts stay whole
+    assert tk._mixed_splits((1, 10 ** 6), 1, cpu) == tk.MAX_SPLITS

@@ -6,7 +6,7 @@ import torch
 from pagedllm import envs
 from pagedllm.attention.backend import AttentionBackend, AttentionMetadata
 from pagedllm.attention.kv_quant import is_fp8
-from pagedllm.attention.triton_kernels import reshape_and_cache, unified_attention
+from pagedllm.attention.triton_kernels import count_short_runs, reshape_and_cache, short_run_tokens, unified_attention
 from pagedllm.ops.triton_ops import KVWrite, rotary_embedding
 
 
@@ -59,6 +59,20 @@ class TritonAttentionBackend(AttentionBackend):
         unified_attention(
             query, kv_cache, metadata.block_tables, metadata.query_start_loc, metadata.seq_lens, scale, out,
             sliding_window, max_query_len=metadata.max_query_len, logits_soft_cap=logits_soft_cap,
-            causal=causal, kv_scale=kv_scale,
+            causal=causal, kv_scale=kv_scale, short_runs=_short_runs(metadata, query, kv_cache.shape[3]),
         )
         return out
+
+
+def _short_runs(metadata: AttentionMetadata, query: torch.Tensor, num_kv_heads: int) -> tuple[int, int] | None:
+    """(count, total context) of the step's short query runs (decodes), from the host lists, for a
+    step with longer runs: how ``unified_attention`` splits their launch. None in a CUDA graph capture,
+    whose replays see other steps (the launch stays unsplit there) and where nothing needs it."""
+    if metadata.max_query_len <= 1 or (query.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return None
+    threshold = short_run_tokens(query.shape[1], num_kv_heads)
+    key = ("short_runs", threshold)
+    if key not in metadata.backend_cache:  # once a step: every layer's batch is the same
+        metadata.backend_cache[key] = count_short_runs(metadata.query_start_loc_cpu, metadata.seq_lens_cpu,
+                                                       threshold)
+    return metadata.backend_cache[key]

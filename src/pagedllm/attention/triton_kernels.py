@@ -168,10 +168,15 @@ def _attention_kernel(
     # read the same cache blocks (each slot holds all KV heads) at about the same time.
     pid = tl.program_id(0) // NUM_KV_HEADS
     kvh = tl.program_id(0) % NUM_KV_HEADS
-    s = find_seq(qsl_ptr, pid, num_seqs, BLOCK_Q)
+    if Q_LEN_FILTER == 3:  # a mixed step's split short runs: program = sequence (one q-tile each)
+        s = pid
+    else:
+        s = find_seq(qsl_ptr, pid, num_seqs, BLOCK_Q)
     q_begin = tl.load(qsl_ptr + s)
     q_len = tl.load(qsl_ptr + s + 1) - q_begin
-    if BLOCK_Q == 1:
+    if Q_LEN_FILTER == 3:
+        q_start = 0
+    elif BLOCK_Q == 1:
         q_start = pid - q_begin
     else:
         q_start = (pid - (q_begin // BLOCK_Q + s)) * BLOCK_Q
@@ -179,7 +184,7 @@ def _attention_kernel(
         return
     # Two launches can share a batch: short query runs (decodes) in small tiles, long ones
     # (prefill chunks) in large tiles; each launch skips the other's sequences.
-    if Q_LEN_FILTER == 1:
+    if Q_LEN_FILTER % 2 == 1:
         if q_len > Q_LEN_THRESHOLD:
             return
     if Q_LEN_FILTER == 2:
@@ -278,7 +283,10 @@ def _attention_kernel(
         o_ptr = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
         tl.store(o_ptr, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_mask)
     else:
-        part = (tok * num_heads + head) * tl.num_programs(1) + tl.program_id(1)
+        # A mixed step's short runs (Q_LEN_FILTER 3) fit one q-tile each (q_start 0): their partials are
+        # rows s * BLOCK_Q + q_tok, a buffer sized by the sequences, not by the step's tokens.
+        prow = s.to(tl.int64) * BLOCK_Q + q_tok if Q_LEN_FILTER == 3 else tok
+        part = (prow * num_heads + head) * tl.num_programs(1) + tl.program_id(1)
         tl.store(part_m_ptr + part, m_i, mask=row_ok)
         tl.store(part_l_ptr + part, l_i, mask=row_ok)
         tl.store(part_out_ptr + part[:, None] * DIM_PAD + d[None, :], acc, mask=row_ok[:, None] & d_mask)
@@ -288,15 +296,28 @@ def _attention_kernel(
 def _merge_splits_kernel(
     out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, qsl_ptr, num_seqs, num_heads, num_splits, stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, MAX_SPLITS: tl.constexpr, ENTER: tl.constexpr = False,
+    BY_SEQ: tl.constexpr = 0,
 ):
+    """One program a (partial row, head). ``BY_SEQ`` 0: row = token. ``BY_SEQ`` = BLOCK_Q > 0: a mixed
+    step's short runs, row = s * BLOCK_Q + i for token i of sequence s; rows of runs longer than
+    BLOCK_Q (the prefill chunks, written by their own launch) or past a run's end are skipped."""
     pdl_enter(ENTER)
-    tok = tl.program_id(0)
+    prow = tl.program_id(0)
     head = tl.program_id(1)
-    if tok >= tl.load(qsl_ptr + num_seqs):  # a padding row of no sequence
-        return
+    if BY_SEQ > 0:
+        s = prow // BY_SEQ
+        q_begin = tl.load(qsl_ptr + s)
+        q_len = tl.load(qsl_ptr + s + 1) - q_begin
+        if (q_len > BY_SEQ) | (prow % BY_SEQ >= q_len):
+            return
+        tok = q_begin + prow % BY_SEQ
+    else:
+        tok = prow
+        if tok >= tl.load(qsl_ptr + num_seqs):  # a padding row of no sequence
+            return
     split = tl.arange(0, MAX_SPLITS)
     ok = split < num_splits
-    part = (tok.to(tl.int64) * num_heads + head) * num_splits + split
+    part = (prow.to(tl.int64) * num_heads + head) * num_splits + split
     m = tl.load(part_m_ptr + part, mask=ok, other=float("-inf"))
     l = tl.load(part_l_ptr + part, mask=ok, other=0.0)
     m_max = tl.max(m, axis=0)
@@ -390,6 +411,39 @@ def _check_attention_inputs(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.
     assert q.stride(-1) == 1 and out.stride(-1) == 1 and kv_cache.is_contiguous()
 
 
+MIXED_SPLIT_KEYS = 1024  # a mixed step's short runs are split into parts of about this many keys or more
+MIXED_SPLIT_WAVES = 4  # ... until their programs fill the SMs this many times over
+
+
+def short_run_tokens(num_heads: int, num_kv_heads: int) -> int:
+    """The longest query run a batch's short-run (decode) tiles take: runs up to it are short."""
+    return _tile_config(False, False, triton.next_power_of_2(num_heads // num_kv_heads), 128, False)["BLOCK_Q"]
+
+
+def count_short_runs(query_start_loc_cpu: list[int], seq_lens_cpu: list[int], max_tokens: int) -> tuple[int, int]:
+    """(count, total context) of the runs of 1..``max_tokens`` query tokens (host lists of a step)."""
+    count = keys = 0
+    for i, seq_len in enumerate(seq_lens_cpu):
+        if 0 < query_start_loc_cpu[i + 1] - query_start_loc_cpu[i] <= max_tokens:
+            count, keys = count + 1, keys + seq_len
+    return count, keys
+
+
+def _mixed_splits(short_runs: tuple[int, int] | None, num_kv_heads: int, device: torch.device) -> int:
+    """Split count of a mixed step's short-run launch: 0 (no launch) without short runs, 1 when
+    unknown. A decode beside prefill chunks often has a long context (workload 7: 4-8k tokens)
+    that one program walks alone, ~0.4 ms a layer on an H200 for 6k keys whatever the batch; parts of
+    ``MIXED_SPLIT_KEYS`` or more, as many as fill the SMs ``MIXED_SPLIT_WAVES`` times."""
+    if short_runs is None:
+        return 1
+    count, keys = short_runs
+    if count == 0:
+        return 0
+    by_keys = keys // (count * MIXED_SPLIT_KEYS)
+    by_sms = -(-MIXED_SPLIT_WAVES * _num_sms(device) // (count * num_kv_heads))
+    return max(1, min(MAX_SPLITS, by_keys, by_sms))
+
+
 def _default_num_splits(decode_only: bool, programs: int, device: torch.device) -> int:
     """Split each program's keys only for decode batches with fewer programs than SMs."""
     num_sms = _num_sms(device)
@@ -414,6 +468,7 @@ def unified_attention(
     causal: bool = True,
     kv_scale: torch.Tensor | None = None,
     prefill_kernel: bool | None = None,
+    short_runs: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """Causal paged attention for a flat batch (``causal=False``: bidirectional, for encoders,
     whose whole sequence is in the step); writes ``out`` rows of every token that belongs to a
@@ -422,7 +477,11 @@ def unified_attention(
     long query runs in separate launches, long ones in ``triton_prefill`` where it applies); any
     value gives correct results. ``num_kv_splits`` forces the split-KV path (None: split only
     decodes too few to fill the GPU). ``logits_soft_cap``: ``cap * tanh(s / cap)`` (None: no cap).
-    ``prefill_kernel``: False keeps long runs on this kernel (None: ``PAGEDLLM_PREFILL_KERNEL``)."""
+    ``prefill_kernel``: False keeps long runs on this kernel (None: ``PAGEDLLM_PREFILL_KERNEL``).
+    ``short_runs``: host facts of a batch with long runs, (count, total context) of its short runs
+    (``count_short_runs``), from which their launch is split over keys (``_mixed_splits``) or skipped
+    when there are none; None (a CUDA graph capture, or unknown): one unsplit launch. ``num_kv_splits``
+    forces that launch's split count as well."""
     num_tokens, num_heads, head_dim = q.shape
     num_seqs, num_kv_heads = seq_lens.shape[0], kv_cache.shape[3]
     if num_tokens == 0 or num_seqs == 0:
@@ -451,7 +510,7 @@ def unified_attention(
 
     def launch(cfg, q_len_filter, splits, parts):
         bq = cfg["BLOCK_Q"]
-        grid_q = num_tokens if bq == 1 else num_tokens // bq + num_seqs
+        grid_q = num_seqs if q_len_filter == 3 else num_tokens if bq == 1 else num_tokens // bq + num_seqs
         grid = (grid_q * num_kv_heads,) if splits == 1 else (grid_q * num_kv_heads, splits)
         _attention_kernel[grid](
             *args, *parts, *scalars, **common, **cfg, SPLIT=splits > 1,
@@ -459,9 +518,15 @@ def unified_attention(
         )
 
     if has_long:  # short runs in short tiles; long ones in the prefill kernel where it applies
-        side = _fork(q.device)  # the decodes' K/V reads beside the chunks' dots
+        splits = num_kv_splits if num_kv_splits is not None else _mixed_splits(short_runs, num_kv_heads, q.device)
+        side = _fork(q.device) if splits else None  # the decodes' K/V reads beside the chunks' dots
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            launch(unsplit_cfg, 1, 1, (out, out, out))
+            if splits == 1:
+                launch(unsplit_cfg, 1, 1, (out, out, out))
+            elif splits > 1:  # partials by sequence: num_seqs * BLOCK_Q rows
+                parts = _split_buffers(num_seqs * threshold, num_heads, splits, dim_pad, q.device)
+                launch(short_cfg, 3, splits, parts)
+                _merge_splits(out, parts, query_start_loc, num_seqs, dim_pad, by_seq=threshold)
         if _takes_prefill_kernel(causal, sliding_window, logits_soft_cap, prefill_kernel):
             prefill_attention(q, kv_cache, block_tables, query_start_loc, seq_lens, scalars[0], out, kv_scale,
                               threshold, common["KV_FP8"])
@@ -543,12 +608,12 @@ def _split_buffers(num_tokens: int, num_heads: int, splits: int, dim_pad: int,
 
 
 def _merge_splits(out: torch.Tensor, parts: tuple, query_start_loc: torch.Tensor, num_seqs: int,
-                  dim_pad: int) -> None:
+                  dim_pad: int, by_seq: int = 0) -> None:
     part_out, part_m, part_l = parts
-    num_tokens, num_heads, splits = part_m.shape
+    rows, num_heads, splits = part_m.shape
     head_dim = out.shape[-1]
-    _merge_splits_kernel[(num_tokens, num_heads)](
+    _merge_splits_kernel[(rows, num_heads)](
         out, part_out, part_m, part_l, query_start_loc, num_seqs, num_heads, splits, out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, DIM_PAD=dim_pad, MAX_SPLITS=MAX_SPLITS, num_warps=4 if head_dim >= 128 else 2,
-        **enter_args(out.device),
+        BY_SEQ=by_seq, **enter_args(out.device),
     )

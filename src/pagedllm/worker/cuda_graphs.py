@@ -266,6 +266,8 @@ def warm_up_kernels(runner) -> None:
     )
     hidden = model(torch.zeros(3, dtype=torch.long, device=dev), torch.tensor([0, 0, 1], device=dev), md,
                    runner.dummy_intermediate(3))
+    if runner.pooling is None:  # pooling runs prompts only: no decode rides beside a chunk
+        _warm_up_mixed_split(runner)
     kernel_shapes = set()  # the fused-MoE kernels at every batch bucket's tiles: prefill sizes too
     for module in model.modules():
         if isinstance(module, FusedMoE) and module.kernel_shape() not in kernel_shapes:
@@ -284,6 +286,21 @@ def warm_up_kernels(runner) -> None:
             model.compute_logits(torch.zeros(rows, hidden.shape[-1], dtype=hidden.dtype, device=dev))
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
+
+
+def _warm_up_mixed_split(runner) -> None:
+    """A decode over 2,048 keys beside a 17-token chunk (longer than any short run): the split launch
+    of a mixed step's decodes and its merge (triton_kernels._mixed_splits). Every key is block 0's."""
+    dev, n, ctx = runner.device, 18, 2048
+    mixed = AttentionMetadata(
+        num_actual_tokens=n, slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=dev),
+        block_tables=torch.zeros(2, -(-ctx // runner.block_size), dtype=torch.int32, device=dev),
+        query_start_loc=torch.tensor([0, 1, n], dtype=torch.int32, device=dev),
+        seq_lens=torch.tensor([ctx, n - 1], dtype=torch.int32, device=dev),
+        query_start_loc_cpu=[0, 1, n], seq_lens_cpu=[ctx, n - 1], max_query_len=n - 1, max_seq_len=ctx,
+    )
+    runner.model(torch.zeros(n, dtype=torch.long, device=dev), torch.arange(n, device=dev), mixed,
+                 runner.dummy_intermediate(n))
 
 
 @torch.inference_mode()
