@@ -24,6 +24,10 @@ cut into parts run by separate programs (grid axis 1), which write unnormalised 
 outputs with their running max and sum; a second small kernel merges them. The split count
 is a runtime value (the grid's second extent), so one compiled variant serves every count up
 to ``MAX_SPLITS``: a fresh machine compiles two kernels for split decodes, not two per count.
+A step with prefill chunks splits its decodes too, from host facts the backend reads off the step
+(``short_runs``: a decode beside the chunks often has a context of thousands of keys that one
+program would walk alone): one program per (sequence, KV head, split) there, partials indexed by
+sequence (``Q_LEN_FILTER`` 3), and that launch runs on a second stream beside the chunks' (``_fork``).
 
 FP8 KV cache (``kv_cache`` in float8 e4m3fn / e5m2, ``kv_scale`` = float32 ``[k_scale, v_scale]``
 on the device, read through a pointer so CUDA graphs see later values): the KV write stores
@@ -475,26 +479,18 @@ def unified_attention(
     sequence (rows past ``query_start_loc[-1]`` are left as they are). ``max_query_len`` is only
     a hint that picks the launch shape (1: decode tiles, one program per token; else short and
     long query runs in separate launches, long ones in ``triton_prefill`` where it applies); any
-    value gives correct results. ``num_kv_splits`` forces the split-KV path (None: split only
-    decodes too few to fill the GPU). ``logits_soft_cap``: ``cap * tanh(s / cap)`` (None: no cap).
-    ``prefill_kernel``: False keeps long runs on this kernel (None: ``PAGEDLLM_PREFILL_KERNEL``).
-    ``short_runs``: host facts of a batch with long runs, (count, total context) of its short runs
-    (``count_short_runs``), from which their launch is split over keys (``_mixed_splits``) or skipped
-    when there are none; None (a CUDA graph capture, or unknown): one unsplit launch. ``num_kv_splits``
-    forces that launch's split count as well."""
+    value gives correct results. ``num_kv_splits`` forces the split count of the decodes (None: split
+    those too few to fill the GPU, or per ``short_runs``: (count, total context) of the short runs beside
+    long ones, host facts, ``count_short_runs``; None there is one unsplit launch, as in graph captures).
+    ``logits_soft_cap``: ``cap * tanh(s / cap)`` (None: no cap). ``prefill_kernel``: False keeps long
+    runs on this kernel (None: ``PAGEDLLM_PREFILL_KERNEL``)."""
     num_tokens, num_heads, head_dim = q.shape
     num_seqs, num_kv_heads = seq_lens.shape[0], kv_cache.shape[3]
     if num_tokens == 0 or num_seqs == 0:
         return out
     _check_attention_inputs(q, kv_cache, out, sliding_window, logits_soft_cap, kv_scale)
-    group = num_heads // num_kv_heads
-    group_pad, ieee = triton.next_power_of_2(group), q.dtype == torch.float32
-    dim_pad = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16
-    common = dict(
-        NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=group_pad, BLOCK_SIZE=kv_cache.shape[2],
-        HEAD_DIM=head_dim, DIM_PAD=dim_pad, USE_WINDOW=sliding_window is not None, IEEE=ieee,
-        SOFTCAP=logits_soft_cap is not None, CAUSAL=causal, KV_FP8=is_fp8(kv_cache.dtype),
-        F16_DOTS=_f16_dots(q, kv_cache), **enter_args(q.device))
+    common = _constexprs(q, kv_cache, sliding_window, logits_soft_cap, causal)
+    group_pad, ieee, dim_pad = common["GROUP_PAD"], common["IEEE"], common["DIM_PAD"]
     # K and V halves as two pointers: their distance (num_blocks x block bytes, past 2**31 elements for large
     # caches) would be an argument Triton types i32 or i64 by its value, one compiled variant per cache size.
     args = [q, out, *kv_cache.unbind(), block_tables, seq_lens, query_start_loc, q if kv_scale is None else kv_scale]
@@ -519,14 +515,7 @@ def unified_attention(
 
     if has_long:  # short runs in short tiles; long ones in the prefill kernel where it applies
         splits = num_kv_splits if num_kv_splits is not None else _mixed_splits(short_runs, num_kv_heads, q.device)
-        side = _fork(q.device) if splits else None  # the decodes' K/V reads beside the chunks' dots
-        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            if splits == 1:
-                launch(unsplit_cfg, 1, 1, (out, out, out))
-            elif splits > 1:  # partials by sequence: num_seqs * BLOCK_Q rows
-                parts = _split_buffers(num_seqs * threshold, num_heads, splits, dim_pad, q.device)
-                launch(short_cfg, 3, splits, parts)
-                _merge_splits(out, parts, query_start_loc, num_seqs, dim_pad, by_seq=threshold)
+        side = _short_runs_beside(launch, splits, short_cfg, unsplit_cfg, out, query_start_loc, num_seqs, dim_pad)
         if _takes_prefill_kernel(causal, sliding_window, logits_soft_cap, prefill_kernel):
             prefill_attention(q, kv_cache, block_tables, query_start_loc, seq_lens, scalars[0], out, kv_scale,
                               threshold, common["KV_FP8"])
@@ -547,6 +536,35 @@ def unified_attention(
     launch(short_cfg, 0, splits, parts)
     _merge_splits(out, parts, query_start_loc, num_seqs, dim_pad)
     return out
+
+
+def _constexprs(q: torch.Tensor, kv_cache: torch.Tensor, sliding_window: int | None, logits_soft_cap: float | None,
+                causal: bool) -> dict:
+    """The attention kernel's constexpr arguments that every launch of a call shares."""
+    num_heads, head_dim, num_kv_heads = q.shape[1], q.shape[2], kv_cache.shape[3]
+    group = num_heads // num_kv_heads
+    return dict(
+        NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=triton.next_power_of_2(group), BLOCK_SIZE=kv_cache.shape[2],
+        HEAD_DIM=head_dim, DIM_PAD=max(16, triton.next_power_of_2(head_dim)),  # tl.dot needs K >= 16
+        USE_WINDOW=sliding_window is not None, IEEE=q.dtype == torch.float32, SOFTCAP=logits_soft_cap is not None,
+        CAUSAL=causal, KV_FP8=is_fp8(kv_cache.dtype), F16_DOTS=_f16_dots(q, kv_cache), **enter_args(q.device))
+
+
+def _short_runs_beside(launch, splits: int, short_cfg: dict, unsplit_cfg: dict, out: torch.Tensor,
+                       query_start_loc: torch.Tensor, num_seqs: int, dim_pad: int) -> torch.cuda.Stream | None:
+    """A mixed step's short runs: none (``splits`` 0), one unsplit launch, or split over their keys with
+    partials by sequence (``num_seqs * BLOCK_Q`` rows) and merged; on a side stream (``_fork``), returned
+    for the caller to join, else on the current one (None)."""
+    side = _fork(out.device) if splits else None
+    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+        if splits == 1:
+            launch(unsplit_cfg, 1, 1, (out, out, out))
+        elif splits > 1:
+            block_q = short_cfg["BLOCK_Q"]
+            parts = _split_buffers(num_seqs * block_q, out.shape[1], splits, dim_pad, out.device)
+            launch(short_cfg, 3, splits, parts)
+            _merge_splits(out, parts, query_start_loc, num_seqs, dim_pad, by_seq=block_q)
+    return side
 
 
 @functools.cache
