@@ -297,12 +297,18 @@ def test_reshape_and_cache_writes_exactly_the_mapped_slots(kernels, dtype):
     assert torch.equal(cache, expect)
 
 
-def test_backend_forward_equals_torch_backend(kernels):
-    """Same inputs through both backends: same attention output and the same cache after."""
+@pytest.mark.parametrize("long_decode", [False, True])
+def test_backend_forward_equals_torch_backend(kernels, monkeypatch, long_decode):
+    """Same inputs through both backends: same attention output and the same cache after. With a
+    decode over 2,100 and one over 2,200 keys beside the chunks, the backend's host facts split the
+    decodes' launch in two."""
     from pagedllm.attention.triton_backend import TritonAttentionBackend
 
+    merges = []
+    real = kernels._merge_splits
+    monkeypatch.setattr(kernels, "_merge_splits", lambda *a, **k: merges.append(k.get("by_seq")) or real(*a, **k))
     rng = random.Random(7)
-    runs = [(13, 6), (0, 9), (40, 1), (5, 1), (0, 1)]
+    runs = [(30, 12), (2100, 1), (0, 9), (2200, 1)] if long_decode else [(13, 6), (0, 9), (40, 1), (5, 1), (0, 1)]
     b = make_batch(rng, block_size=16, num_kv_heads=2, group=2, head_dim=64, dtype=torch.float32, runs=runs)
     b.cache.nan_to_num_(0.0)  # the torch backend's gather reads whole blocks (masked later)
     qsl, seq_lens = b.qsl.tolist(), b.seq_lens.tolist()
@@ -318,6 +324,7 @@ def test_backend_forward_equals_torch_backend(kernels):
     assert torch.equal(caches[0], caches[1])
     rel = ((outs[0] - outs[1]).double().norm() / outs[1].double().norm()).item()
     assert rel < 1e-5, rel
+    assert merges == ([kernels.short_run_tokens(4, 2)] if long_decode else [])
 
 
 def test_bad_arguments_are_rejected(kernels):
@@ -406,6 +413,8 @@ def test_mixed_step_decodes_split_over_their_keys(kernels, splits):
     qsl, lens = b.qsl.tolist(), b.seq_lens.tolist()
     short = kernels.count_short_runs(qsl, lens, kernels.short_run_tokens(4, 2))
     assert short == (4, sum(c + q for c, q in runs if q <= 8))
+    assert kernels.count_short_runs(qsl, lens, 8, sliding_window=20) == (4, sum(min(c + q, 20 + q) for c, q in runs
+                                                                                if q <= 8))
     for hint in (short, (1, 10 ** 6)):
         out = run_kernels(kernels, b, 0.125, None, max_query_len=23, num_kv_splits=splits, short_runs=hint)
         check(out, b, 0.125, None, torch.float32, (splits, hint))

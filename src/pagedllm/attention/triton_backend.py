@@ -59,20 +59,21 @@ class TritonAttentionBackend(AttentionBackend):
         unified_attention(
             query, kv_cache, metadata.block_tables, metadata.query_start_loc, metadata.seq_lens, scale, out,
             sliding_window, max_query_len=metadata.max_query_len, logits_soft_cap=logits_soft_cap,
-            causal=causal, kv_scale=kv_scale, short_runs=_short_runs(metadata, query, kv_cache.shape[3]),
+            causal=causal, kv_scale=kv_scale, short_runs=_short_runs(metadata, query, kv_cache.shape[3], sliding_window),
         )
         return out
 
 
-def _short_runs(metadata: AttentionMetadata, query: torch.Tensor, num_kv_heads: int) -> tuple[int, int] | None:
+def _short_runs(metadata: AttentionMetadata, query: torch.Tensor, num_kv_heads: int,
+                sliding_window: int | None) -> tuple[int, int] | None:
     """(count, total context) of the step's short query runs (decodes), from the host lists, for a
     step with longer runs: how ``unified_attention`` splits their launch. None in a CUDA graph capture,
     whose replays see other steps (the launch stays unsplit there) and where nothing needs it."""
     if metadata.max_query_len <= 1 or (query.is_cuda and torch.cuda.is_current_stream_capturing()):
         return None
     threshold = short_run_tokens(query.shape[1], num_kv_heads)
-    key = ("short_runs", threshold)
-    if key not in metadata.backend_cache:  # once a step: every layer's batch is the same
+    key = ("short_runs", threshold, sliding_window)
+    if key not in metadata.backend_cache:  # once a step (and window): every layer's batch is the same
         metadata.backend_cache[key] = count_short_runs(metadata.query_start_loc_cpu, metadata.seq_lens_cpu,
-                                                       threshold)
+                                                       threshold, sliding_window)
     return metadata.backend_cache[key]

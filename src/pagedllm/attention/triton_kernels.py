@@ -424,12 +424,15 @@ def short_run_tokens(num_heads: int, num_kv_heads: int) -> int:
     return _tile_config(False, False, triton.next_power_of_2(num_heads // num_kv_heads), 128, False)["BLOCK_Q"]
 
 
-def count_short_runs(query_start_loc_cpu: list[int], seq_lens_cpu: list[int], max_tokens: int) -> tuple[int, int]:
-    """(count, total context) of the runs of 1..``max_tokens`` query tokens (host lists of a step)."""
+def count_short_runs(query_start_loc_cpu: list[int], seq_lens_cpu: list[int], max_tokens: int,
+                     sliding_window: int | None = None) -> tuple[int, int]:
+    """(count, keys attended) of the runs of 1..``max_tokens`` query tokens (host lists of a step); a
+    run attends its context, or about the window's last keys."""
     count = keys = 0
     for i, seq_len in enumerate(seq_lens_cpu):
-        if 0 < query_start_loc_cpu[i + 1] - query_start_loc_cpu[i] <= max_tokens:
-            count, keys = count + 1, keys + seq_len
+        q_len = query_start_loc_cpu[i + 1] - query_start_loc_cpu[i]
+        if 0 < q_len <= max_tokens:
+            count, keys = count + 1, keys + (seq_len if sliding_window is None else min(seq_len, sliding_window + q_len))
     return count, keys
 
 
