@@ -59,7 +59,8 @@ class TritonAttentionBackend(AttentionBackend):
         unified_attention(
             query, kv_cache, metadata.block_tables, metadata.query_start_loc, metadata.seq_lens, scale, out,
             sliding_window, max_query_len=metadata.max_query_len, logits_soft_cap=logits_soft_cap,
-            causal=causal, kv_scale=kv_scale, short_runs=_short_runs(metadata, query, kv_cache.shape[3], sliding_window),
+            causal=causal, kv_scale=kv_scale,
+            short_runs=_short_runs(metadata, query, kv_cache.shape[3], sliding_window),
         )
         return out
 

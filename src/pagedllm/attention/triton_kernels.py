@@ -432,7 +432,8 @@ def count_short_runs(query_start_loc_cpu: list[int], seq_lens_cpu: list[int], ma
     for i, seq_len in enumerate(seq_lens_cpu):
         q_len = query_start_loc_cpu[i + 1] - query_start_loc_cpu[i]
         if 0 < q_len <= max_tokens:
-            count, keys = count + 1, keys + (seq_len if sliding_window is None else min(seq_len, sliding_window + q_len))
+            count += 1
+            keys += seq_len if sliding_window is None else min(seq_len, sliding_window + q_len)
     return count, keys
 
 
