@@ -14,7 +14,8 @@ class TritonAttentionBackend(AttentionBackend):
     """Two launches per layer (three for a split-KV decode), over grids that depend only on
     tensor shapes, reading only the metadata's device tensors: they can be captured in CUDA
     graphs. ``max_query_len`` is read as a launch-shape hint only (a captured decode graph
-    always has 1); any value gives correct results."""
+    always has 1); any value gives correct results. A step with prefill chunks, which runs its
+    attention outside graphs, also reads the host lists once to split its decodes (``_short_runs``)."""
 
     name = "triton"
     cuda_graph_safe = True
