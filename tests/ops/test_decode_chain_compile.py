@@ -44,13 +44,16 @@ compile_("KV write", triton_kernels._reshape_and_cache_kernel, cache,
           "ENTER": True}, options=pdl, want_ptx=both)
 merge = {"out_ptr": "*bf16", "part_out_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32",
          "qsl_ptr": "*i32", "num_seqs": "i32", "num_heads": "i32", "num_splits": "i32", "stride_ot": "i32",
-         "stride_oh": "i32", "HEAD_DIM": c, "DIM_PAD": c, "MAX_SPLITS": c, "ENTER": c}
+         "stride_oh": "i32", "HEAD_DIM": c, "DIM_PAD": c, "MAX_SPLITS": c, "ENTER": c, "BY_SEQ": c}
 compile_("split merge", triton_kernels._merge_splits_kernel, merge,
-         {"HEAD_DIM": 128, "DIM_PAD": 128, "MAX_SPLITS": 16, "ENTER": True}, options=pdl, want_ptx=both)
+         {"HEAD_DIM": 128, "DIM_PAD": 128, "MAX_SPLITS": 16, "ENTER": True, "BY_SEQ": 0}, options=pdl, want_ptx=both)
+compile_("split merge of a mixed step", triton_kernels._merge_splits_kernel, merge,
+         {"HEAD_DIM": 128, "DIM_PAD": 128, "MAX_SPLITS": 16, "ENTER": True, "BY_SEQ": 8}, options=pdl, want_ptx=both)
 """
 
 
 def test_decode_chain_kernels_compile_for_sm90_launched_early(tmp_path):
     assert compile_for_sm90(SM90_NORM_SILU + _BODY, tmp_path) == {
         "rms norm": True, "silu-and-mul": True, "rotary with q/k norm": True,
-        "rotary with q/k norm and the KV write": True, "KV write": True, "split merge": True}
+        "rotary with q/k norm and the KV write": True, "KV write": True, "split merge": True,
+        "split merge of a mixed step": True}
