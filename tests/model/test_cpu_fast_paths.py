@@ -51,28 +51,3 @@ def test_rotary_of_adjacent_q_and_k_in_one_pass_equals_each_alone():
     q2, k2 = q.clone(), k.clone()
     assert _adjacent_heads(q2, k2) is None and _adjacent_heads(q, q) is None
     assert all(torch.equal(a, b) for a, b in zip(rope(positions, q2, k2), (got_q, got_k)))
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rotary_cos_sin_are_looked_up_once_a_forward(dtype, monkeypatch):
-    """With the step's memo the first layer's cos/sin (cast to the model dtype) serve the others:
-    the same values as without it; other positions (a new tensor, as the next step has) look up anew."""
-    rope = RotaryEmbedding(64, 256, _Cfg())
-    q, k, _ = _qkv(9, 9, 3, 64)
-    q, k = q.to(dtype), k.to(dtype)
-    lookups = []
-    real = rope._cos_sin.__func__
-
-    def counted(self, positions, dt, memo):
-        hit = memo is not None and any(v[0] is positions for key, v in memo.items() if key[2] == dt)
-        lookups.append(not hit)
-        return real(self, positions, dt, memo)
-
-    monkeypatch.setattr(RotaryEmbedding, "_cos_sin", counted)
-    memo, positions = {}, torch.randint(0, 256, (9,))
-    plain = rope(positions, q, k)
-    for _ in range(3):  # three layers of one forward
-        assert all(torch.equal(a, b) for a, b in zip(rope(positions, q, k, memo), plain))
-    assert lookups == [True, True, False, False] and len(memo) == 1
-    later = positions.flip(0)
-    assert all(torch.equal(a, b) for a, b in zip(rope(later, q, k, memo), rope(later, q, k)))

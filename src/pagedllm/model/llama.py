@@ -82,7 +82,7 @@ class Attention(nn.Module):
         else:
             if self.qk_norm:
                 q, k = self.q_norm(q), self.k_norm(k)
-            q, k = self.rotary_emb(positions, q, k, attn_metadata.backend_cache)
+            q, k = self.rotary_emb(positions, q, k)
         o = backend.forward(q, k, v, self.kv_cache, attn_metadata, self.scale, self.sliding_window,
                             logits_soft_cap=self.logits_soft_cap, kv_scale=self.kv_scale)
         return self.o_proj(o.flatten(1, 2))

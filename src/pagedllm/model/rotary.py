@@ -68,14 +68,11 @@ class RotaryEmbedding(nn.Module):
         """The Triton kernels take q and k as [T, H, D] views of one dtype, rotated over all of D."""
         return q.dim() == 3 and k.dim() == 3 and q.dtype == k.dtype and self.rotary_dim == self.head_dim
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                memo: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``memo``: a dict that lives for one forward (the attention metadata's ``backend_cache``),
-        where the first layer leaves the cos and sin of the step's positions for the others."""
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         ops = triton_ops_for(q)
         if ops is not None and self.fused_ok(q, k):  # [T, H, D], one kernel for q and k
             return ops.rotary_embedding(positions, q, k, self.cos_sin_cache)
-        cos, sin = self._cos_sin(positions, q.dtype, memo)  # [T, 1, D/2] each
+        cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2] each
         if self.rotary_dim != self.head_dim:  # partial rotary: the tail of each head passes through
             rd = self.rotary_dim
             return (torch.cat([_rotate(q[..., :rd], cos, sin), q[..., rd:]], dim=-1),
@@ -84,18 +81,6 @@ class RotaryEmbedding(nn.Module):
         if qk is not None:  # k's heads follow q's in each row (one qkv projection): one pass for both
             return _rotate(qk, cos, sin).split([q.shape[1], k.shape[1]], dim=1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-    def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype, memo: dict | None):
-        key = ("rotary_cos_sin", id(self), dtype)
-        hit = memo.get(key) if memo is not None else None
-        if hit is not None and hit[0] is positions:
-            return hit[1]
-        cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
-        cos_sin = cos.to(dtype), sin.to(dtype)  # the table stays float32; cast per use, like HF
-        if memo is not None:
-            memo[key] = (positions, cos_sin)
-        return cos_sin
 
 
 def _adjacent_heads(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
@@ -111,6 +96,7 @@ def _adjacent_heads(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
