@@ -257,17 +257,13 @@ def warm_up_kernels(runner) -> None:
     the first such step of a run pays Triton's compile time; and the fused-MoE kernels at the
     tiles of every batch size. Nothing is written to the KV cache (slots are -1)."""
     dev, model = runner.device, runner.model
-    md = AttentionMetadata(
-        num_actual_tokens=3, slot_mapping=torch.full((3,), -1, dtype=torch.int64, device=dev),
-        block_tables=torch.zeros(2, 1, dtype=torch.int32, device=dev),
-        query_start_loc=torch.tensor([0, 1, 3], dtype=torch.int32, device=dev),
-        seq_lens=torch.tensor([1, 2], dtype=torch.int32, device=dev),
-        query_start_loc_cpu=[0, 1, 3], seq_lens_cpu=[1, 2], max_query_len=2, max_seq_len=2,
-    )
-    hidden = model(torch.zeros(3, dtype=torch.long, device=dev), torch.tensor([0, 0, 1], device=dev), md,
-                   runner.dummy_intermediate(3))
+    hidden = model(torch.zeros(3, dtype=torch.long, device=dev), torch.tensor([0, 0, 1], device=dev),
+                   _dry_metadata(runner, [1, 2], [1, 2]), runner.dummy_intermediate(3))
     if runner.pooling is None:  # pooling runs prompts only: no decode rides beside a chunk
-        _warm_up_mixed_split(runner)
+        # A decode over 2,048 keys beside a 17-token chunk (longer than any short run): the split launch
+        # of a mixed step's decodes and its merge (triton_kernels._mixed_splits).
+        model(torch.zeros(18, dtype=torch.long, device=dev), torch.arange(18, device=dev),
+              _dry_metadata(runner, [1, 17], [2048, 17]), runner.dummy_intermediate(18))
     kernel_shapes = set()  # the fused-MoE kernels at every batch bucket's tiles: prefill sizes too
     for module in model.modules():
         if isinstance(module, FusedMoE) and module.kernel_shape() not in kernel_shapes:
@@ -288,19 +284,20 @@ def warm_up_kernels(runner) -> None:
         torch.cuda.synchronize(dev)
 
 
-def _warm_up_mixed_split(runner) -> None:
-    """A decode over 2,048 keys beside a 17-token chunk (longer than any short run): the split launch
-    of a mixed step's decodes and its merge (triton_kernels._mixed_splits). Every key is block 0's."""
-    dev, n, ctx = runner.device, 18, 2048
-    mixed = AttentionMetadata(
-        num_actual_tokens=n, slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=dev),
-        block_tables=torch.zeros(2, -(-ctx // runner.block_size), dtype=torch.int32, device=dev),
-        query_start_loc=torch.tensor([0, 1, n], dtype=torch.int32, device=dev),
-        seq_lens=torch.tensor([ctx, n - 1], dtype=torch.int32, device=dev),
-        query_start_loc_cpu=[0, 1, n], seq_lens_cpu=[ctx, n - 1], max_query_len=n - 1, max_seq_len=ctx,
+def _dry_metadata(runner, q_lens: list[int], seq_lens: list[int]) -> AttentionMetadata:
+    """A start-up forward's metadata: runs of ``q_lens`` query tokens, the last of ``seq_lens``
+    tokens each, whose every key is block 0's; no slot is written (-1)."""
+    dev = runner.device
+    qsl = [0]
+    for q in q_lens:
+        qsl.append(qsl[-1] + q)
+    return AttentionMetadata(
+        num_actual_tokens=qsl[-1], slot_mapping=torch.full((qsl[-1],), -1, dtype=torch.int64, device=dev),
+        block_tables=torch.zeros(len(q_lens), -(-max(seq_lens) // runner.block_size), dtype=torch.int32, device=dev),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+        query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens, max_query_len=max(q_lens), max_seq_len=max(seq_lens),
     )
-    runner.model(torch.zeros(n, dtype=torch.long, device=dev), torch.arange(n, device=dev), mixed,
-                 runner.dummy_intermediate(n))
 
 
 @torch.inference_mode()
