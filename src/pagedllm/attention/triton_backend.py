@@ -68,7 +68,7 @@ class TritonAttentionBackend(AttentionBackend):
 
 def _short_runs(metadata: AttentionMetadata, query: torch.Tensor, num_kv_heads: int,
                 sliding_window: int | None) -> tuple[int, int] | None:
-    """(count, total context) of the step's short query runs (decodes), from the host lists, for a
+    """(count, keys attended) of the step's short query runs (decodes), from the host lists, for a
     step with longer runs: how ``unified_attention`` splits their launch. None in a CUDA graph capture,
     whose replays see other steps (the launch stays unsplit there) and where nothing needs it."""
     if metadata.max_query_len <= 1 or (query.is_cuda and torch.cuda.is_current_stream_capturing()):
