@@ -185,11 +185,23 @@ def test_unified_attention_matches_float64_softmax(kernels, case):
         assert out[b.qsl[-1].item():].isnan().all()
 
 
+@pytest.fixture(params=["own", "kernel"])
+def merge(request, kernels, monkeypatch):
+    """How split launches merge: in their own last programs, or in the merge kernel after them."""
+    own = request.param == "own"
+    monkeypatch.setattr(kernels, "SELF_MERGE_MIN_ROWS", 0 if own else 10 ** 9)
+    monkeypatch.setattr(kernels, "SELF_MERGE_MAX_SPLITS", kernels.MAX_SPLITS)
+    launches = []
+    real = kernels._merge_splits
+    monkeypatch.setattr(kernels, "_merge_splits", lambda *a, **k: launches.append(1) or real(*a, **k))
+    return own, launches
+
+
 @pytest.mark.parametrize("splits", [1, 2, 3, 5, 8, 16])
-def test_decode_split_kv_matches_reference(kernels, splits):
+def test_decode_split_kv_matches_reference(kernels, splits, merge):
     """Forced split counts, any count up to MAX_SPLITS (the heuristic's choice depends on the
     GPU): contexts longer than one split, shorter than the number of splits (empty splits),
-    and zero (nothing cached)."""
+    and zero (nothing cached); merged either way."""
     rng = random.Random(splits)
     runs = [(0, 1), (3, 1), (rng.randint(70, 120), 1), (rng.randint(20, 60), 1)]
     b = make_batch(rng, block_size=16, num_kv_heads=2, group=4, head_dim=64, dtype=torch.float32, runs=runs,
@@ -198,6 +210,21 @@ def test_decode_split_kv_matches_reference(kernels, splits):
     check(out, b, 0.125, None, torch.float32, splits)
     out = run_kernels(kernels, b, 0.125, 9, max_query_len=1, num_kv_splits=splits)
     check(out, b, 0.125, 9, torch.float32, (splits, "window 9"))
+    assert_merged(out.device, splits, merge)
+
+
+def assert_merged(device, splits, merge):
+    """Split launches merged as ``merge`` says; those that merged themselves reset their counters
+    (the last split of each program row): all zero again."""
+    from pagedllm.ops import triton_splitk
+
+    own, launches = merge
+    if splits == 1:
+        assert launches == []
+        return
+    assert (launches == []) == own, launches
+    counters = triton_splitk._COUNTERS.get((device, "attention"))
+    assert counters is not None and not counters.any()
 
 
 def test_split_kv_handles_multi_token_runs(kernels):
@@ -304,9 +331,10 @@ def test_backend_forward_equals_torch_backend(kernels, monkeypatch, long_decode)
     decodes' launch in two."""
     from pagedllm.attention.triton_backend import TritonAttentionBackend
 
-    merges = []
-    real = kernels._merge_splits
-    monkeypatch.setattr(kernels, "_merge_splits", lambda *a, **k: merges.append(k.get("by_seq")) or real(*a, **k))
+    splits = []  # (partial rows, splits) of each split launch
+    real = kernels._split_buffers
+    monkeypatch.setattr(kernels, "_split_buffers", lambda rows, heads, n, *a: splits.append((rows, n)) or
+                        real(rows, heads, n, *a))
     rng = random.Random(7)
     runs = [(30, 12), (2100, 1), (0, 9), (2200, 1)] if long_decode else [(13, 6), (0, 9), (40, 1), (5, 1), (0, 1)]
     b = make_batch(rng, block_size=16, num_kv_heads=2, group=2, head_dim=64, dtype=torch.float32, runs=runs)
@@ -324,7 +352,8 @@ def test_backend_forward_equals_torch_backend(kernels, monkeypatch, long_decode)
     assert torch.equal(caches[0], caches[1])
     rel = ((outs[0] - outs[1]).double().norm() / outs[1].double().norm()).item()
     assert rel < 1e-5, rel
-    assert merges == ([kernels.short_run_tokens(4, 2)] if long_decode else [])
+    # partials by sequence (4 sequences x the short tile's rows), the decodes' keys in two parts
+    assert splits == ([(4 * kernels.short_run_tokens(4, 2), 2)] if long_decode else [])
 
 
 def test_bad_arguments_are_rejected(kernels):
@@ -401,7 +430,7 @@ def test_wide_decode_batches_match_reference(kernels):
 
 
 @pytest.mark.parametrize("splits", [None, 2, 5])
-def test_mixed_step_decodes_split_over_their_keys(kernels, splits):
+def test_mixed_step_decodes_split_over_their_keys(kernels, splits, merge):
     """A step of prefill chunks with decodes (and a 3-token run, short too) beside them: the short runs'
     launch split over keys (partials by sequence, merged for short runs only), from the host facts
     (``short_runs``) or forced; every row matches the float64 softmax, the chunks' rows included, and
@@ -419,6 +448,7 @@ def test_mixed_step_decodes_split_over_their_keys(kernels, splits):
         out = run_kernels(kernels, b, 0.125, None, max_query_len=23, num_kv_splits=splits, short_runs=hint)
         check(out, b, 0.125, None, torch.float32, (splits, hint))
         assert out[b.qsl[-1].item():].isnan().all()
+    assert_merged(out.device, splits, merge)
 
 
 def test_mixed_split_counts():

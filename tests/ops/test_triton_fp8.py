@@ -96,7 +96,7 @@ def test_fp8_small_m_kernel_split_k_equals_the_whole_k(triton_fp8, m, n, k, spli
     parts = triton_fp8.fp8_small_m_linear(*args, block_n=32, block_k=128, split_k=split)
     assert _rel(parts.cpu(), whole.cpu()) < 1e-6
     assert torch.equal(triton_fp8.fp8_small_m_linear(*args, block_n=32, block_k=128, split_k=split), parts)
-    assert int(triton_splitk._COUNTERS[parts.device].abs().sum()) == 0
+    assert int(triton_splitk._COUNTERS[parts.device, "gemm"].abs().sum()) == 0
 
 
 def test_fp8_decode_config_reads_the_tuned_table(triton_fp8, tmp_path, monkeypatch):

@@ -30,20 +30,22 @@ def finish_split(acc, ws_ptrs, split_stride, y_ptrs, b_ptrs, mask, cnt_ptr, tile
         tl.atomic_xchg(cnt_ptr + tile, 0)  # ready for the next launch (and the next graph replay)
 
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_COUNTERS: dict[tuple[torch.device, str], torch.Tensor] = {}
 
 
-def counters(device: torch.device, size: int) -> torch.Tensor:
+def counters(device: torch.device, size: int, owner: str = "gemm") -> torch.Tensor:
     """The per-column-tile counters: zeros, and zeros again after every launch (the last program of
     a tile resets its counter), so one buffer made outside any graph serves every launch and
     replay. Made during a capture (no buffer yet), a fresh one is captured with the graph. One
-    buffer per device: split-K launches on one device must not run concurrently (the engine runs
-    its forward, eager or graph replay, on one stream)."""
-    buf = _COUNTERS.get(device)
+    buffer per device and ``owner`` (the split-K GEMMs; the split attention, ``triton_kernels``):
+    launches of one owner on one device must not run concurrently (the engine runs its forward,
+    eager or graph replay, on one stream; a mixed step's decodes on a second stream run beside the
+    prefill kernel, which counts nothing)."""
+    buf = _COUNTERS.get((device, owner))
     if buf is None or buf.numel() < size:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return torch.zeros(size, dtype=torch.int32, device=device)
-        buf = _COUNTERS[device] = torch.zeros(max(size, 4096), dtype=torch.int32, device=device)
+        buf = _COUNTERS[device, owner] = torch.zeros(max(size, 4096), dtype=torch.int32, device=device)
     return buf
 
 
