@@ -190,7 +190,6 @@ def merge(request, kernels, monkeypatch):
     """How split launches merge: in their own last programs, or in the merge kernel after them."""
     own = request.param == "own"
     monkeypatch.setattr(kernels, "SELF_MERGE_MIN_ROWS", 0 if own else 10 ** 9)
-    monkeypatch.setattr(kernels, "SELF_MERGE_MAX_SPLITS", kernels.MAX_SPLITS)
     launches = []
     real = kernels._merge_splits
     monkeypatch.setattr(kernels, "_merge_splits", lambda *a, **k: launches.append(1) or real(*a, **k))

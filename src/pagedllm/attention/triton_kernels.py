@@ -21,8 +21,8 @@ scale). KERNEL_NOTES.md beside this has the roofline and what was checked for sm
 
 Split-KV (flash decoding): with few (sequence, KV head) pairs, each program's key range is
 cut into parts run by separate programs (grid axis 1), which write unnormalised partial
-outputs with their running max and sum, merged by a second small kernel, or, in launches of many
-program rows and few splits (``_self_merges``), by the last of a (query tile, KV head)'s programs to
+outputs with their running max and sum, merged by a second small kernel, or, in launches of
+enough program rows (``_self_merges``), by the last of a (query tile, KV head)'s programs to
 finish (``_merge_own_splits``: a counter per program row, reset by that program, so one zeroed buffer
 serves every launch and graph replay). The split count
 is a runtime value (the grid's second extent), so one compiled variant serves every count up
@@ -62,6 +62,7 @@ from pagedllm.ops.triton_splitk import counters
 
 LOG2_E = math.log2(math.e)
 MAX_SPLITS = 16  # split-KV parts per (token, head) at most
+MAX_SPLITS_C = tl.constexpr(MAX_SPLITS)
 
 
 # ---- KV write ----------------------------------------------------------------------------------
@@ -310,29 +311,29 @@ def _merge_own_splits(out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, cnt_ptr, fi
     """After a split program has stored its partials: count it in (``cnt_ptr``, this program row's
     counter); the last of the row's splits to arrive merges every split's partials, in split order
     (so the result does not depend on which finished last), writes the output rows and resets the
-    counter for the next launch. The partials of other programs are read past L1 (``.cg``): the
-    counter's acquire orders them, a line cached in L1 before it would not be."""
+    counter for the next launch. Every split's max and sum come in one load, so the weights are known
+    before the partial outputs are read, and those loads (predicated past the split count) do not wait
+    on each other. The partials of other programs are read past L1 (``.cg``): the counter's acquire
+    orders them, a line cached in L1 before it would not be."""
     splits = tl.num_programs(1)
     tl.debug_barrier()  # every thread's partial is stored before the (release) count below
     done = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
     if done == splits - 1:
-        m_all = tl.full(first.shape, float("-inf"), dtype=tl.float32)
-        l_all = tl.zeros(first.shape, dtype=tl.float32)
-        acc_all = tl.zeros([first.shape[0], DIM_PAD], dtype=tl.float32)
-        for split in range(splits):
-            part = first + split
-            m_s = tl.load(part_m_ptr + part, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
-            l_s = tl.load(part_l_ptr + part, mask=row_ok, other=0.0, cache_modifier=".cg")
-            acc_s = tl.load(part_out_ptr + part[:, None] * DIM_PAD + d[None, :], mask=row_ok[:, None] & d_mask,
-                            other=0.0, cache_modifier=".cg")
-            m_new = tl.maximum(m_all, m_s)
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no split of the row saw a key yet
-            w_all = tl.math.exp2(m_all - m_safe)
-            w_s = tl.math.exp2(m_s - m_safe)  # a split that saw no key has m = -inf: weight 0
-            l_all = l_all * w_all + l_s * w_s
-            acc_all = acc_all * w_all[:, None] + acc_s * w_s[:, None]
-            m_all = m_new
-        out = acc_all / tl.where(l_all == 0.0, 1.0, l_all)[:, None]  # l == 0: padding row, writes 0
+        sp = tl.arange(0, MAX_SPLITS_C)
+        ok = row_ok[:, None] & (sp[None, :] < splits)
+        m = tl.load(part_m_ptr + first[:, None] + sp[None, :], mask=ok, other=float("-inf"), cache_modifier=".cg")
+        l = tl.load(part_l_ptr + first[:, None] + sp[None, :], mask=ok, other=0.0, cache_modifier=".cg")
+        m_max = tl.max(m, axis=1)
+        m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # no split of the row saw a key
+        w = tl.math.exp2(m - m_max[:, None])  # splits that saw no key (or do not exist) have m = -inf: weight 0
+        total = tl.sum(w * l, axis=1)
+        acc = tl.zeros([first.shape[0], DIM_PAD], dtype=tl.float32)
+        for split in tl.static_range(MAX_SPLITS_C):
+            w_s = tl.sum(tl.where(sp[None, :] == split, w, 0.0), axis=1)
+            acc += w_s[:, None] * tl.load(part_out_ptr + (first + split)[:, None] * DIM_PAD + d[None, :],
+                                          mask=row_ok[:, None] & d_mask & (d[None, :] * 0 + split < splits), other=0.0,
+                                          cache_modifier=".cg")
+        out = acc / tl.where(total == 0.0, 1.0, total)[:, None]  # total == 0: padding row, writes 0
         o_ptr = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
         tl.store(o_ptr, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_mask)
         tl.atomic_xchg(cnt_ptr, 0)  # ready for the next launch (and the next graph replay)
@@ -457,18 +458,18 @@ def _check_attention_inputs(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.
     assert q.stride(-1) == 1 and out.stride(-1) == 1 and kv_cache.is_contiguous()
 
 
-SELF_MERGE_MIN_ROWS = 64  # split launches of at least this many program rows (tokens x KV heads) ...
-SELF_MERGE_MAX_SPLITS = 8  # ... and at most this many splits merge in their own last programs
+SELF_MERGE_MIN_ROWS = 16  # split launches of at least this many program rows (tokens x KV heads) merge themselves
 
 
-def _self_merges(program_rows: int, splits: int) -> bool:
+def _self_merges(program_rows: int) -> bool:
     """Whether a split launch merges its partials in its own last programs (``_merge_own_splits``)
     rather than in a second launch (``_merge_splits``). H200, one layer's KV write and attention in
-    a CUDA graph (KERNEL_NOTES.md, stop 50): at 64-128 program rows the second launch was most of a
-    short context's cost (32 x 4 KV heads over 128 keys, 3 splits: 16.0 -> 11.0 µs, over 16k keys
-    272.8 -> 269.8), while with few rows the last program's serial merge of many splits is the tail
-    of the launch (1 sequence x 8 KV heads, 16 splits: 8.3 -> 10.7 µs at 128 keys, 34.7 -> 37.7 at 16k)."""
-    return program_rows >= SELF_MERGE_MIN_ROWS and splits <= SELF_MERGE_MAX_SPLITS
+    a CUDA graph (KERNEL_NOTES.md, stop 50): the second launch was most of a short context's cost
+    (32 sequences x 4 KV heads over 128 keys, 3 splits: 16.1 -> 11.0 µs; 2 x 8 over 128, 16 splits:
+    9.9 -> 7.9), and level or better over long ones (32 x 4 over 16k keys: 268.5 -> 262.9), but for one
+    sequence (8 rows, 16 splits) the merge in the last programs made the tail of long contexts longer
+    (16k keys: 34.2 -> 37.1 µs) for little at short ones (128 keys: 8.2 -> 7.7)."""
+    return program_rows >= SELF_MERGE_MIN_ROWS
 
 
 MIXED_SPLIT_KEYS = 1024  # a mixed step's short runs are split into parts of about this many keys or more
@@ -568,11 +569,12 @@ def unified_attention(
         bq = cfg["BLOCK_Q"]
         grid_q = num_seqs if q_len_filter == 3 else num_tokens if bq == 1 else num_tokens // bq + num_seqs
         grid = (grid_q * num_kv_heads,) if splits == 1 else (grid_q * num_kv_heads, splits)
-        self_merge = splits > 1 and _self_merges(grid[0], splits)
-        _attention_kernel[grid](*args, *parts, *scalars, **common, **cfg, SPLIT=splits > 1,
+        self_merge = splits > 1 and _self_merges(grid[0])
+        cnt = counters(q.device, grid[0], owner="attention") if self_merge else out  # one a program row
+        _attention_kernel[grid](*args, *parts, cnt, *scalars, **common, **cfg, SPLIT=splits > 1,
                                 Q_LEN_FILTER=q_len_filter, Q_LEN_THRESHOLD=threshold, SELF_MERGE=self_merge)
         if splits > 1 and not self_merge:
-            _merge_splits(out, parts[:3], query_start_loc, num_seqs, dim_pad, by_seq=bq if q_len_filter == 3 else 0)
+            _merge_splits(out, parts, query_start_loc, num_seqs, dim_pad, by_seq=bq if q_len_filter == 3 else 0)
 
     if has_long:  # short runs in short tiles; long ones in the prefill kernel where it applies
         splits = num_kv_splits if num_kv_splits is not None else _mixed_splits(short_runs, num_kv_heads, q.device)
@@ -581,7 +583,7 @@ def unified_attention(
             prefill_attention(q, kv_cache, block_tables, query_start_loc, seq_lens, scalars[0], out, kv_scale,
                               threshold, common["KV_FP8"])
         else:
-            launch(_tile_config(True, False, group_pad, head_dim, ieee), 2, 1, (out, out, out, out))
+            launch(_tile_config(True, False, group_pad, head_dim, ieee), 2, 1, (out, out, out))
         if side is not None:
             torch.cuda.current_stream(q.device).wait_stream(side)
         return out
@@ -591,7 +593,7 @@ def unified_attention(
     if splits <= 1:
         # Every query run here fits a short tile, so the short-run filter skips nothing; a
         # mixed batch without long runs reuses the variant compiled for mixed batches with them.
-        launch(unsplit_cfg, 0 if decode_only else 1, 1, (out, out, out, out))
+        launch(unsplit_cfg, 0 if decode_only else 1, 1, (out, out, out))
         return out
     launch(short_cfg, 0, splits, _split_buffers(num_tokens, num_heads, splits, dim_pad, q.device))
     return out
@@ -617,7 +619,7 @@ def _short_runs_beside(launch, splits: int, short_cfg: dict, unsplit_cfg: dict, 
     side = _fork(out.device) if splits else None
     with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
         if splits == 1:
-            launch(unsplit_cfg, 1, 1, (out, out, out, out))
+            launch(unsplit_cfg, 1, 1, (out, out, out))
         elif splits > 1:
             launch(short_cfg, 3, splits, _split_buffers(num_seqs * short_cfg["BLOCK_Q"], out.shape[1], splits, dim_pad,
                                                         out.device))
@@ -673,15 +675,13 @@ def _scalar_args(q, out, kv_cache, block_tables, scale: float, num_seqs: int, sl
 
 
 def _split_buffers(num_rows: int, num_heads: int, splits: int, dim_pad: int,
-                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Each split's partial output, running max and sum (float32) for ``num_rows`` partial rows, and
-    the launch's counters (``triton_splitk.counters``: zero before and after; one a program row: at most
-    (tokens + sequences) x KV heads, which ``2 * num_rows * num_heads`` bounds)."""
+                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each split's partial output, running max and sum (float32) for ``num_rows`` partial rows."""
     if splits > MAX_SPLITS:
         raise ValueError(f"num_kv_splits={splits} must be at most {MAX_SPLITS}")
     part_out = torch.empty(num_rows, num_heads, splits, dim_pad, dtype=torch.float32, device=device)
     part_m = torch.empty(num_rows, num_heads, splits, dtype=torch.float32, device=device)
-    return part_out, part_m, torch.empty_like(part_m), counters(device, 2 * num_rows * num_heads, owner="attention")
+    return part_out, part_m, torch.empty_like(part_m)
 
 
 def _merge_splits(out: torch.Tensor, parts: tuple, query_start_loc: torch.Tensor, num_seqs: int,
