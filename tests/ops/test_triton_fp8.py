@@ -99,6 +99,28 @@ def test_fp8_small_m_kernel_split_k_equals_the_whole_k(triton_fp8, m, n, k, spli
     assert int(triton_splitk._COUNTERS[parts.device, "gemm"].abs().sum()) == 0
 
 
+def test_outgrown_counters_stay_allocated(monkeypatch):
+    """A launch larger than the counters replaces them with a larger buffer, but the old one is never
+    freed: CUDA graphs captured before hold its address and count in it on every replay. Owners are
+    apart (the attention's counters are not the GEMMs')."""
+    import gc
+    import weakref
+
+    from pagedllm.ops import triton_splitk
+
+    monkeypatch.setattr(triton_splitk, "_COUNTERS", {})
+    monkeypatch.setattr(triton_splitk, "_OUTGROWN", [])
+    small = triton_splitk.counters(torch.device(DEVICE), 10, owner="test")
+    assert small.numel() >= 10 and not small.any()
+    assert triton_splitk.counters(torch.device(DEVICE), 10, owner="other") is not small
+    kept = weakref.ref(small)
+    del small
+    large = triton_splitk.counters(torch.device(DEVICE), 10 ** 5, owner="test")
+    gc.collect()
+    assert large.numel() >= 10 ** 5 and kept() is not None and kept() is not large
+    assert triton_splitk.counters(torch.device(DEVICE), 10, owner="test") is large
+
+
 def test_fp8_decode_config_reads_the_tuned_table(triton_fp8, tmp_path, monkeypatch):
     """Row buckets from the table (the next bucket up), ``scaled_mm`` entries to cuBLAS, untuned
     shapes to the default up to 16 rows, more than 32 rows never to the small-row kernel."""

@@ -31,6 +31,7 @@ def finish_split(acc, ws_ptrs, split_stride, y_ptrs, b_ptrs, mask, cnt_ptr, tile
 
 
 _COUNTERS: dict[tuple[torch.device, str], torch.Tensor] = {}
+_OUTGROWN: list[torch.Tensor] = []  # buffers a larger one replaced: CUDA graphs may still hold their address
 
 
 def counters(device: torch.device, size: int, owner: str = "gemm") -> torch.Tensor:
@@ -40,11 +41,14 @@ def counters(device: torch.device, size: int, owner: str = "gemm") -> torch.Tens
     buffer per device and ``owner`` (the split-K GEMMs; the split attention, ``triton_kernels``):
     launches of one owner on one device must not run concurrently (the engine runs its forward,
     eager or graph replay, on one stream; a mixed step's decodes on a second stream run beside the
-    prefill kernel, which counts nothing)."""
+    prefill kernel, which counts nothing). A buffer outgrown by a larger launch is kept, never freed:
+    graphs captured before hold its address, and their replays count (and reset) in it."""
     buf = _COUNTERS.get((device, owner))
     if buf is None or buf.numel() < size:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return torch.zeros(size, dtype=torch.int32, device=device)
+        if buf is not None:
+            _OUTGROWN.append(buf)
         buf = _COUNTERS[device, owner] = torch.zeros(max(size, 4096), dtype=torch.int32, device=device)
     return buf
 
