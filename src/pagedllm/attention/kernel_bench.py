@@ -7,7 +7,10 @@ bytes read at the measured device-to-device copy bandwidth. Prefill cases report
 the causal attention. Every variant is also checked against a float32 SDPA over the gathered
 K/V (relative error). The table is printed last. ``--kv-cache-dtype fp8`` (or fp8_e5m2) runs
 the same cases over an fp8 cache (scales 4/448; the floor counts 1 byte per K/V element, the
-error is against the dequantized cache).
+error is against the dequantized cache). ``--split-sweep`` times split-KV decodes instead: batches
+of 1-64 sequences over 128-16k keys at forced split counts beside the default's choice (whether the
+launch merged its splits itself, ``triton_kernels._self_merges``, or in a second launch), each
+checked against the float32 reference.
 """
 from __future__ import annotations
 
@@ -20,7 +23,10 @@ import torch
 from pagedllm.attention import triton_kernels as tk
 from pagedllm.attention.kv_quant import FP8_KV_DTYPES, dequantize, quantize
 
-SHAPES = {"qwen3-0.6b": (16, 8, 128), "llama3-8b": (32, 8, 128)}  # heads, kv heads, head_dim
+# heads, kv heads, head_dim
+SHAPES = {"qwen3-0.6b": (16, 8, 128), "llama3-8b": (32, 8, 128), "qwen3-30b-a3b": (32, 4, 128)}
+SPLIT_SWEEP = dict(shapes=("qwen3-30b-a3b", "llama3-8b"), batches=(1, 2, 4, 8, 16, 32, 64),
+                   contexts=(128, 1024, 4096, 16384), splits=(None, 1, 2, 4, 8, 16))  # None: the default's choice
 BLOCK_SIZE = 16
 
 
@@ -144,9 +150,40 @@ def with_tiles(block_n=None, num_stages=None, num_warps=None):
     return original, patched
 
 
+def split_sweep(gen, dtype, dev="cuda") -> None:
+    """Decode launches at forced split counts (``num_kv_splits``) and the default's, µs per layer
+    (KV write + attention in a CUDA graph), by batch and context; one JSON line each, a table last."""
+    num_sms = tk._num_sms(torch.device(dev))
+    table = []
+    for shape in SPLIT_SWEEP["shapes"]:
+        heads, kvh, hd = SHAPES[shape]
+        for batch in SPLIT_SWEEP["batches"]:
+            for ctx in SPLIT_SWEEP["contexts"]:
+                case = make_case(heads, kvh, hd, [(ctx - 1, 1)] * batch, dtype, gen, dev=dev)
+                case["max_query_len"] = 1
+                default = tk._default_num_splits(True, batch * kvh, case["q"].device)
+                cells = []
+                for splits in SPLIT_SWEEP["splits"]:
+                    if splits is not None and splits > 1 and batch * kvh * splits > 8 * num_sms:
+                        continue
+                    t = time_graphs([case], 50, num_kv_splits=splits)
+                    n = default if splits is None else splits
+                    merge = "none" if n == 1 else "own" if tk._self_merges(batch * kvh) else "kernel"
+                    row = dict(case=f"decode {shape} b{batch} ctx{ctx}", splits=splits or f"default ({default})",
+                               merge=merge, us=round(t * 1e6, 1), rel_err=float(f"{rel_error(case):.2e}"))
+                    print(json.dumps(row), flush=True)
+                    cells.append(f"{'d' if splits is None else splits}:{row['us']:.1f}")
+                table.append(f"{shape:14s} b{batch:<3d} ctx {ctx:6d} | " + " ".join(cells))
+                del case
+    print(f"\nµs per layer by split count (d: the default; launches of {tk.SELF_MERGE_MIN_ROWS} program rows "
+          "and more merge their splits themselves)")
+    print("\n".join(table))
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer cases and no tile sweep")
+    ap.add_argument("--split-sweep", action="store_true", help="split-KV decodes at forced split counts instead")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"])
     args = ap.parse_args(argv)
     kv_dtype = FP8_KV_DTYPES[{"fp8": "fp8_e4m3"}.get(args.kv_cache_dtype, args.kv_cache_dtype)] \
@@ -158,6 +195,8 @@ def main(argv=None) -> None:
     bw = copy_bandwidth_gbs()
     print(f"device {torch.cuda.get_device_name()}  copy bandwidth {bw:.0f} GB/s  KV cache {args.kv_cache_dtype}",
           flush=True)
+    if args.split_sweep:
+        return split_sweep(gen, dtype)
     rows = []
     decode = [("llama3-8b", 1, 512), ("llama3-8b", 1, 4096), ("llama3-8b", 32, 384), ("qwen3-0.6b", 256, 1024),
               ("qwen3-0.6b", 64, 2048), ("llama3-8b", 256, 1024)]
