@@ -306,6 +306,15 @@ def _attention_kernel(
 
 
 @triton.jit
+def _split_weights(m, l, AXIS: tl.constexpr):
+    """The splits' weights ``exp2(m - max m)`` along ``AXIS`` (splits that saw no key, or do not exist, have
+    m = -inf: weight 0; a row no split saw a key of has max 0) and the weighted sum of their ``l``."""
+    m_max = tl.max(m, axis=AXIS, keep_dims=True)
+    w = tl.math.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))
+    return w, tl.sum(w * l, axis=AXIS)
+
+
+@triton.jit
 def _merge_own_splits(out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, cnt_ptr, first, row_ok, tok, head, d, d_mask,
                       stride_ot, stride_oh, DIM_PAD: tl.constexpr):
     """After a split program has stored its partials: count it in (``cnt_ptr``, this program row's
@@ -323,10 +332,7 @@ def _merge_own_splits(out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, cnt_ptr, fi
         ok = row_ok[:, None] & (sp[None, :] < splits)
         m = tl.load(part_m_ptr + first[:, None] + sp[None, :], mask=ok, other=float("-inf"), cache_modifier=".cg")
         l = tl.load(part_l_ptr + first[:, None] + sp[None, :], mask=ok, other=0.0, cache_modifier=".cg")
-        m_max = tl.max(m, axis=1)
-        m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # no split of the row saw a key
-        w = tl.math.exp2(m - m_max[:, None])  # splits that saw no key (or do not exist) have m = -inf: weight 0
-        total = tl.sum(w * l, axis=1)
+        w, total = _split_weights(m, l, 1)
         acc = tl.zeros([first.shape[0], DIM_PAD], dtype=tl.float32)
         for split in tl.static_range(MAX_SPLITS_C):
             w_s = tl.sum(tl.where(sp[None, :] == split, w, 0.0), axis=1)
@@ -367,10 +373,7 @@ def _merge_splits_kernel(
     part = (prow.to(tl.int64) * num_heads + head) * num_splits + split
     m = tl.load(part_m_ptr + part, mask=ok, other=float("-inf"))
     l = tl.load(part_l_ptr + part, mask=ok, other=0.0)
-    m_max = tl.max(m, axis=0)
-    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
-    w = tl.math.exp2(m - m_max)  # splits that saw no key (or do not exist) have m = -inf: weight 0
-    total = tl.sum(w * l, axis=0)
+    w, total = _split_weights(m, l, 0)
     d = tl.arange(0, DIM_PAD)
     acc = tl.load(part_out_ptr + part[:, None] * DIM_PAD + d[None, :], mask=ok[:, None], other=0.0)
     out = tl.sum(acc * w[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
