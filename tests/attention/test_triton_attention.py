@@ -190,6 +190,7 @@ def merge(request, kernels, monkeypatch):
     """How split launches merge: in their own last programs, or in the merge kernel after them."""
     own = request.param == "own"
     monkeypatch.setattr(kernels, "SELF_MERGE_MIN_ROWS", 0 if own else 10 ** 9)
+    monkeypatch.setattr(kernels, "SPLIT_MIN_KEYS", 1)  # every forced part runs (by context: next test)
     launches = []
     real = kernels._merge_splits
     monkeypatch.setattr(kernels, "_merge_splits", lambda *a, **k: launches.append(1) or real(*a, **k))
@@ -210,6 +211,39 @@ def test_decode_split_kv_matches_reference(kernels, splits, merge):
     out = run_kernels(kernels, b, 0.125, 9, max_query_len=1, num_kv_splits=splits)
     check(out, b, 0.125, 9, torch.float32, (splits, "window 9"))
     assert_merged(out.device, splits, merge)
+
+
+@pytest.mark.parametrize("window", [None, 40])
+def test_self_merging_splits_follow_each_rows_context(kernels, monkeypatch, window):
+    """A launch that merges itself splits each row into at most the launch's parts of SPLIT_MIN_KEYS
+    keys or more (here 2 tiles of 16): a short context writes its row directly (no partial stored), a
+    longer one uses as many parts as its keys fill, and the parts past its count store nothing."""
+    monkeypatch.setattr(kernels, "SELF_MERGE_MIN_ROWS", 0)
+    monkeypatch.setattr(kernels, "SPLIT_MIN_KEYS", 32)
+    buffers = []
+    real = kernels._split_buffers
+
+    def poisoned(*a):  # NaN everywhere: what a program stores is what is not NaN afterwards
+        buffers.append(tuple(t.fill_(float("nan")) for t in real(*a)))
+        return buffers[-1]
+
+    monkeypatch.setattr(kernels, "_split_buffers", poisoned)
+    rng = random.Random(11)
+    contexts = [0, 30, 31, 63, 64, 95, 150, 260]  # + this step's token: 1, 31, 32, 64, 65, 96, 151, 261 keys
+    b = make_batch(rng, block_size=16, num_kv_heads=2, group=2, head_dim=64, dtype=torch.float32,
+                   runs=[(c, 1) for c in contexts], num_pad_seqs=1)
+    out = run_kernels(kernels, b, 0.125, window, max_query_len=1, num_kv_splits=4)
+    check(out, b, 0.125, window, torch.float32, window)
+    (part_out, part_m, part_l), = buffers
+    for row, ctx in enumerate(contexts):
+        keys = ctx + 1 if window is None else min(ctx + 1, window)
+        first_tile = 0 if window is None else max(ctx - window + 1, 0) // 16
+        tiles = -(-(ctx + 1) // 16) - first_tile
+        parts = max(1, min(4, tiles // 2))
+        stored = ~part_m[row].isnan()  # [heads, 4]
+        want = torch.arange(4) < parts if parts > 1 else torch.zeros(4, dtype=torch.bool)
+        assert (stored == want.to(stored.device)).all(), (row, ctx, keys, stored)
+    assert_no_count_left(out.device)
 
 
 def assert_no_count_left(device):

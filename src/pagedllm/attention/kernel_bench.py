@@ -26,7 +26,7 @@ from pagedllm.attention.kv_quant import FP8_KV_DTYPES, dequantize, quantize
 # heads, kv heads, head_dim
 SHAPES = {"qwen3-0.6b": (16, 8, 128), "llama3-8b": (32, 8, 128), "qwen3-30b-a3b": (32, 4, 128)}
 SPLIT_SWEEP = dict(shapes=("qwen3-30b-a3b", "llama3-8b"), batches=(1, 2, 4, 8, 16, 32, 64),
-                   contexts=(128, 1024, 4096, 16384), splits=(None, 1, 2, 4, 8, 16))  # None: the default's choice
+                   contexts=(128, 256, 1024, 4096, 16384), splits=(None, 1, 2, 4, 8, 16))  # None: the default's choice
 BLOCK_SIZE = 16
 
 

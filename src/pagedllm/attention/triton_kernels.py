@@ -170,7 +170,7 @@ def _attention_kernel(
     USE_WINDOW: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr,
     Q_LEN_FILTER: tl.constexpr, Q_LEN_THRESHOLD: tl.constexpr, SOFTCAP: tl.constexpr, KV_FP8: tl.constexpr,
     CAUSAL: tl.constexpr = True, ENTER: tl.constexpr = False, F16_DOTS: tl.constexpr = False,
-    FP8_WORDS: tl.constexpr = False, SELF_MERGE: tl.constexpr = False,
+    FP8_WORDS: tl.constexpr = False, SELF_MERGE: tl.constexpr = False, MIN_SPLIT_TILES: tl.constexpr = 1,
 ):
     pdl_enter(ENTER)  # launched early (ops/triton_pdl.py): wait for the kernel before first
     # One flat grid axis, KV head fastest: the programs of one sequence run side by side and
@@ -207,18 +207,6 @@ def _attention_kernel(
     q_tok = q_start + m // GROUP_PAD
     head = kvh * GROUP + m % GROUP_PAD
     row_ok = (m // GROUP_PAD < BLOCK_Q) & (q_tok < q_len) & (m % GROUP_PAD < GROUP)
-    d = tl.arange(0, DIM_PAD)
-    tok = (q_begin + q_tok).to(tl.int64)
-    q_mask = row_ok[:, None]
-    if DIM_PAD != HEAD_DIM:
-        q_mask = q_mask & (d[None, :] < HEAD_DIM)
-    q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0)
-    if F16_DOTS:
-        # bf16 queries over an fp8 cache: the dots run in float16, which fp8 K/V widen to in one
-        # instruction per pair (to bfloat16 it takes two more, through float16). q is exact in
-        # float16 between 2**-14 and 65504 (bfloat16 has 8 significant bits, float16 11); beyond
-        # the range it saturates, smaller entries lose bits in float16's subnormals.
-        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
     q_pos = context_len + q_tok  # absolute position of each row's query token
 
     # Keys this tile can see: up to its last query token (causal; else all), from the window's start.
@@ -231,11 +219,29 @@ def _attention_kernel(
         kv_first = tl.maximum(context_len + q_start - window + 1, 0)
     tile_lo = kv_first // BLOCK_N
     tile_hi = tl.cdiv(kv_stop, BLOCK_N)
+    num_splits = 1
     if SPLIT:
         split = tl.program_id(1)
-        per_split = tl.cdiv(tile_hi - tile_lo, tl.num_programs(1))
+        num_splits = tl.num_programs(1)
+        if SELF_MERGE:  # parts of MIN_SPLIT_TILES tiles or more: short contexts take fewer (or one)
+            num_splits = tl.maximum(tl.minimum(num_splits, (tile_hi - tile_lo) // MIN_SPLIT_TILES), 1)
+            if split >= num_splits:
+                return
+        per_split = tl.cdiv(tile_hi - tile_lo, num_splits)
         tile_lo = tile_lo + split * per_split
         tile_hi = tl.minimum(tile_lo + per_split, tile_hi)
+    d = tl.arange(0, DIM_PAD)
+    tok = (q_begin + q_tok).to(tl.int64)
+    q_mask = row_ok[:, None]
+    if DIM_PAD != HEAD_DIM:
+        q_mask = q_mask & (d[None, :] < HEAD_DIM)
+    q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0)
+    if F16_DOTS:
+        # bf16 queries over an fp8 cache: the dots run in float16, which fp8 K/V widen to in one
+        # instruction per pair (to bfloat16 it takes two more, through float16). q is exact in
+        # float16 between 2**-14 and 65504 (bfloat16 has 8 significant bits, float16 11); beyond
+        # the range it saturates, smaller entries lose bits in float16's subnormals.
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
 
     if KV_FP8:
         # fp8 K/V tiles are widened to q's dtype (exact) for the dots; the per-tensor scales are
@@ -287,7 +293,7 @@ def _attention_kernel(
     d_mask = d[None, :] < HEAD_DIM
     if KV_FP8:
         acc = acc * tl.load(kv_scale_ptr + 1)
-    if not SPLIT:
+    if num_splits == 1:  # unsplit, or a self-merging split launch's row whose keys fill one part
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # l == 0: padding row, writes 0
         o_ptr = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
         tl.store(o_ptr, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_mask)
@@ -301,8 +307,8 @@ def _attention_kernel(
         tl.store(part_l_ptr + part, l_i, mask=row_ok)
         tl.store(part_out_ptr + part[:, None] * DIM_PAD + d[None, :], acc, mask=row_ok[:, None] & d_mask)
         if SELF_MERGE:
-            _merge_own_splits(out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, cnt_ptr + tl.program_id(0), first, row_ok,
-                              tok, head, d, d_mask, stride_ot, stride_oh, DIM_PAD)
+            _merge_own_splits(out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, cnt_ptr + tl.program_id(0), num_splits,
+                              first, row_ok, tok, head, d, d_mask, stride_ot, stride_oh, DIM_PAD)
 
 
 @triton.jit
@@ -315,16 +321,15 @@ def _split_weights(m, l, AXIS: tl.constexpr):
 
 
 @triton.jit
-def _merge_own_splits(out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, cnt_ptr, first, row_ok, tok, head, d, d_mask,
-                      stride_ot, stride_oh, DIM_PAD: tl.constexpr):
+def _merge_own_splits(out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, cnt_ptr, splits, first, row_ok, tok, head, d,
+                      d_mask, stride_ot, stride_oh, DIM_PAD: tl.constexpr):
     """After a split program has stored its partials: count it in (``cnt_ptr``, this program row's
     counter); the last of the row's splits to arrive merges every split's partials, in split order
     (so the result does not depend on which finished last), writes the output rows and resets the
     counter for the next launch. Every split's max and sum come in one load, so the weights are known
     before the partial outputs are read, and those loads (predicated past the split count) do not wait
     on each other. The partials of other programs are read past L1 (``.cg``): the counter's acquire
-    orders them, a line cached in L1 before it would not be."""
-    splits = tl.num_programs(1)
+    orders them, a line cached in L1 before it would not be. ``splits``: the row's parts (those that ran)."""
     tl.debug_barrier()  # every thread's partial is stored before the (release) count below
     done = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
     if done == splits - 1:
@@ -462,6 +467,9 @@ def _check_attention_inputs(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.
 
 
 SELF_MERGE_MIN_ROWS = 16  # split launches of at least this many program rows (tokens x KV heads) merge themselves
+# ... and split each row by its own context into parts of at least this many keys (fewer parts, or one
+# written directly, over short contexts; the programs of parts past a row's count exit at once)
+SPLIT_MIN_KEYS = 128
 
 
 def _self_merges(program_rows: int) -> bool:
@@ -513,9 +521,14 @@ def _mixed_splits(short_runs: tuple[int, int] | None, num_kv_heads: int, device:
 
 
 def _default_num_splits(decode_only: bool, programs: int, device: torch.device) -> int:
-    """Split each program's keys only for decode batches with fewer programs than SMs."""
+    """Split each program's keys for decode batches with fewer programs than twice the SMs, into as
+    many parts as make twice the SMs' programs (a graph cannot see the contexts: launches that merge
+    themselves split each row by its own context, ``SPLIT_MIN_KEYS``). H200, one layer's KV write and
+    attention in a CUDA graph (``kernel_bench --split-sweep``, stop 51): 32 sequences x 8 KV heads (256
+    programs) in two parts over 1,024 / 4,096 / 16,384 keys 47.2 / 164.2 / 628.9 -> 43.9 / 137.3 / 510.2 µs
+    (the last at copy bandwidth); 64 x 8 (512 programs) were slower in two (269.3 -> 280.3 at 4,096)."""
     num_sms = _num_sms(device)
-    if decode_only and programs < num_sms:
+    if decode_only and programs < 2 * num_sms:
         return min(MAX_SPLITS, -(-2 * num_sms // programs))
     return 1
 
@@ -543,8 +556,9 @@ def unified_attention(
     sequence (rows past ``query_start_loc[-1]`` are left as they are). ``max_query_len`` is only
     a hint that picks the launch shape (1: decode tiles, one program per token; else short and
     long query runs in separate launches, long ones in ``triton_prefill`` where it applies); any
-    value gives correct results. ``num_kv_splits`` forces the split count of the decodes (None: split
-    those too few to fill the GPU, or per ``short_runs``: (count, total context) of the short runs beside
+    value gives correct results. ``num_kv_splits`` forces the split count of the decodes (a launch that
+    merges itself splits each row into at most that many parts of ``SPLIT_MIN_KEYS`` or more; None: split
+    those too few to fill the GPU twice over, or per ``short_runs``: (count, total context) of the short runs beside
     long ones, host facts, ``count_short_runs``; None there is one unsplit launch, as in graph captures).
     ``logits_soft_cap``: ``cap * tanh(s / cap)`` (None: no cap). ``prefill_kernel``: False keeps long
     runs on this kernel (None: ``PAGEDLLM_PREFILL_KERNEL``)."""
@@ -575,7 +589,8 @@ def unified_attention(
         self_merge = splits > 1 and _self_merges(grid[0])
         cnt = counters(q.device, grid[0], owner="attention") if self_merge else out  # one a program row
         _attention_kernel[grid](*args, *parts, cnt, *scalars, **common, **cfg, SPLIT=splits > 1,
-                                Q_LEN_FILTER=q_len_filter, Q_LEN_THRESHOLD=threshold, SELF_MERGE=self_merge)
+                                Q_LEN_FILTER=q_len_filter, Q_LEN_THRESHOLD=threshold, SELF_MERGE=self_merge,
+                                MIN_SPLIT_TILES=max(1, SPLIT_MIN_KEYS // cfg["BLOCK_N"]) if self_merge else 1)
         if splits > 1 and not self_merge:
             _merge_splits(out, parts, query_start_loc, num_seqs, dim_pad, by_seq=bq if q_len_filter == 3 else 0)
 
