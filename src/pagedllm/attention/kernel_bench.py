@@ -176,7 +176,7 @@ def split_sweep(gen, dtype, dev="cuda") -> None:
                 table.append(f"{shape:14s} b{batch:<3d} ctx {ctx:6d} | " + " ".join(cells))
                 del case
     print(f"\nµs per layer by split count (d: the default; launches of {tk.SELF_MERGE_MIN_ROWS} program rows "
-          "and more merge their splits themselves)")
+          "and more merge their splits themselves and split each row by its context: at most that many parts)")
     print("\n".join(table))
 
 

@@ -520,15 +520,24 @@ def _mixed_splits(short_runs: tuple[int, int] | None, num_kv_heads: int, device:
     return max(1, min(MAX_SPLITS, by_keys, by_sms))
 
 
-def _default_num_splits(decode_only: bool, programs: int, device: torch.device) -> int:
-    """Split each program's keys for decode batches with fewer programs than twice the SMs, into as
-    many parts as make twice the SMs' programs (a graph cannot see the contexts: launches that merge
-    themselves split each row by its own context, ``SPLIT_MIN_KEYS``). H200, one layer's KV write and
-    attention in a CUDA graph (``kernel_bench --split-sweep``, stop 51): 32 sequences x 8 KV heads (256
-    programs) in two parts over 1,024 / 4,096 / 16,384 keys 47.2 / 164.2 / 628.9 -> 43.9 / 137.3 / 510.2 µs
-    (the last at copy bandwidth); 64 x 8 (512 programs) were slower in two (269.3 -> 280.3 at 4,096)."""
+def _min_split_tiles(program_rows: int, block_n: int, device: torch.device) -> int:
+    """Key tiles a part of a self-merging split launch holds at least: ``SPLIT_MIN_KEYS`` while the
+    program rows fit the SMs once, twice that while they fill them twice (each row's program shares its
+    SM with others already: a split pays only over longer contexts; 32 x 8 rows over 256 keys took 16.7
+    µs in two parts of 128 against 15.6 in one, 44.1 against 47.8 over 1,024)."""
+    return max(1, SPLIT_MIN_KEYS * -(-program_rows // _num_sms(device)) // block_n)
+
+
+def _default_num_splits(decode_only: bool, programs: int, device: torch.device, fp8: bool = False) -> int:
+    """Split each program's keys for decode batches with fewer programs than twice the SMs (once the
+    SMs over an fp8 cache, whose unsplit launches take wider key tiles), into as many parts as make
+    twice the SMs' programs. A graph cannot see the contexts: launches that merge themselves split
+    each row by its own (``_min_split_tiles``). H200, one layer's KV write and attention in a CUDA
+    graph (``kernel_bench --split-sweep``, stop 51): 32 sequences x 8 KV heads (256 programs) in two
+    parts over 1,024 / 4,096 / 16,384 keys 47.8 / 165.2 / 637.8 -> 44.1 / 136.7 / 504.8 µs (the last at
+    copy bandwidth); 64 x 8 (512 programs) were slower in two (272.0 -> 280.9 at 4,096)."""
     num_sms = _num_sms(device)
-    if decode_only and programs < 2 * num_sms:
+    if decode_only and programs < (1 if fp8 else 2) * num_sms:
         return min(MAX_SPLITS, -(-2 * num_sms // programs))
     return 1
 
@@ -590,7 +599,7 @@ def unified_attention(
         cnt = counters(q.device, grid[0], owner="attention") if self_merge else out  # one a program row
         _attention_kernel[grid](*args, *parts, cnt, *scalars, **common, **cfg, SPLIT=splits > 1,
                                 Q_LEN_FILTER=q_len_filter, Q_LEN_THRESHOLD=threshold, SELF_MERGE=self_merge,
-                                MIN_SPLIT_TILES=max(1, SPLIT_MIN_KEYS // cfg["BLOCK_N"]) if self_merge else 1)
+                                MIN_SPLIT_TILES=_min_split_tiles(grid[0], cfg["BLOCK_N"], q.device) if self_merge else 1)
         if splits > 1 and not self_merge:
             _merge_splits(out, parts, query_start_loc, num_seqs, dim_pad, by_seq=bq if q_len_filter == 3 else 0)
 
@@ -607,7 +616,7 @@ def unified_attention(
         return out
 
     splits = num_kv_splits if num_kv_splits is not None else \
-        _default_num_splits(decode_only, num_tokens * num_kv_heads, q.device)
+        _default_num_splits(decode_only, num_tokens * num_kv_heads, q.device, common["KV_FP8"])
     if splits <= 1:
         # Every query run here fits a short tile, so the short-run filter skips nothing; a
         # mixed batch without long runs reuses the variant compiled for mixed batches with them.
