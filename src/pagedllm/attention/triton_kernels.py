@@ -157,10 +157,11 @@ def _tanh(x):
 
 # num_seqs, window and the block-table width (stride_bt) vary from step to step: specialising
 # on them (== 1, % 16 == 0) would compile new variants in the middle of a run.
-@triton.jit(do_not_specialize=["num_seqs", "window", "stride_bt"])
+@triton.jit(do_not_specialize=["num_seqs", "window", "stride_bt", "min_split_tiles"])
 def _attention_kernel(
     q_ptr, out_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr, kv_scale_ptr,
     part_out_ptr, part_m_ptr, part_l_ptr, cnt_ptr,  # split-KV partials and counters; unused unless SPLIT
+    min_split_tiles,  # SELF_MERGE: key tiles a part holds at least (an argument: it varies with the batch)
     scale_log2, num_seqs, window, num_heads, softcap_log2,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_c_block, stride_c_slot, stride_c_head, stride_bt,
@@ -170,7 +171,7 @@ def _attention_kernel(
     USE_WINDOW: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr,
     Q_LEN_FILTER: tl.constexpr, Q_LEN_THRESHOLD: tl.constexpr, SOFTCAP: tl.constexpr, KV_FP8: tl.constexpr,
     CAUSAL: tl.constexpr = True, ENTER: tl.constexpr = False, F16_DOTS: tl.constexpr = False,
-    FP8_WORDS: tl.constexpr = False, SELF_MERGE: tl.constexpr = False, MIN_SPLIT_TILES: tl.constexpr = 1,
+    FP8_WORDS: tl.constexpr = False, SELF_MERGE: tl.constexpr = False,
 ):
     pdl_enter(ENTER)  # launched early (ops/triton_pdl.py): wait for the kernel before first
     # One flat grid axis, KV head fastest: the programs of one sequence run side by side and
@@ -223,8 +224,8 @@ def _attention_kernel(
     if SPLIT:
         split = tl.program_id(1)
         num_splits = tl.num_programs(1)
-        if SELF_MERGE:  # parts of MIN_SPLIT_TILES tiles or more: short contexts take fewer (or one)
-            num_splits = tl.maximum(tl.minimum(num_splits, (tile_hi - tile_lo) // MIN_SPLIT_TILES), 1)
+        if SELF_MERGE:  # parts of min_split_tiles tiles or more: short contexts take fewer (or one)
+            num_splits = tl.maximum(tl.minimum(num_splits, (tile_hi - tile_lo) // min_split_tiles), 1)
             if split >= num_splits:
                 return
         per_split = tl.cdiv(tile_hi - tile_lo, num_splits)
@@ -597,9 +598,9 @@ def unified_attention(
         grid = (grid_q * num_kv_heads,) if splits == 1 else (grid_q * num_kv_heads, splits)
         self_merge = splits > 1 and _self_merges(grid[0])
         cnt = counters(q.device, grid[0], owner="attention") if self_merge else out  # one a program row
-        _attention_kernel[grid](*args, *parts, cnt, *scalars, **common, **cfg, SPLIT=splits > 1,
-                                Q_LEN_FILTER=q_len_filter, Q_LEN_THRESHOLD=threshold, SELF_MERGE=self_merge,
-                                MIN_SPLIT_TILES=_min_split_tiles(grid[0], cfg["BLOCK_N"], q.device) if self_merge else 1)
+        min_tiles = _min_split_tiles(grid[0], cfg["BLOCK_N"], q.device) if self_merge else 1
+        _attention_kernel[grid](*args, *parts, cnt, min_tiles, *scalars, **common, **cfg, SPLIT=splits > 1,
+                                Q_LEN_FILTER=q_len_filter, Q_LEN_THRESHOLD=threshold, SELF_MERGE=self_merge)
         if splits > 1 and not self_merge:
             _merge_splits(out, parts, query_start_loc, num_seqs, dim_pad, by_seq=bq if q_len_filter == 3 else 0)
 
