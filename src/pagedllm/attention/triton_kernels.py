@@ -529,6 +529,15 @@ def _min_split_tiles(program_rows: int, block_n: int, device: torch.device) -> i
     return max(1, SPLIT_MIN_KEYS * -(-program_rows // _num_sms(device)) // block_n)
 
 
+def _self_merge_args(program_rows: int, splits: int, block_n: int, out: torch.Tensor) -> tuple:
+    """(whether a launch merges itself, its counters (one a program row; else any tensor), the key tiles
+    a part holds at least)."""
+    if splits > 1 and _self_merges(program_rows):
+        return True, counters(out.device, program_rows, owner="attention"), _min_split_tiles(program_rows, block_n,
+                                                                                            out.device)
+    return False, out, 1
+
+
 def _default_num_splits(decode_only: bool, programs: int, device: torch.device, fp8: bool = False) -> int:
     """Split each program's keys for decode batches with fewer programs than twice the SMs (once the
     SMs over an fp8 cache, whose unsplit launches take wider key tiles), into as many parts as make
@@ -596,9 +605,7 @@ def unified_attention(
         bq = cfg["BLOCK_Q"]
         grid_q = num_seqs if q_len_filter == 3 else num_tokens if bq == 1 else num_tokens // bq + num_seqs
         grid = (grid_q * num_kv_heads,) if splits == 1 else (grid_q * num_kv_heads, splits)
-        self_merge = splits > 1 and _self_merges(grid[0])
-        cnt = counters(q.device, grid[0], owner="attention") if self_merge else out  # one a program row
-        min_tiles = _min_split_tiles(grid[0], cfg["BLOCK_N"], q.device) if self_merge else 1
+        self_merge, cnt, min_tiles = _self_merge_args(grid[0], splits, cfg["BLOCK_N"], out)
         _attention_kernel[grid](*args, *parts, cnt, min_tiles, *scalars, **common, **cfg, SPLIT=splits > 1,
                                 Q_LEN_FILTER=q_len_filter, Q_LEN_THRESHOLD=threshold, SELF_MERGE=self_merge)
         if splits > 1 and not self_merge:
