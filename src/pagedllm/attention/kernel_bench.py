@@ -150,18 +150,19 @@ def with_tiles(block_n=None, num_stages=None, num_warps=None):
     return original, patched
 
 
-def split_sweep(gen, dtype, dev="cuda") -> None:
+def split_sweep(gen, dtype, dev="cuda", kv_dtype=None) -> None:
     """Decode launches at forced split counts (``num_kv_splits``) and the default's, µs per layer
-    (KV write + attention in a CUDA graph), by batch and context; one JSON line each, a table last."""
+    (KV write + attention in a CUDA graph), by batch and context; one JSON line each, a table last.
+    ``kv_dtype``: an fp8 cache (its own default bound, ``_default_num_splits(fp8=True)``)."""
     num_sms = tk._num_sms(torch.device(dev))
     table = []
     for shape in SPLIT_SWEEP["shapes"]:
         heads, kvh, hd = SHAPES[shape]
         for batch in SPLIT_SWEEP["batches"]:
             for ctx in SPLIT_SWEEP["contexts"]:
-                case = make_case(heads, kvh, hd, [(ctx - 1, 1)] * batch, dtype, gen, dev=dev)
+                case = make_case(heads, kvh, hd, [(ctx - 1, 1)] * batch, dtype, gen, dev=dev, kv_dtype=kv_dtype)
                 case["max_query_len"] = 1
-                default = tk._default_num_splits(True, batch * kvh, case["q"].device)
+                default = tk._default_num_splits(True, batch * kvh, case["q"].device, kv_dtype is not None)
                 cells = []
                 for splits in SPLIT_SWEEP["splits"]:
                     if splits is not None and splits > 1 and batch * kvh * splits > 8 * num_sms:
@@ -196,7 +197,7 @@ def main(argv=None) -> None:
     print(f"device {torch.cuda.get_device_name()}  copy bandwidth {bw:.0f} GB/s  KV cache {args.kv_cache_dtype}",
           flush=True)
     if args.split_sweep:
-        return split_sweep(gen, dtype)
+        return split_sweep(gen, dtype, kv_dtype=kv_dtype)
     rows = []
     decode = [("llama3-8b", 1, 512), ("llama3-8b", 1, 4096), ("llama3-8b", 32, 384), ("qwen3-0.6b", 256, 1024),
               ("qwen3-0.6b", 64, 2048), ("llama3-8b", 256, 1024)]
