@@ -411,14 +411,17 @@ def test_bad_arguments_are_rejected(kernels):
 
 
 @pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
-# split-KV by the heuristic at 4 and 16 (few programs; 16 x 2 KV heads merge in their own last programs), none at 128
-@pytest.mark.parametrize("max_seqs", [4, 16, 128])
-def test_decode_step_replays_in_a_cuda_graph_with_new_metadata(kernels, max_seqs):
+# split-KV by the heuristic at every size on 132-SM GPUs: 4 and 16 sequences (few programs; 16 x 2 KV heads merge in
+# their own last programs), 128 (256 programs: two parts, each row by its own context; up to 1,200 keys some rows
+# take both parts, within the graph)
+@pytest.mark.parametrize("max_seqs,max_ctx", [(4, 200), (16, 200), (128, 200), (128, 1200)])
+def test_decode_step_replays_in_a_cuda_graph_with_new_metadata(kernels, max_seqs, max_ctx):
     """Capture the KV write + attention of a padded decode batch once, then replay it over new
     batches written into the same buffers: different sequence counts, contexts and tables. Split
     launches that merge themselves leave their counters at zero after every replay."""
-    rng = random.Random(max_seqs)
-    block_size, kvh, group, hd, dtype, width, num_blocks = 16, 2, 4, 128, torch.bfloat16, 16, 1700
+    rng = random.Random(max_seqs + max_ctx)
+    block_size, kvh, group, hd, dtype = 16, 2, 4, 128, torch.bfloat16
+    width, num_blocks = max_ctx // block_size + 8, max(1700, max_seqs * (max_ctx // block_size + 2) + 8)
     q = torch.zeros(max_seqs, kvh * group, hd, dtype=dtype, device=DEVICE)
     k_new, v_new = torch.zeros(max_seqs, kvh, hd, dtype=dtype, device=DEVICE), torch.zeros(
         max_seqs, kvh, hd, dtype=dtype, device=DEVICE)
@@ -441,7 +444,7 @@ def test_decode_step_replays_in_a_cuda_graph_with_new_metadata(kernels, max_seqs
     for trial in range(3):
         n = rng.randint(1, max_seqs)
         b = make_batch(rng, block_size=block_size, num_kv_heads=kvh, group=group, head_dim=hd, dtype=dtype,
-                       runs=[(rng.randint(0, 200), 1) for _ in range(n)])
+                       runs=[(rng.randint(0, max_ctx), 1) for _ in range(n)])
         assert b.cache.shape[1] <= num_blocks and b.block_tables.shape[1] <= width
         cache.zero_()
         cache[:, :b.cache.shape[1]] = b.cache.nan_to_num(0.0)
