@@ -58,7 +58,7 @@ from pagedllm.attention.triton_prefill import prefill_attention
 from pagedllm.attention.triton_paging import (add_fp8_values_as_words, add_values, find_seq, key_scores,
                                               load_block_ids, words_dims)
 from pagedllm.ops.triton_pdl import enter_args, pdl_enter
-from pagedllm.ops.triton_splitk import counters
+from pagedllm.ops.triton_splitk import counters, last_to_arrive
 
 LOG2_E = math.log2(math.e)
 MAX_SPLITS = 16  # split-KV parts per (token, head) at most
@@ -329,11 +329,9 @@ def _merge_own_splits(out_ptr, part_out_ptr, part_m_ptr, part_l_ptr, cnt_ptr, sp
     (so the result does not depend on which finished last), writes the output rows and resets the
     counter for the next launch. Every split's max and sum come in one load, so the weights are known
     before the partial outputs are read, and those loads (predicated past the split count) do not wait
-    on each other. The partials of other programs are read past L1 (``.cg``): the counter's acquire
-    orders them, a line cached in L1 before it would not be. ``splits``: the row's parts (those that ran)."""
-    tl.debug_barrier()  # every thread's partial is stored before the (release) count below
-    done = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
-    if done == splits - 1:
+    on each other. The count and its ordering: ``triton_splitk.last_to_arrive``. ``splits``: the row's
+    parts (those that ran)."""
+    if last_to_arrive(cnt_ptr, splits):
         sp = tl.arange(0, MAX_SPLITS_C)
         ok = row_ok[:, None] & (sp[None, :] < splits)
         m = tl.load(part_m_ptr + first[:, None] + sp[None, :], mask=ok, other=float("-inf"), cache_modifier=".cg")

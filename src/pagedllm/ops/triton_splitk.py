@@ -12,15 +12,23 @@ import triton.language as tl
 
 
 @triton.jit
+def last_to_arrive(cnt_ptr, parts):
+    """After a program has stored its partial: count it in at ``cnt_ptr``; whether it is the last of
+    ``parts``. The count releases this program's stores and acquires the others' (read them past L1,
+    ``.cg``: a line cached in L1 before the count would not be ordered by it). The last resets the
+    counter (``tl.atomic_xchg(cnt_ptr, 0)``) once it has read them, for the next launch and replay."""
+    tl.debug_barrier()  # every thread's partial is stored before the (release) count below
+    return tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu") == parts - 1
+
+
+@triton.jit
 def finish_split(acc, ws_ptrs, split_stride, y_ptrs, b_ptrs, mask, cnt_ptr, tile, pid_k, SPLIT_K,
                  HAS_BIAS: tl.constexpr):
     """``acc``: this program's partial (scales applied); ``ws_ptrs`` / ``y_ptrs`` / ``b_ptrs``:
     ``acc``-shaped pointers into the workspace's first split, the output and the bias (broadcast);
     ``split_stride``: elements between two splits' partials; ``tile``: the column tile's counter."""
     tl.store(ws_ptrs + pid_k.to(tl.int64) * split_stride, acc, mask=mask)
-    tl.debug_barrier()  # every thread's partial is stored before the (release) count below
-    done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
-    if done == SPLIT_K - 1:  # the last program of this column tile: sum the partials in split order
+    if last_to_arrive(cnt_ptr + tile, SPLIT_K):  # the last program of this column tile: sum in split order
         total = tl.zeros_like(acc)
         for sk in range(SPLIT_K):
             total += tl.load(ws_ptrs + sk * split_stride, mask=mask, other=0.0, cache_modifier=".cg")
