@@ -45,9 +45,9 @@ compile_("KV write", triton_kernels._reshape_and_cache_kernel, cache,
 attn = {"q_ptr": "*bf16", "out_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16",
         "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "qsl_ptr": "*i32", "kv_scale_ptr": "*fp32",
         "part_out_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "cnt_ptr": "*i32",
-        "min_split_tiles": "i32", "scale_log2": "fp32", "num_seqs": "i32", "window": "i32", "num_heads": "i32", "softcap_log2": "fp32",
-        "stride_qt": "i32", "stride_qh": "i32", "stride_ot": "i32", "stride_oh": "i32", "stride_c_block": "i32",
-        "stride_c_slot": "i32", "stride_c_head": "i32", "stride_bt": "i32"}
+        "min_split_tiles": "i32", "scale_log2": "fp32", "num_seqs": "i32", "window": "i32", "num_heads": "i32",
+        "softcap_log2": "fp32", "stride_qt": "i32", "stride_qh": "i32", "stride_ot": "i32", "stride_oh": "i32",
+        "stride_c_block": "i32", "stride_c_slot": "i32", "stride_c_head": "i32", "stride_bt": "i32"}
 attn.update({k: c for k in ("NUM_KV_HEADS", "GROUP", "GROUP_PAD", "BLOCK_Q", "BLOCK_M", "BLOCK_N", "BLOCK_SIZE",
                             "HEAD_DIM", "DIM_PAD", "USE_WINDOW", "IEEE", "SPLIT", "Q_LEN_FILTER", "Q_LEN_THRESHOLD",
                             "SOFTCAP", "KV_FP8", "CAUSAL", "ENTER", "F16_DOTS", "FP8_WORDS", "SELF_MERGE")})
