@@ -173,7 +173,10 @@ def _attention_kernel(
     CAUSAL: tl.constexpr = True, ENTER: tl.constexpr = False, F16_DOTS: tl.constexpr = False,
     FP8_WORDS: tl.constexpr = False, SELF_MERGE: tl.constexpr = False,
 ):
-    pdl_enter(ENTER)  # launched early (ops/triton_pdl.py): wait for the kernel before first
+    # Launched early (ops/triton_pdl.py): the step's metadata (query_start_loc, seq_lens) was copied
+    # before the forward's first kernel started, so it is read before the wait; the programs that
+    # have nothing to do (past the query run, the other launch's runs, parts past the row's count)
+    # return while the kernel before still runs. pdl_enter comes before the first read of q.
     # One flat grid axis, KV head fastest: the programs of one sequence run side by side and
     # read the same cache blocks (each slot holds all KV heads) at about the same time.
     pid = tl.program_id(0) // NUM_KV_HEADS
@@ -231,6 +234,7 @@ def _attention_kernel(
         per_split = tl.cdiv(tile_hi - tile_lo, num_splits)
         tile_lo = tile_lo + split * per_split
         tile_hi = tl.minimum(tile_lo + per_split, tile_hi)
+    pdl_enter(ENTER)  # q, the K/V cache and the outputs are the kernels' before: wait for them
     d = tl.arange(0, DIM_PAD)
     tok = (q_begin + q_tok).to(tl.int64)
     q_mask = row_ok[:, None]
