@@ -28,11 +28,17 @@ from pagedllm.benchmarks.quant_kernel import _graph_ms, projections
 # quantized inside the kernel (each program taking its rows' absmax first): none won anywhere.
 GRID = {"BLOCK_N": (32, 64, 128), "BLOCK_K": (256, 512, 1024), "stages": ((4, 3), (4, 4), (8, 4)),
         "SPLIT_K": (1, 2, 4, 8)}
+# Past 32 rows (row tiles of 64 or 128; stop 52): the weight tile and the rows' tile share shared memory.
+ROW_TILE_GRID = {"BLOCK_M": (64, 128), "BLOCK_N": (64, 128), "BLOCK_K": (128, 256),
+                 "stages": ((4, 3), (4, 4), (8, 3), (8, 4)), "SPLIT_K": (1, 2, 4)}
 
 
-def candidates() -> list[dict]:
-    return [dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=w, num_stages=st)
-            for bn, bk, (w, st), split in itertools.product(*GRID.values())]
+def candidates(rows: int = 1) -> list[dict]:
+    if rows <= 32:
+        return [dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=w, num_stages=st)
+                for bn, bk, (w, st), split in itertools.product(*GRID.values())]
+    return [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=w, num_stages=st)
+            for bm, bn, bk, (w, st), split in itertools.product(*ROW_TILE_GRID.values()) if bm <= max(64, rows)]
 
 
 def _weights(n: int, k: int, copies: int, device: str):
@@ -49,12 +55,14 @@ def tune(args) -> dict:
 
     from pagedllm.model.quantization.fp8 import fp8_linear
     from pagedllm.ops import triton_fp8
-    from pagedllm.ops.tile_tables import write_table
+    from pagedllm.ops.tile_tables import read_table, write_table
 
     gpu = torch.cuda.get_device_name(0)
-    table: dict = {"_doc": f"FP8 W8A8 small-row configs by N,K and row bucket: pagedllm.benchmarks.fp8_kernel --tune "
+    # The rows tuned now replace their buckets' entries; the other buckets' stay.
+    table: dict = read_table(args.config_out or triton_fp8.CONFIG_FILE)
+    table["_doc"] = (f"FP8 W8A8 small-row configs by N,K and row bucket: pagedllm.benchmarks.fp8_kernel --tune "
                            f"on {gpu} ({args.shape}); {{'kernel': 'scaled_mm'}}: torch._scaled_mm was faster; shapes "
-                           f"it lacks take triton_fp8.default_config up to 16 rows"}
+                           f"it lacks take triton_fp8.default_config up to 16 rows")
     for name, (n, k) in projections(SHAPES[args.shape]).items():
         copies = max(2, -(-(256 << 20) // (n * k)))
         weights = _weights(n, k, copies, "cuda")
@@ -67,7 +75,7 @@ def tune(args) -> dict:
 
             want = fp8_linear(x, *weights[0], None, "dynamic", decode=False).float()
             results = [("scaled_mm", None, _graph_ms(chain(False), args.replays) / copies)]
-            for config in candidates():
+            for config in candidates(m):
                 try:
                     got = fp8_linear(x, *weights[0], None, "dynamic", decode=config).float()
                     err = ((got - want).norm() / want.norm()).item()

@@ -123,24 +123,26 @@ def _fp8_small_m_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, part_ptr, c
                         stride_wn, stride_ym, K_TILES_PER_SPLIT, SPLIT_K, HAS_BIAS: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         USE_SPLIT: tl.constexpr, PDL: tl.constexpr):
-    """W8A8 for a handful of rows: program (pid_n, pid_k) owns BLOCK_N output features for all rows
-    and walks the ``pid_k``-th slice of K (``K_TILES_PER_SPLIT`` tiles; all of K without the
-    split), the rows riding in the dot's 16/32-wide side, scales applied once at the end.
+    """W8A8 for decode batches: program (pid_n, pid_k, pid_m) owns BLOCK_N output features of the
+    ``pid_m``-th BLOCK_M rows and walks the ``pid_k``-th slice of K (``K_TILES_PER_SPLIT`` tiles; all
+    of K without the split), the rows riding in the dot's narrow side (the weight's features fill
+    the tensor cores' 64-wide one), scales applied once at the end.
     USE_SPLIT: the partials meet in ``triton_splitk.finish_split`` (one launch, deterministic).
     PDL: launched while the quantize kernel before it runs (its launch and the weight scales' load
     overlap that kernel; everything else waits for it). A first weight tile loaded before the wait
     as well needs one more tile of shared memory than the tuned tilings leave (240 KB > 227 KB)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m = tl.arange(0, BLOCK_M)
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     kk = tl.arange(0, BLOCK_K)
     n_ok = n < N
     m_ok = m < M
     k_lo = pid_k * K_TILES_PER_SPLIT * BLOCK_K
     k_hi = tl.minimum(k_lo + K_TILES_PER_SPLIT * BLOCK_K, K)
     w_ptrs = w_ptr + n.to(tl.int64)[:, None] * stride_wn + (k_lo + kk)[None, :]
-    x_ptrs = xq_ptr + m[None, :] * stride_xm + (k_lo + kk)[:, None]
+    x_ptrs = xq_ptr + m.to(tl.int64)[None, :] * stride_xm + (k_lo + kk)[:, None]
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     w_s = tl.load(ws_ptr + n, mask=n_ok, other=0.0)
     pdl_enter(PDL)
@@ -153,15 +155,16 @@ def _fp8_small_m_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, part_ptr, c
         x_ptrs += BLOCK_K
     x_s = tl.load(xs_ptr + m, mask=m_ok, other=0.0)
     acc = acc * w_s[:, None] * x_s[None, :]
-    y_ptrs = y_ptr + m[None, :] * stride_ym + n[:, None]
+    y_ptrs = y_ptr + m.to(tl.int64)[None, :] * stride_ym + n[:, None]
     mask = n_ok[:, None] & m_ok[None, :]
     if not USE_SPLIT:
         if HAS_BIAS:
             acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
     else:
-        finish_split(acc, part_ptr + m[None, :] * N + n[:, None], M * N, y_ptrs, b_ptr + n[:, None] + 0 * m[None, :],
-                     mask, cnt_ptr, pid_n, pid_k, SPLIT_K, HAS_BIAS)
+        finish_split(acc, part_ptr + m.to(tl.int64)[None, :] * N + n[:, None], M * N, y_ptrs,
+                     b_ptr + n[:, None] + 0 * m[None, :], mask, cnt_ptr, pid_m * tl.num_programs(0) + pid_n, pid_k,
+                     SPLIT_K, HAS_BIAS)
 
 
 # ---- the small-row kernel's configs (written by pagedllm.benchmarks.fp8_kernel --tune) ---------
@@ -169,7 +172,8 @@ def _fp8_small_m_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, part_ptr, c
 _config_table = TileTable("fp8_configs.json")
 CONFIG_FILE = _config_table.path
 reload_config_table = _config_table.reload
-M_BUCKETS = ROW_BUCKETS  # the table's row buckets (a row count takes the next bucket up)
+M_BUCKETS = ROW_BUCKETS + (64, 128, 256)  # the table's row buckets (a row count takes the next bucket up)
+MAX_ROWS = M_BUCKETS[-1]  # past it (prefill chunks, mixed steps): torch._scaled_mm
 DEFAULT_SMALL_M_ROWS = 16  # untuned shapes: up to this many rows the small-row kernel, more _scaled_mm
 
 
@@ -186,8 +190,8 @@ def default_config(n: int) -> dict:
 def decode_config(m: int, n: int, k: int) -> dict | None:
     """The small-row kernel's config for ``m`` rows of an [N, K] weight: the table's entry for the
     smallest tuned row bucket holding ``m``, else the default up to ``DEFAULT_SMALL_M_ROWS`` rows.
-    None: ``torch._scaled_mm`` (more than 32 rows, or the table found it faster there)."""
-    if m > M_BUCKETS[-1]:
+    None: ``torch._scaled_mm`` (more than MAX_ROWS rows, or the table found it faster there)."""
+    if m > MAX_ROWS:
         return None
     tuned = _config_table().get(config_key(n, k), {})
     entry = next((tuned[str(b)] for b in M_BUCKETS if b >= m and str(b) in tuned), None)
@@ -201,16 +205,17 @@ def decode_config(m: int, n: int, k: int) -> dict | None:
 def fp8_small_m_linear(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                        bias: torch.Tensor | None, out_dtype: torch.dtype, *, block_n: int | None = None,
                        block_k: int = 256, split_k: int = 1, num_warps: int = 4, num_stages: int = 4,
-                       pdl: bool = False) -> torch.Tensor:
-    """``(xq * x_scale) @ (weight * weight_scale)^T (+ bias)`` for at most 32 rows: fp8 ``xq`` [M, K]
+                       block_m: int | None = None, pdl: bool = False) -> torch.Tensor:
+    """``(xq * x_scale) @ (weight * weight_scale)^T (+ bias)`` for at most MAX_ROWS rows: fp8 ``xq`` [M, K]
     with float32 per-row scales [M, 1], fp8 ``weight`` [N, K] with float32 per-channel scales [N];
     K split ``split_k`` ways (rounded to whole tiles). ``block_n`` by default: the widest tile
-    giving about two programs per SM of an H100 (untuned). ``pdl``: launched while the kernel
-    before it (the activations' quantize launch) runs."""
+    giving about two programs per SM of an H100 (untuned). ``block_m``: rows per program (by
+    default 16 or 32, all rows up to 32; more rows take tiles of 64). ``pdl``: launched while the
+    kernel before it (the activations' quantize launch) runs."""
     m, k = xq.shape
     n = weight.shape[0]
     block_n = block_n or default_config(n)["BLOCK_N"]
-    if m > 32 or weight.shape[1] != k or x_scale.numel() != m or weight_scale.numel() != n or xq.stride(-1) != 1:
+    if m > MAX_ROWS or weight.shape[1] != k or x_scale.numel() != m or weight_scale.numel() != n or xq.stride(-1) != 1:
         raise ValueError(f"fp8_small_m_linear: xq {tuple(xq.shape)}, x_scale {tuple(x_scale.shape)}, weight "
                          f"{tuple(weight.shape)}, weight_scale {tuple(weight_scale.shape)}")
     y = torch.empty(m, n, dtype=out_dtype, device=xq.device)
@@ -218,13 +223,16 @@ def fp8_small_m_linear(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Te
         return y
     per_split, split = split_for(triton.cdiv(k, block_k), split_k)
     n_tiles = triton.cdiv(n, block_n)
+    block_m = block_m or (16 if m <= 16 else 32 if m <= 32 else 64)
+    m_tiles = triton.cdiv(m, block_m)
     if split > 1:
-        part, cnt = torch.empty(split, m, n, dtype=torch.float32, device=xq.device), counters(xq.device, n_tiles)
+        part = torch.empty(split, m, n, dtype=torch.float32, device=xq.device)
+        cnt = counters(xq.device, n_tiles * m_tiles)
     else:
         part = cnt = y
-    _fp8_small_m_kernel[(n_tiles, split)](
+    _fp8_small_m_kernel[(n_tiles, split, m_tiles)](
         xq, x_scale.reshape(m).contiguous(), weight, weight_scale, bias if bias is not None else y, y, part, cnt,
         m, n, k, xq.stride(0), weight.stride(0), y.stride(0), per_split, split, HAS_BIAS=bias is not None,
-        BLOCK_M=16 if m <= 16 else 32, BLOCK_N=block_n, BLOCK_K=block_k, USE_SPLIT=split > 1, num_warps=num_warps,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, USE_SPLIT=split > 1, num_warps=num_warps,
         num_stages=num_stages, **launch_args(pdl))
     return y

@@ -105,12 +105,15 @@ def quantize_activations(x: torch.Tensor, act_scheme: str, input_scale: torch.Te
 
 
 def _small_row_config(x: torch.Tensor, weight: torch.Tensor, decode: dict | bool | None) -> dict | None:
-    """Decode batches (up to 32 rows) on fp8 tensor cores: the Triton small-row kernel's config
+    """Decode batches (up to ``triton_fp8.MAX_ROWS`` rows) on fp8 tensor cores: the Triton small-row kernel's config
     (``decode`` a config of its own; None: ``triton_fp8``'s tuning table, which may name
     ``torch._scaled_mm`` instead; False: never), or None."""
-    if decode is False or x.shape[0] > 32 or not _fp8_mma(x) or not _triton_ok(x):
+    if decode is False or not _fp8_mma(x) or not _triton_ok(x):
         return None
     from pagedllm.ops import triton_fp8
+
+    if x.shape[0] > triton_fp8.MAX_ROWS:
+        return None
 
     return dict(decode) if isinstance(decode, dict) else triton_fp8.decode_config(x.shape[0], *weight.shape)
 
@@ -136,12 +139,14 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         return fp8_small_m_linear(xq, x_scale, weight, weight_scale, bias, x.dtype, block_n=config["BLOCK_N"],
                                   block_k=config["BLOCK_K"], split_k=config["SPLIT_K"],
                                   num_warps=config["num_warps"], num_stages=config["num_stages"],
-                                  pdl=decode_pdl(x.device))
+                                  block_m=config.get("BLOCK_M"), pdl=decode_pdl(x.device))
     if _scaled_mm_ok(x, weight):
-        # Row-wise scaled fp8 GEMM (fp32 accumulation, both scales applied in its epilogue); the
-        # row-wise variant writes bfloat16.
+        # Row-wise scaled fp8 GEMM (both scales applied in its epilogue; the row-wise variant writes
+        # bfloat16). Fast accumulation (Hopper's fp8 tensor-core sums, not promoted to fp32 every few
+        # K steps, as vLLM's CUTLASS kernels run): 5-12% faster on H200 from 512 rows, relative error
+        # 2.1e-3 against 1.7e-3 of the exact products (fp8 rounding itself: ~3e-2).
         y = torch._scaled_mm(xq, weight.t(), scale_a=x_scale.contiguous(), scale_b=weight_scale.view(1, -1),
-                             out_dtype=torch.bfloat16)
+                             out_dtype=torch.bfloat16, use_fast_accum=True)
         y = y.to(x.dtype)
     elif x.is_cuda:  # no fp8 tensor cores: the same products from dequantized operands
         y = F.linear(xq.to(x.dtype) * x_scale.to(x.dtype), weight.to(x.dtype) * weight_scale[:, None].to(x.dtype))
