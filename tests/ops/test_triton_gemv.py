@@ -24,6 +24,7 @@ def _rel(a, b):
     (8, 130, 512, 64, "dot", False),
     (16, 64, 128, 32, "dot", True),
     (29, 80, 256, 16, "dot", False),
+    (70, 96, 128, 32, "dot", True),  # two row tiles of 64, the last partial
 ])
 def test_small_m_linear_matches_linear(triton_gemv, dtype, m, n, k, block_n, kernel, bias):
     g = torch.Generator().manual_seed(m * 1000 + n)
@@ -42,7 +43,7 @@ def test_small_m_linear_matches_linear(triton_gemv, dtype, m, n, k, block_n, ker
 def test_block_k_choice_and_refusals(triton_gemv):
     assert triton_gemv.block_k_for(14336) == 512 and triton_gemv.block_k_for(896) == 128
     assert triton_gemv.block_k_for(100) is None
-    x = torch.zeros(33, 128, dtype=torch.bfloat16, device=DEVICE)
+    x = torch.zeros(triton_gemv.MAX_ROWS + 1, 128, dtype=torch.bfloat16, device=DEVICE)
     with pytest.raises(ValueError, match="small_m_linear"):
         triton_gemv.small_m_linear(x, torch.zeros(8, 128, dtype=torch.bfloat16, device=DEVICE))
     with pytest.raises(ValueError, match="multiple of 64"):
@@ -55,6 +56,7 @@ def test_block_k_choice_and_refusals(triton_gemv):
     (29, 80, 320, 64, 3, True),  # 5 tiles: splits of 2, 2, 1
     (1, 70, 256, 64, 4, True),  # one row in the dot kernel, a tile per split
     (16, 64, 192, 64, 8, False),  # more splits asked than tiles: one tile each
+    (100, 80, 256, 64, 2, True),  # two row tiles of 64: each (row tile, column tile) counts apart
 ])
 def test_split_k_equals_the_unsplit_kernel(triton_gemv, dtype, m, n, k, block_k, split_k, bias):
     """K split across programs: the partials meet in the last program of each column tile, which
@@ -81,18 +83,21 @@ def _spy(monkeypatch, triton_ops):
 
 def test_linear_takes_the_tuned_table_entry_of_the_rows_bucket(triton_ops, triton_gemv, monkeypatch):
     """A tuned (N, K): each row count takes the smallest tuned bucket holding it; "cublas" sends the
-    rows to F.linear; a shape the table lacks keeps the default rule."""
+    rows to F.linear; row tiles past 32 rows where the table has them; a shape the table lacks keeps
+    the default rule."""
     n, k = 96, 256
     split = dict(kernel="dot", block_n=32, block_k=64, split_k=2, num_warps=4, num_stages=3)
-    table = {triton_gemv.config_key(n, k): {"4": {**split, "us": 1.0}, "32": {"kernel": "cublas", "us": 1.0}}}
+    tiles = dict(kernel="dot", block_m=64, block_n=32, block_k=64, split_k=1, num_warps=4, num_stages=3)
+    table = {triton_gemv.config_key(n, k): {"4": {**split, "us": 1.0}, "32": {"kernel": "cublas", "us": 1.0},
+                                            "128": {**tiles, "us": 1.0}}}
     monkeypatch.setattr(triton_gemv, "_config_table", lambda: table)
     calls = _spy(monkeypatch, triton_ops)
     w = (torch.randn(n, k) / k ** 0.5).to(DEVICE, torch.bfloat16)
-    for m, expected in [(1, split), (3, split), (4, split), (5, None), (32, None)]:
+    for m, expected in [(1, split), (3, split), (4, split), (5, None), (32, None), (100, tiles), (129, None)]:
         calls.clear()
         x = torch.randn(m, k).to(DEVICE, torch.bfloat16)
         assert _rel(triton_ops.linear(x, w), x.double() @ w.double().T) < TOL[torch.bfloat16]
-        assert [{key: c[key] for key in split} for c in calls] == ([expected] if expected else [])
+        assert [{key: c[key] for key in expected} for c in calls] == ([expected] if expected else [])
     assert triton_gemv.decode_config(2, n, 128) == triton_gemv.default_config(2, n, 128)
 
 
@@ -133,7 +138,7 @@ def test_tuner_writes_the_table_that_linear_dispatches_from(triton_gemv, triton_
     assert [(r["projection"], r["n"], r["k"], r["rows"], r["candidates"]) for r in rows] == [
         ("qkv", 512, 256, 1, 3), ("qkv", 512, 256, 4, 2), ("o", 256, 256, 1, 3), ("o", 256, 256, 4, 2)]
     table = json.loads(path.read_text())
-    assert set(table) == {"_doc", "N=512,K=256", "N=256,K=256"}
+    assert set(table) == {"_doc", "_tuned_on", "N=512,K=256", "N=256,K=256"} and table["_tuned_on"] == {"1,4": "cpu"}
     monkeypatch.setattr(triton_gemv, "_config_table", TileTable(str(path)))
     spied = _spy(monkeypatch, triton_ops)
     for (n, k), m in [((512, 256), 1), ((256, 256), 3)]:

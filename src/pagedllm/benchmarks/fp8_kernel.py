@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
-import os
 
 from pagedllm.benchmarks.common import SHAPES, emit, int_list, print_table
 from pagedllm.benchmarks.quant_kernel import _graph_ms, projections
@@ -57,20 +55,16 @@ def tune(args) -> dict:
 
     from pagedllm.model.quantization.fp8 import fp8_linear
     from pagedllm.ops import triton_fp8
-    from pagedllm.ops.tile_tables import read_table, write_table
+    from pagedllm.ops.tile_tables import note_tuned_on, read_table, write_table
 
     gpu = torch.cuda.get_device_name(0)
     # The rows tuned now replace their buckets' entries; the other buckets' stay.
     path = args.config_out or triton_fp8.CONFIG_FILE
     table: dict = read_table(path)
-    tuned_on: dict = {}
-    if os.path.isfile(path):
-        with open(path) as f:
-            tuned_on = json.load(f).get("_tuned_on", {})
     table["_doc"] = (f"FP8 W8A8 small-row configs by N,K and row bucket: pagedllm.benchmarks.fp8_kernel --tune "
                      f"({args.shape}); {{'kernel': 'scaled_mm'}}: torch._scaled_mm was faster; shapes it lacks take "
                      f"triton_fp8.default_config up to 16 rows; _tuned_on: the GPU each run's rows were tuned on")
-    table["_tuned_on"] = {**tuned_on, ",".join(map(str, args.rows)): gpu}
+    note_tuned_on(path, table, args.rows, gpu)
     for name, (n, k) in projections(SHAPES[args.shape]).items():
         copies = max(2, -(-(256 << 20) // (n * k)))
         weights = _weights(n, k, copies, "cuda")

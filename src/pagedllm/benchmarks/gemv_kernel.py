@@ -19,11 +19,18 @@ from pagedllm.benchmarks.quant_kernel import _graph_ms, projections
 
 GRID = {"block_n": (32, 64, 128), "block_k": (128, 256, 512), "stages": ((4, 3), (4, 4)), "split_k": (1, 2, 3, 4)}
 GEMV_GRID = {"block_n": (4, 8, 16), "stages": ((4, 2), (4, 3))}  # the one-row kernel: K in tiles of up to 512
+# Past 32 rows (row tiles of 64 or 128; stop 52): the weight's tile and the rows' share shared memory.
+ROW_TILE_GRID = {"block_m": (64, 128), "block_n": (64, 128), "block_k": (64, 128), "stages": ((4, 3), (4, 4), (8, 3)),
+                 "split_k": (1, 2, 4)}
 
 
 def candidates(m: int, k: int) -> list[dict]:
     from pagedllm.ops.triton_gemv import block_k_for
 
+    if m > 32:
+        return [dict(kernel="dot", block_m=bm, block_n=bn, block_k=bk, split_k=split, num_warps=w, num_stages=st)
+                for bm, bn, bk, (w, st), split in itertools.product(*ROW_TILE_GRID.values())
+                if k % bk == 0 and bm <= max(64, m)]
     dots = [dict(kernel="dot", block_n=bn, block_k=bk, split_k=split, num_warps=w, num_stages=st)
             for bn, bk, (w, st), split in itertools.product(*GRID.values()) if k % bk == 0]
     if m > 1 or block_k_for(k, 512) is None:
@@ -129,7 +136,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from pagedllm.benchmarks.latency import copy_bandwidth_bytes_per_s
     from pagedllm.ops import triton_gemv
-    from pagedllm.ops.tile_tables import read_table, write_table
+    from pagedllm.ops.tile_tables import note_tuned_on, read_table, write_table
 
     args.device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: Triton's interpreter (smoke runs)
     args.bandwidth = copy_bandwidth_bytes_per_s(args.device, 1024 << 20 if args.device == "cuda" else 64 << 20)
@@ -138,9 +145,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.tune:
         path = args.config_out or triton_gemv.CONFIG_FILE
         gpu = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
-        table = {"_doc": f"bf16/fp16 small-row configs by N,K and row bucket: pagedllm.benchmarks.gemv_kernel "
-                         f"--tune on {gpu}; {{'kernel': 'cublas'}}: cuBLAS was faster; shapes it lacks take "
-                         f"triton_gemv.default_config", **read_table(path)}
+        table = {"_doc": "bf16/fp16 small-row configs by N,K and row bucket: pagedllm.benchmarks.gemv_kernel "
+                         "--tune; {'kernel': 'cublas'}: cuBLAS was faster; shapes it lacks take "
+                         "triton_gemv.default_config; _tuned_on: the GPU each run's rows were tuned on",
+                 **read_table(path)}
+        note_tuned_on(path, table, args.rows, gpu)
         for name, (n, k) in projs.items():
             rows += tune_projection(name, n, k, args.rows, args, table)
             write_table(path, table)  # after each projection: a later crash keeps these

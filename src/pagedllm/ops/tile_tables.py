@@ -8,6 +8,8 @@ import os
 # The decode tables' row buckets (the small-row GEMMs: 16-bit, fp8, int4): a row count takes the next up.
 # Here, beside the tables, so start-up's warm-up can read them without importing Triton.
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32)
+# The 16-bit and fp8 decode GEMMs' buckets: past 32 rows in row tiles, where the table says they win.
+DECODE_ROW_BUCKETS = ROW_BUCKETS + (64, 128, 256)
 
 
 class TileTable:
@@ -42,3 +44,14 @@ def write_table(path: str, table: dict) -> None:
         json.dump(table, f, indent=1, sort_keys=True)
         f.write("\n")
     print(f"# wrote {os.path.abspath(path)}", flush=True)
+
+
+def note_tuned_on(path: str, table: dict, rows: list[int], gpu: str) -> None:
+    """Records in ``table``'s ``_tuned_on`` note (kept from the file at ``path``) that ``gpu`` tuned
+    ``rows``: a --tune run replaces only its row buckets, so the table's buckets may come from
+    different GPUs."""
+    tuned_on: dict = {}
+    if os.path.isfile(path):
+        with open(path) as f:
+            tuned_on = json.load(f).get("_tuned_on", {})
+    table["_tuned_on"] = {**tuned_on, ",".join(map(str, rows)): gpu}

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.ops.tile_tables import ROW_BUCKETS, TileTable
+from pagedllm.ops.tile_tables import DECODE_ROW_BUCKETS, TileTable
 from pagedllm.ops.triton_pdl import launch_args, pdl_enter
 from pagedllm.ops.triton_splitk import counters, finish_split, split_for
 
@@ -172,7 +172,7 @@ def _fp8_small_m_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, part_ptr, c
 _config_table = TileTable("fp8_configs.json")
 CONFIG_FILE = _config_table.path
 reload_config_table = _config_table.reload
-M_BUCKETS = ROW_BUCKETS + (64, 128, 256)  # the table's row buckets (a row count takes the next bucket up)
+M_BUCKETS = DECODE_ROW_BUCKETS  # the table's row buckets (a row count takes the next bucket up)
 MAX_ROWS = M_BUCKETS[-1]  # past it (prefill chunks, mixed steps): torch._scaled_mm
 DEFAULT_SMALL_M_ROWS = 16  # untuned shapes: up to this many rows the small-row kernel, more _scaled_mm
 

@@ -1,4 +1,4 @@
-"""Triton GEMM for a handful of rows (decode batches of 1 to 32 tokens): ``y = x @ W.T (+ b)``.
+"""Triton GEMM for decode batches (1 to 256 tokens): ``y = x @ W.T (+ b)``.
 
 At batch 1 a projection reads its whole weight to make one row, so it can only be as fast as
 memory; cuBLAS's heuristics tile such shapes by 64 output features, which for a 4096 x 4096
@@ -6,7 +6,8 @@ projection leaves 64 programs for 132 SMs (llama3-8b's o_proj ran at 54% of copy
 on an H100), and split the long-K ones with a separate reduction kernel. Here every program
 owns ``BLOCK_N`` output features for all rows and walks K once, so a projection becomes
 ``N / BLOCK_N`` programs (hundreds) and one launch. The rows ride along in a tensor-core dot
-padded to 16 (or 32), so 1 to 16 rows cost the same weight read.
+padded to 16 (or 32), so 1 to 16 rows cost the same weight read. Past 32 rows they come in row
+tiles of 64 or 128 (a third grid axis), where the tuned table finds that faster than cuBLAS.
 
 With LoRA adapters in the step (``lora``: a ``triton_lora.LoRADelta``, its shrink done), each
 program also adds its features' ``t[m] @ B[slot(m)]^T`` before its one store: the expand costs
@@ -18,12 +19,12 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.ops.tile_tables import ROW_BUCKETS, TileTable
+from pagedllm.ops.tile_tables import DECODE_ROW_BUCKETS, TileTable
 from pagedllm.ops.triton_lora import block_r_for, partial_sums
 from pagedllm.ops.triton_pdl import decode_pdl, gdc_wait, launch_early, pdl_enter
 from pagedllm.ops.triton_splitk import counters, finish_split, split_for
 
-MAX_ROWS = 32  # the dot's padded row count at most
+MAX_ROWS = 256  # rows a launch takes at most (past 32: row tiles); more go to cuBLAS
 
 
 @triton.jit(do_not_specialize=["M", "K_TILES_PER_SPLIT", "SPLIT_K"])
@@ -33,20 +34,20 @@ def _small_m_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_
                          HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr, HAS_LORA: tl.constexpr, SPLIT: tl.constexpr,
                          BLOCK_R: tl.constexpr, PDL: tl.constexpr, ENTER: tl.constexpr, USE_SPLIT: tl.constexpr):
-    """Program (pid_n, pid_k) owns BLOCK_N output features for all rows and walks the ``pid_k``-th
-    slice of K (``K_TILES_PER_SPLIT`` tiles; all of K without the split). USE_SPLIT (never with
-    LoRA): the partials meet in ``triton_splitk.finish_split``."""
+    """Program (pid_n, pid_k, pid_m) owns BLOCK_N output features of the ``pid_m``-th BLOCK_M rows
+    and walks the ``pid_k``-th slice of K (``K_TILES_PER_SPLIT`` tiles; all of K without the
+    split). USE_SPLIT (never with LoRA): the partials meet in ``triton_splitk.finish_split``."""
     pdl_enter(ENTER)
     pid_k = tl.program_id(1)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    m = tl.arange(0, BLOCK_M)
+    m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
     kk = tl.arange(0, BLOCK_K)
     n_ok = n < N
     m_ok = m < M
     k_lo = pid_k * K_TILES_PER_SPLIT * BLOCK_K
     k_hi = tl.minimum(k_lo + K_TILES_PER_SPLIT * BLOCK_K, K)
     w_ptrs = w_ptr + n.to(tl.int64)[:, None] * stride_wn + (k_lo + kk)[None, :]
-    x_ptrs = x_ptr + m[None, :] * stride_xm + (k_lo + kk)[:, None]
+    x_ptrs = x_ptr + m.to(tl.int64)[None, :] * stride_xm + (k_lo + kk)[:, None]
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for _ in range(k_lo, k_hi, BLOCK_K):  # K % BLOCK_K == 0 (the wrapper checks)
         w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
@@ -55,9 +56,11 @@ def _small_m_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     if USE_SPLIT:
-        finish_split(acc, part_ptr + m[None, :] * N + n[:, None], M * N, y_ptr + m[None, :] * stride_ym + n[:, None],
-                     b_ptr + n[:, None] + 0 * m[None, :], n_ok[:, None] & m_ok[None, :], cnt_ptr, tl.program_id(0),
-                     pid_k, SPLIT_K, HAS_BIAS)
+        m64 = m.to(tl.int64)
+        tile = tl.program_id(2) * tl.num_programs(0) + tl.program_id(0)  # this (row tile, column tile)'s counter
+        finish_split(acc, part_ptr + m64[None, :] * N + n[:, None], M * N,
+                     y_ptr + m64[None, :] * stride_ym + n[:, None], b_ptr + n[:, None] + 0 * m[None, :],
+                     n_ok[:, None] & m_ok[None, :], cnt_ptr, tile, pid_k, SPLIT_K, HAS_BIAS)
     else:
         if HAS_BIAS:
             acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
@@ -76,7 +79,7 @@ def _small_m_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_
                         bw = tl.load(lb_ptr + slot * stride_lbs + n.to(tl.int64)[:, None] * stride_lbn + r[None, :],
                                      mask=n_ok[:, None] & r_ok[None, :], other=0.0)
                         acc = tl.dot(bw.to(w_ptr.dtype.element_ty), tl.trans(tl.where(sel[:, None], t, 0.0)), acc)
-        tl.store(y_ptr + m[None, :] * stride_ym + n[:, None], acc.to(y_ptr.dtype.element_ty),
+        tl.store(y_ptr + m.to(tl.int64)[None, :] * stride_ym + n[:, None], acc.to(y_ptr.dtype.element_ty),
                  mask=n_ok[:, None] & m_ok[None, :])
 
 
@@ -136,7 +139,7 @@ def block_k_for(k: int, largest: int = 512) -> int | None:
 _config_table = TileTable("gemv_configs.json")
 CONFIG_FILE = _config_table.path
 reload_config_table = _config_table.reload
-M_BUCKETS = ROW_BUCKETS  # the table's row buckets (a row count takes the next tuned bucket up)
+M_BUCKETS = DECODE_ROW_BUCKETS  # the table's row buckets (a row count takes the next tuned bucket up)
 
 
 def config_key(n: int, k: int) -> str:
@@ -147,9 +150,10 @@ def default_config(m: int, n: int, k: int) -> dict | None:
     """Untuned shapes (``scripts/bench_gemv.py``, H100, graph-timed): one row always takes the
     one-row kernel (llama3-8b's projections 4-16% faster than cuBLAS, the LM head 372 -> 338 us);
     2-16 rows the dot kernel for weights of 4M elements and up (2-14% faster; smaller ones lose);
-    17-32 rows for 20M and up (2-7% faster). None: cuBLAS."""
+    17-32 rows for 20M and up (2-7% faster). None: cuBLAS (past 32 rows always: row tiles only
+    where the table found them faster)."""
     block_k = block_k_for(k)
-    if block_k is None:
+    if block_k is None or m > 32:
         return None
     if m == 1:
         return dict(kernel="gemv", block_n=8, block_k=block_k, split_k=1, num_warps=4, num_stages=3)
@@ -159,7 +163,7 @@ def default_config(m: int, n: int, k: int) -> dict | None:
 
 
 def decode_config(m: int, n: int, k: int) -> dict | None:
-    """``small_m_linear``'s keyword arguments for ``m`` rows (1..32) of an [N, K] weight: the tuned
+    """``small_m_linear``'s keyword arguments for ``m`` rows (1..MAX_ROWS) of an [N, K] weight: the tuned
     table's entry for the smallest tuned row bucket holding ``m``, else ``default_config``. None:
     cuBLAS (the table found it faster, or the shape does not fit the kernels)."""
     tuned = _config_table().get(config_key(n, k))  # called per projection per eager step: untuned is cheap
@@ -173,10 +177,12 @@ def decode_config(m: int, n: int, k: int) -> dict | None:
 
 def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                    block_n: int = 32, block_k: int | None = None, num_warps: int = 4, num_stages: int = 4,
-                   kernel: str = "dot", split_k: int = 1, lora=None) -> torch.Tensor:
-    """``F.linear`` for 2-D ``x`` of at most 32 rows, half precision, K divisible by 64; plus the
+                   kernel: str = "dot", split_k: int = 1, block_m: int | None = None, lora=None) -> torch.Tensor:
+    """``F.linear`` for 2-D ``x`` of at most MAX_ROWS rows, half precision, K divisible by 64; plus the
     adapters' delta of ``lora`` (a ``triton_lora.LoRADelta`` with ``token_slots``) if given.
-    ``split_k`` (the dot kernel without ``lora``): K split that many ways, rounded to whole tiles."""
+    ``split_k`` (the dot kernel without ``lora``): K split that many ways, rounded to whole tiles.
+    ``block_m``: the dot kernel's rows per program (by default 16 or 32, all rows up to 32; more
+    rows take tiles of 64)."""
     m, k = x.shape
     n = weight.shape[0]
     if m > MAX_ROWS or weight.shape[1] != k or x.dtype != weight.dtype or x.stride(-1) != 1 \
@@ -209,10 +215,12 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         _gemv_kernel[grid](x, weight, b, y, n, k, weight.stride(0), t, lb, ls, r, ts, lbs, lbn, **common)
     else:
         per_split, split = split_for(k // block_k, split_k if lora is None else 1)
-        part, cnt = (torch.empty(split, m, n, dtype=torch.float32, device=x.device), counters(x.device, grid[0])) \
-            if split > 1 else (y, y)
-        _small_m_gemm_kernel[(grid[0], split)](
+        block_m = block_m or (16 if m <= 16 else 32 if m <= 32 else 64)
+        m_tiles = triton.cdiv(m, block_m)
+        part, cnt = (torch.empty(split, m, n, dtype=torch.float32, device=x.device),
+                     counters(x.device, grid[0] * m_tiles)) if split > 1 else (y, y)
+        _small_m_gemm_kernel[(grid[0], split, m_tiles)](
             x, weight, b, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0), t, lb, ls, r,
             lb.shape[0] if lora is not None else 0, *lora_strides, part, cnt, per_split, split,
-            BLOCK_M=16 if m <= 16 else 32, USE_SPLIT=split > 1, **common)
+            BLOCK_M=block_m, USE_SPLIT=split > 1, **common)
     return y

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from pagedllm.attention.triton_kernels import check_kv_write, store_kv
 from pagedllm.ops.triton_fp8 import FP8_MAX, MIN_SCALE
-from pagedllm.ops.triton_gemv import decode_config, small_m_linear
+from pagedllm.ops.triton_gemv import MAX_ROWS, decode_config, small_m_linear
 from pagedllm.ops.triton_lora import pdl_supported
 from pagedllm.ops.triton_pdl import enter_args, pdl_begin, pdl_enter
 
@@ -337,14 +337,14 @@ def qk_norm_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, lora=None) -> torch.Tensor:
-    """``F.linear``; decode batches of up to 32 rows in half precision go to the small-row kernels
+    """``F.linear``; decode batches of up to ``triton_gemv.MAX_ROWS`` rows in half precision go to the small-row kernels
     where they read the weight faster than cuBLAS does: the tiling (K split or not) and the
     choice against cuBLAS per (N, K, row bucket) come from ``triton_gemv.decode_config`` (the tuned
     table, else the measured default rule). ``lora``: a ``triton_lora.LoRADelta`` whose expand is
     added, in the small-row kernel's epilogue where one runs, else by its own launch."""
     m = x.shape[0]
     config = None
-    if x.dim() == 2 and 1 <= m <= 32 and x.dtype != torch.float32 and x.dtype == weight.dtype \
+    if x.dim() == 2 and 1 <= m <= MAX_ROWS and x.dtype != torch.float32 and x.dtype == weight.dtype \
             and x.stride(-1) == 1 and weight.is_contiguous():
         config = decode_config(m, weight.shape[0], x.shape[1])
     fuse = config is not None and lora is not None and lora.token_slots is not None and lora.b.dtype == weight.dtype

@@ -19,7 +19,7 @@ from torch import nn
 
 from pagedllm.attention.backend import AttentionMetadata
 from pagedllm.model.moe import FusedMoE
-from pagedllm.ops.tile_tables import ROW_BUCKETS
+from pagedllm.ops.tile_tables import DECODE_ROW_BUCKETS
 from pagedllm.sample.sampler import SamplingMetadata
 from pagedllm.worker.device_buffers import DeviceBuffers
 from pagedllm.worker.piecewise_graphs import PiecewiseGraphs, capture_sets
@@ -278,7 +278,7 @@ def warm_up_kernels(runner) -> None:
                                                 all_greedy=False, all_random=False))
         # The LM head runs outside the decode graphs, on as many rows as sample: its small-row
         # GEMM takes a tiling per row bucket (the tuned table's), each its own kernel variant.
-        for rows in sorted({min(bucket, runner.max_num_reqs) for bucket in ROW_BUCKETS}):
+        for rows in sorted({min(bucket, runner.max_num_reqs) for bucket in DECODE_ROW_BUCKETS}):
             model.compute_logits(torch.zeros(rows, hidden.shape[-1], dtype=hidden.dtype, device=dev))
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
