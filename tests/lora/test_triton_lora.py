@@ -88,10 +88,11 @@ def test_padding_tiles_of_slot_minus_one_change_nothing(triton_lora):
 
 
 @pytest.mark.parametrize("m, kernel, split", [(1, "gemv", 1), (1, "gemv", 4), (6, "dot", 2), (20, "dot", 1),
-                                             (6, "linear", 2), (1, "linear_fp32_adapter", 4)])
+                                             (70, "dot", 2), (6, "linear", 2), (1, "linear_fp32_adapter", 4)])
 def test_small_row_gemm_adds_the_expand_in_its_epilogue(triton_lora, triton_gemv, triton_ops, m, kernel, split):
     """A decode step's expand fused into the small-row GEMM: the rows of each adapter get their
-    own delta, base-model rows exactly the plain GEMM's; rank 40 spans two rank blocks."""
+    own delta, base-model rows exactly the plain GEMM's; rank 40 spans two rank blocks; 70 rows in
+    row tiles of 64 (each tile's rows their own slots)."""
     g = torch.Generator().manual_seed(m + split)
     k, n, r, dtype = 512, 96, 40, torch.bfloat16
     x = torch.randn(m, k, generator=g).to(DEVICE, dtype)

@@ -138,7 +138,8 @@ def test_tuner_writes_the_table_that_linear_dispatches_from(triton_gemv, triton_
     assert [(r["projection"], r["n"], r["k"], r["rows"], r["candidates"]) for r in rows] == [
         ("qkv", 512, 256, 1, 3), ("qkv", 512, 256, 4, 2), ("o", 256, 256, 1, 3), ("o", 256, 256, 4, 2)]
     table = json.loads(path.read_text())
-    assert set(table) == {"_doc", "_tuned_on", "N=512,K=256", "N=256,K=256"} and table["_tuned_on"] == {"1,4": "cpu"}
+    gpu = torch.cuda.get_device_name(0) if DEVICE == "cuda" else "cpu"
+    assert set(table) == {"_doc", "_tuned_on", "N=512,K=256", "N=256,K=256"} and table["_tuned_on"] == {"1,4": gpu}
     monkeypatch.setattr(triton_gemv, "_config_table", TileTable(str(path)))
     spied = _spy(monkeypatch, triton_ops)
     for (n, k), m in [((512, 256), 1), ((256, 256), 3)]:
