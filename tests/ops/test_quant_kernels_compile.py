@@ -71,10 +71,13 @@ compile_("fp8 small-row", triton_fp8._fp8_small_m_kernel, small,
          {"HAS_BIAS": True, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "USE_SPLIT": False, "PDL": False})
 compile_("fp8 small-row, K split, launched early", triton_fp8._fp8_small_m_kernel, small,
          {"HAS_BIAS": True, "BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 512, "USE_SPLIT": True, "PDL": True}, num_warps=8)
+compile_("fp8 small-row, row tiles of 128, K split", triton_fp8._fp8_small_m_kernel, small,
+         {"HAS_BIAS": False, "BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 256, "USE_SPLIT": True, "PDL": True},
+         options={"num_stages": 4})
 """
 
 
 def test_quantization_kernels_compile_for_sm90(tmp_path):
     results = compile_for_sm90(_BODY, tmp_path)
-    assert len(results) == 20
+    assert len(results) == 21
     assert {name: ok for name, ok in results.items() if ok is not True} == {}

@@ -7,9 +7,11 @@ with ``a`` fp8 [M, K] quantized per row and ``block_k`` columns (scales ``a_s`` 
 Each K step is one tile of both: an fp8 tensor-core dot accumulated in fp32, times the row's and
 the column block's scales (the scales are constant over the step since BLOCK_K == bk).
 
-And the small-row W8A8 kernel decode batches (1 to 32 rows) take: every program streams its
-output features' fp8 weight once (K split or not), tilings per (N, K, row bucket) from
-``fp8_configs.json``, which ``pagedllm.benchmarks.fp8_kernel --tune`` writes on the GPU.
+And the small-row W8A8 kernel decode batches (1 to 32 rows; to 256 in row tiles of 64 or 128
+where the table has them) take: every program streams its output features' fp8 weight once for
+its rows (K split or not), tilings per (N, K, row bucket) from ``fp8_configs.json``, which
+``pagedllm.benchmarks.fp8_kernel --tune`` writes on the GPU (cuBLAS's row-wise fp8 GEMM tiles
+128 x 128 without splitting K, so at 64-256 rows few programs stream the weight).
 """
 from __future__ import annotations
 

@@ -105,16 +105,15 @@ def quantize_activations(x: torch.Tensor, act_scheme: str, input_scale: torch.Te
 
 
 def _small_row_config(x: torch.Tensor, weight: torch.Tensor, decode: dict | bool | None) -> dict | None:
-    """Decode batches (up to ``triton_fp8.MAX_ROWS`` rows) on fp8 tensor cores: the Triton small-row kernel's config
-    (``decode`` a config of its own; None: ``triton_fp8``'s tuning table, which may name
-    ``torch._scaled_mm`` instead; False: never), or None."""
+    """Decode batches (up to ``triton_fp8.MAX_ROWS`` rows) on fp8 tensor cores: the Triton small-row
+    kernel's config (``decode`` a config of its own; None: ``triton_fp8``'s tuning table, which may
+    name ``torch._scaled_mm`` instead; False: never), or None."""
     if decode is False or not _fp8_mma(x) or not _triton_ok(x):
         return None
     from pagedllm.ops import triton_fp8
 
     if x.shape[0] > triton_fp8.MAX_ROWS:
         return None
-
     return dict(decode) if isinstance(decode, dict) else triton_fp8.decode_config(x.shape[0], *weight.shape)
 
 
