@@ -10,6 +10,13 @@ import os
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32)
 # The 16-bit and fp8 decode GEMMs' buckets: past 32 rows in row tiles, where the table says they win.
 DECODE_ROW_BUCKETS = ROW_BUCKETS + (64, 128, 256)
+DECODE_MAX_ROWS = DECODE_ROW_BUCKETS[-1]  # rows a 16-bit or fp8 small-row launch takes at most
+
+
+def default_block_m(m: int) -> int:
+    """The 16-bit and fp8 small-row kernels' rows per program for ``m`` rows: all of them, padded to
+    16 or 32, up to 32; past that row tiles of 64."""
+    return 16 if m <= 16 else 32 if m <= 32 else 64
 
 
 class TileTable:

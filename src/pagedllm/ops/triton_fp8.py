@@ -19,9 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.ops.tile_tables import DECODE_ROW_BUCKETS, TileTable
+from pagedllm.ops.tile_tables import DECODE_MAX_ROWS, DECODE_ROW_BUCKETS, TileTable, default_block_m
 from pagedllm.ops.triton_pdl import launch_args, pdl_enter
-from pagedllm.ops.triton_splitk import counters, finish_split, split_for
+from pagedllm.ops.triton_splitk import counters, finish_split, split_for, tile_counter
 
 # Kernels read globals only as constexprs: the e4m3 maximum, and the smallest dynamic scale (as
 # pagedllm.model.quantization.fp8: an all-zero row divides by this).
@@ -165,8 +165,7 @@ def _fp8_small_m_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, part_ptr, c
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
     else:
         finish_split(acc, part_ptr + m.to(tl.int64)[None, :] * N + n[:, None], M * N, y_ptrs,
-                     b_ptr + n[:, None] + 0 * m[None, :], mask, cnt_ptr, pid_m * tl.num_programs(0) + pid_n, pid_k,
-                     SPLIT_K, HAS_BIAS)
+                     b_ptr + n[:, None] + 0 * m[None, :], mask, cnt_ptr, tile_counter(), pid_k, SPLIT_K, HAS_BIAS)
 
 
 # ---- the small-row kernel's configs (written by pagedllm.benchmarks.fp8_kernel --tune) ---------
@@ -175,7 +174,7 @@ _config_table = TileTable("fp8_configs.json")
 CONFIG_FILE = _config_table.path
 reload_config_table = _config_table.reload
 M_BUCKETS = DECODE_ROW_BUCKETS  # the table's row buckets (a row count takes the next bucket up)
-MAX_ROWS = M_BUCKETS[-1]  # past it (prefill chunks, mixed steps): torch._scaled_mm
+MAX_ROWS = DECODE_MAX_ROWS  # past it (prefill chunks, mixed steps): torch._scaled_mm
 DEFAULT_SMALL_M_ROWS = 16  # untuned shapes: up to this many rows the small-row kernel, more _scaled_mm
 
 
@@ -225,7 +224,7 @@ def fp8_small_m_linear(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Te
         return y
     per_split, split = split_for(triton.cdiv(k, block_k), split_k)
     n_tiles = triton.cdiv(n, block_n)
-    block_m = block_m or (16 if m <= 16 else 32 if m <= 32 else 64)
+    block_m = block_m or default_block_m(m)
     m_tiles = triton.cdiv(m, block_m)
     if split > 1:
         part = torch.empty(split, m, n, dtype=torch.float32, device=xq.device)

@@ -19,12 +19,12 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.ops.tile_tables import DECODE_ROW_BUCKETS, TileTable
+from pagedllm.ops.tile_tables import DECODE_MAX_ROWS, DECODE_ROW_BUCKETS, TileTable, default_block_m
 from pagedllm.ops.triton_lora import block_r_for, partial_sums
 from pagedllm.ops.triton_pdl import decode_pdl, gdc_wait, launch_early, pdl_enter
-from pagedllm.ops.triton_splitk import counters, finish_split, split_for
+from pagedllm.ops.triton_splitk import counters, finish_split, split_for, tile_counter
 
-MAX_ROWS = 256  # rows a launch takes at most (past 32: row tiles); more go to cuBLAS
+MAX_ROWS = DECODE_MAX_ROWS  # rows a launch takes at most (past 32: row tiles); more go to cuBLAS
 
 
 @triton.jit(do_not_specialize=["M", "K_TILES_PER_SPLIT", "SPLIT_K"])
@@ -57,10 +57,9 @@ def _small_m_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_
         x_ptrs += BLOCK_K
     if USE_SPLIT:
         m64 = m.to(tl.int64)
-        tile = tl.program_id(2) * tl.num_programs(0) + tl.program_id(0)  # this (row tile, column tile)'s counter
         finish_split(acc, part_ptr + m64[None, :] * N + n[:, None], M * N,
                      y_ptr + m64[None, :] * stride_ym + n[:, None], b_ptr + n[:, None] + 0 * m[None, :],
-                     n_ok[:, None] & m_ok[None, :], cnt_ptr, tile, pid_k, SPLIT_K, HAS_BIAS)
+                     n_ok[:, None] & m_ok[None, :], cnt_ptr, tile_counter(), pid_k, SPLIT_K, HAS_BIAS)
     else:
         if HAS_BIAS:
             acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
@@ -215,7 +214,7 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         _gemv_kernel[grid](x, weight, b, y, n, k, weight.stride(0), t, lb, ls, r, ts, lbs, lbn, **common)
     else:
         per_split, split = split_for(k // block_k, split_k if lora is None else 1)
-        block_m = block_m or (16 if m <= 16 else 32 if m <= 32 else 64)
+        block_m = block_m or default_block_m(m)
         m_tiles = triton.cdiv(m, block_m)
         part, cnt = (torch.empty(split, m, n, dtype=torch.float32, device=x.device),
                      counters(x.device, grid[0] * m_tiles)) if split > 1 else (y, y)

@@ -22,7 +22,7 @@ import triton.language as tl
 
 from pagedllm.ops.tile_tables import ROW_BUCKETS, TileTable
 from pagedllm.ops.triton_pdl import enter_args, pdl_enter
-from pagedllm.ops.triton_splitk import counters, finish_split, split_for
+from pagedllm.ops.triton_splitk import counters, finish_split, split_for, tile_counter
 
 SMALL_ROWS = 32  # at most this many rows take the decode tiling
 DEQUANT_ROWS = 1024  # from this many rows on: dequantize once, then cuBLAS
@@ -228,8 +228,7 @@ def _w4a16_splitk_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, cnt_
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
     else:
         finish_split(acc, ws_ptr + m.to(tl.int64)[:, None] * N + n[None, :], M * N, y_ptrs,
-                     b_ptr + n[None, :] + 0 * m[:, None], y_mask, cnt_ptr, pid_m * tl.num_programs(0) + pid_n,
-                     pid_k, SPLIT_K, HAS_BIAS)
+                     b_ptr + n[None, :] + 0 * m[:, None], y_mask, cnt_ptr, tile_counter(), pid_k, SPLIT_K, HAS_BIAS)
 
 
 @triton.jit

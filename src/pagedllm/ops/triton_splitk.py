@@ -22,6 +22,13 @@ def last_to_arrive(cnt_ptr, parts):
 
 
 @triton.jit
+def tile_counter():
+    """The index of this program's (row tile, column tile) counter, for the split-K GEMMs' grid of
+    (column tiles, K splits, row tiles)."""
+    return tl.program_id(2) * tl.num_programs(0) + tl.program_id(0)
+
+
+@triton.jit
 def finish_split(acc, ws_ptrs, split_stride, y_ptrs, b_ptrs, mask, cnt_ptr, tile, pid_k, SPLIT_K,
                  HAS_BIAS: tl.constexpr):
     """``acc``: this program's partial (scales applied); ``ws_ptrs`` / ``y_ptrs`` / ``b_ptrs``:
