@@ -183,6 +183,39 @@ def test_cpu_vs_hf_reports_both_engines_on_the_same_prompts(smollm2_tokenizer_di
                                            abs=0.005)  # reported to 2 decimals
 
 
+def test_cpu_vs_hf_exports_the_weights_vllm_reads(smollm2_tokenizer_dir, tmp_path):
+    """The folder written for the vLLM peer holds the model transformers had in memory: reloaded,
+    the same logits; written once (a second call leaves the file alone)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = build_tiny_model("llama", str(tmp_path / "src"), smollm2_tokenizer_dir, tie_word_embeddings=True)
+    model = cpu_vs_hf._load_hf(source, "float32")
+    tok = AutoTokenizer.from_pretrained(source)
+    out = cpu_vs_hf.export_hf_folder(model, tok, str(tmp_path / "export"))
+    weights = tmp_path / "export" / "model.safetensors"
+    stamp = weights.stat().st_mtime_ns
+    again = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert again.config.architectures == ["LlamaForCausalLM"]
+    ids = torch.tensor([tok.encode("Write a short story about item 3")])
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, model(ids).logits)
+    assert AutoTokenizer.from_pretrained(out).encode("item 3") == tok.encode("item 3")
+    assert cpu_vs_hf.export_hf_folder(model, tok, out) == out and weights.stat().st_mtime_ns == stamp
+
+
+def test_cpu_vs_hf_vllm_peer_failure_names_the_interpreter(tmp_path):
+    import importlib.util
+    import sys
+    from types import SimpleNamespace
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("this interpreter has vllm: the peer would run")
+    args = SimpleNamespace(dtype="float32", max_model_len=64, max_tokens=2, temperature=0.0,
+                           kv_cache_memory_bytes=1 << 30)
+    with pytest.raises(RuntimeError, match=r"(?s)--vllm-python .*No module named 'vllm'"):
+        cpu_vs_hf.run_vllm_peer(sys.executable, str(tmp_path), [[1, 2, 3]], args)
+
+
 def test_serve_draw_follows_benchmarks_md():
     requests, gaps = serve.draw_workload(3, 4.0)
     import random
@@ -209,7 +242,8 @@ def test_serve_launches_a_server_and_measures_every_streamed_token(smollm2_token
                                  "--uvicorn-log-level warning"])
     (row,) = _json_lines(capsys)
     requests, _ = serve.draw_workload(num, 200.0, max_in, max_out)
-    assert row["benchmark"] == "serve" and row["http_client"] == "stdlib" and row["healthy_s"] > 0
+    assert row["benchmark"] == "serve" and row["engine"] == "pagedllm" and row["http_client"] == "stdlib"
+    assert row["healthy_s"] > 0
     assert (row["completed"], row["errors"], row["short_outputs"]) == (num, 0, 0), row["error_samples"]
     assert row["output_tokens"] == sum(r.max_tokens for r in requests)
     for metric in ("ttft", "tpot", "itl"):

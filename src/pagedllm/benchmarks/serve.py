@@ -354,19 +354,21 @@ def main(argv: list[str] | None = None) -> None:
         parts = urllib.parse.urlsplit(base_url)
         args.model = args.model or "pagedllm-bench"
         proc, healthy_s, _ = launch_server(args, parts.hostname, parts.port or 80)
+    engine = "pagedllm" if args.launch else None
     try:
-        if args.model is None:
+        if not args.launch:  # the served model's name and its server's engine (``owned_by``: vLLM says "vllm")
             status, body = _get(f"{base_url}/v1/models", timeout_s=30)
-            if status != 200:
+            if status != 200 and args.model is None:
                 raise RuntimeError(f"GET {base_url}/v1/models answered {status}; pass --model")
-            args.model = json.loads(body)["data"][0]["id"]
+            first = json.loads(body)["data"][0] if status == 200 else {}
+            args.model, engine = args.model or first["id"], first.get("owned_by")
         summaries = asyncio.run(_run_all(args, base_url, args.model))
     finally:
         if proc is not None:
             stop_server(proc)
     shape = f"{args.shape} (vocab {SERVE_VOCAB_SIZE})" if args.launch else args.model
     for summary in summaries:
-        emit({"benchmark": "serve", "engine": "pagedllm", "model": shape,
+        emit({"benchmark": "serve", "engine": engine, "model": shape,
               "healthy_s": None if healthy_s is None else round(healthy_s, 1), **summary})
     print_table(summaries, ["request_rate", "completed", "errors", "request_throughput", "output_tok_s",
                             "ttft_ms_p50", "ttft_ms_p90", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p90", "tpot_ms_p99",
