@@ -274,9 +274,16 @@ class _FakeCompletions(http.server.BaseHTTPRequestHandler):
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Transfer-Encoding", "chunked")
         self.end_headers()
-        events = ([{"error": {"message": "engine died"}}] if n == 2 else
-                  [{"choices": [{"text": f"t{i}"}]} for i in range(n)] + [{"choices": [], "usage": {
-                      "completion_tokens": n}}])
+        if self.path == "/v1/chat/completions":  # the role first, then one content delta per token
+            assert body["messages"] and "prompt" not in body
+            events = [{"choices": [{"delta": {"role": "assistant", "content": ""}}]}] + [
+                {"choices": [{"delta": {"content": f"t{i}"}}]} for i in range(n)] + [
+                {"choices": [], "usage": {"completion_tokens": n, "prompt_tokens": 7}}]
+        else:
+            assert self.path == "/v1/completions" and "messages" not in body
+            events = ([{"error": {"message": "engine died"}}] if n == 2 else
+                      [{"choices": [{"text": f"t{i}"}]} for i in range(n)] + [{"choices": [], "usage": {
+                          "completion_tokens": n}}])
         for event in [f"data: {json.dumps(e)}\n\n" for e in events] + ["data: [DONE]\n\n"]:
             for piece in (event[:7], event[7:]):  # lines split across chunks
                 self.wfile.write(f"{len(piece):x}\r\n{piece}\r\n".encode())
@@ -304,15 +311,20 @@ def test_serve_client_parses_chunked_streams_and_counts_errors(client):
             s.bind(("127.0.0.1", 0))
             dead = f"http://127.0.0.1:{s.getsockname()[1]}/v1/completions"
         results.append(await serve.send_request(lines_of, dead, "m", serve.BenchRequest([5], 3), {}, 10))
+        chats, _ = serve.draw_chats(1, 2.0, max_tokens=4)
+        results.append(await serve.send_request(lines_of, url, "m", chats[0], {}, 10))
         if client == "httpx":
             await http_client.aclose()
         return results
 
     try:
-        good, http_400, stream_error, refused = asyncio.run(run())
+        good, http_400, stream_error, refused, chat = asyncio.run(run())
     finally:
         server.shutdown()
     assert good.ok and good.output_tokens == 5 and len(good.itl_s) == 4 and 0 < good.ttft_s <= good.latency_s
+    # a chat: the role chunk is not the first token (4 content chunks: 3 gaps), the prompt counted by the server
+    assert chat.ok and chat.output_tokens == 4 and len(chat.itl_s) == 3 and chat.prompt_tokens == 7
+    assert serve.summarize(serve.draw_chats(1, 2.0, max_tokens=4)[0], [chat], duration_s=1.0)["total_tok_s"] == 11.0
     assert not http_400.ok and "HTTP 400" in http_400.error and "bad request" in http_400.error
     assert not stream_error.ok and "engine died" in stream_error.error
     assert not refused.ok and refused.error

@@ -5,9 +5,11 @@ draws per request a prompt of randint(100, 1024) token ids from randint(100, 400
 max_tokens of randint(100, 1024), then one arrival gap per request (expovariate(rate):
 Poisson arrivals; request i is sent at the sum of the first i gaps). Each request is a
 streaming /v1/completions call with the token ids as prompt, temperature 0 and ignore_eos.
-One short warm-up request goes first.
+One short warm-up request goes first. --chat (workload 6, CPU serving) sends streamed
+/v1/chat/completions instead: request i is workload 5's chat ("Write a short story about item
+i"), asking for --max-output-len tokens; the gaps are drawn the same way.
 
-Per request: TTFT = first chunk carrying a choice; ITL = gaps between such chunks; TPOT =
+Per request: TTFT = first chunk carrying a choice (a chat's opening role-only chunk excluded); ITL = gaps between such chunks; TPOT =
 (latency - TTFT) / (output tokens - 1); output tokens from the final usage chunk
 (stream_options.include_usage). Reported per rate: request throughput, output and total
 tokens/s over the run's wall time (first send to last response), TTFT/TPOT/ITL mean, p50,
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import random
@@ -50,6 +53,7 @@ PERCENTILES = (50, 90, 99)
 class BenchRequest:
     prompt_token_ids: list[int]
     max_tokens: int
+    messages: list[dict] | None = None  # a chat (/v1/chat/completions) instead of token ids
 
 
 @dataclass
@@ -60,6 +64,7 @@ class RequestResult:
     latency_s: float = 0.0
     itl_s: list[float] = field(default_factory=list)
     output_tokens: int = 0
+    prompt_tokens: int = 0  # the server's count (usage), for chats
 
 
 def draw_workload(num_prompts: int, request_rate: float, max_input_len: int = 1024, max_output_len: int = 1024,
@@ -73,6 +78,16 @@ def draw_workload(num_prompts: int, request_rate: float, max_input_len: int = 10
         requests.append(BenchRequest(prompt, rng.randint(lo_out, max_output_len)))
     gaps_s = [rng.expovariate(request_rate) for _ in range(num_prompts)]
     return requests, gaps_s
+
+
+def draw_chats(num_prompts: int, request_rate: float, max_tokens: int = 128,
+               seed: int = 1) -> tuple[list[BenchRequest], list[float]]:
+    """Workload 6's chats (BENCHMARKS.md): workload 5's user message for request i, each asking for
+    ``max_tokens``; Poisson gaps drawn as draw_workload draws them."""
+    rng = random.Random(seed)
+    requests = [BenchRequest([], max_tokens, [{"role": "user", "content": f"Write a short story about item {i}"}])
+                for i in range(num_prompts)]
+    return requests, [rng.expovariate(request_rate) for _ in range(num_prompts)]
 
 
 # --- HTTP: an async iterator of response body lines, from httpx or from asyncio streams ----------
@@ -156,8 +171,10 @@ def pick_http_client(name: str) -> str:
 
 async def send_request(lines_of, url: str, model: str, req: BenchRequest, headers: dict,
                        timeout_s: float) -> RequestResult:
-    body = {"model": model, "prompt": req.prompt_token_ids, "max_tokens": req.max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    body = {"model": model, "max_tokens": req.max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True},
+            **({"messages": req.messages} if req.messages else {"prompt": req.prompt_token_ids})}
+    url = url.replace("/v1/completions", "/v1/chat/completions") if req.messages else url
     result, chunks = RequestResult(), 0
     start = last = time.perf_counter()
 
@@ -174,7 +191,8 @@ async def send_request(lines_of, url: str, model: str, req: BenchRequest, header
                 if "error" in event:
                     raise HTTPStatusError(f"stream error: {event['error']}")
                 now = time.perf_counter()
-                if event.get("choices"):
+                # a chat stream opens with the reply's role (empty content): not a token
+                if event.get("choices") and "role" not in (event["choices"][0].get("delta") or {}):
                     if chunks == 0:
                         result.ttft_s = now - start
                     else:
@@ -183,6 +201,7 @@ async def send_request(lines_of, url: str, model: str, req: BenchRequest, header
                     last = now
                 if event.get("usage"):
                     result.output_tokens = event["usage"]["completion_tokens"]
+                    result.prompt_tokens = event["usage"].get("prompt_tokens") or 0
 
     try:
         await asyncio.wait_for(consume(), timeout_s)
@@ -214,7 +233,7 @@ async def run_rate(lines_of, url: str, model: str, requests: list[BenchRequest],
 def summarize(requests: list[BenchRequest], results: list[RequestResult], duration_s: float) -> dict:
     done = [(q, r) for q, r in zip(requests, results) if r.ok]
     out_tokens = sum(r.output_tokens for _, r in done)
-    in_tokens = sum(len(q.prompt_token_ids) for q, _ in done)
+    in_tokens = sum(len(q.prompt_token_ids) or r.prompt_tokens for q, r in done)
     series = {
         "ttft": [r.ttft_s for _, r in done],
         "tpot": [(r.latency_s - r.ttft_s) / (r.output_tokens - 1) for _, r in done if r.output_tokens > 1],
@@ -255,15 +274,16 @@ async def _run_all(args, base_url: str, model: str) -> list[dict]:
     summaries = []
     try:
         for rate in args.request_rate:
-            requests, gaps_s = draw_workload(args.num_prompts, rate, args.max_input_len, args.max_output_len,
-                                             args.seed)
-            warm = await send_request(lines_of, url, model, BenchRequest(requests[0].prompt_token_ids, 8), headers,
+            requests, gaps_s = draw_chats(args.num_prompts, rate, args.max_output_len, args.seed) if args.chat else \
+                draw_workload(args.num_prompts, rate, args.max_input_len, args.max_output_len, args.seed)
+            warm = await send_request(lines_of, url, model, dataclasses.replace(requests[0], max_tokens=8), headers,
                                       args.request_timeout_s)
             if not warm.ok:
                 raise RuntimeError(f"the warm-up request to {url} failed: {warm.error}")
             results, duration_s = await run_rate(lines_of, url, model, requests, gaps_s, headers,
                                                  args.request_timeout_s)
             summaries.append({"request_rate": rate, "num_prompts": args.num_prompts, "http_client": client_name,
+                              "api": "chat" if args.chat else "completions",
                               **summarize(requests, results, duration_s)})
     finally:
         if client is not None:
@@ -337,6 +357,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--request-timeout-s", type=float, default=1800)
     p.add_argument("--http-client", choices=["auto", "httpx", "stdlib"], default="auto")
+    p.add_argument("--chat", action="store_true",
+                   help="workload 6: chats of workload 5's user message, --max-output-len tokens each, instead of "
+                        "random token ids (--max-input-len unused)")
     p.add_argument("--launch", action="store_true", help="start `pagedllm serve` on --base-url's host and port")
     p.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b", help="with --launch: the model body")
     p.add_argument("--tokenizer", help="with --launch: a folder of tokenizer files (SmolLM2's)")
