@@ -9,9 +9,9 @@ One short warm-up request goes first. --chat (workload 6, CPU serving) sends str
 /v1/chat/completions instead: request i is workload 5's chat ("Write a short story about item
 i"), asking for --max-output-len tokens; the gaps are drawn the same way.
 
-Per request: TTFT = first chunk carrying a choice (a chat's opening role-only chunk excluded); ITL = gaps between such chunks; TPOT =
-(latency - TTFT) / (output tokens - 1); output tokens from the final usage chunk
-(stream_options.include_usage). Reported per rate: request throughput, output and total
+Per request: TTFT = first chunk carrying a choice (not a chat's opening role-only chunk);
+ITL = gaps between such chunks; TPOT = (latency - TTFT) / (output tokens - 1); output tokens
+from the final usage chunk (stream_options.include_usage). Reported per rate: request throughput, output and total
 tokens/s over the run's wall time (first send to last response), TTFT/TPOT/ITL mean, p50,
 p90, p99 in ms, errors (HTTP or stream errors) and short outputs (fewer tokens than asked).
 
@@ -191,8 +191,9 @@ async def send_request(lines_of, url: str, model: str, req: BenchRequest, header
                 if "error" in event:
                     raise HTTPStatusError(f"stream error: {event['error']}")
                 now = time.perf_counter()
-                # a chat stream opens with the reply's role (empty content): not a token
-                if event.get("choices") and "role" not in (event["choices"][0].get("delta") or {}):
+                delta = (event.get("choices") or [{}])[0].get("delta") or {}
+                # a chat stream opens with the reply's role and no content: not a token
+                if event.get("choices") and not ("role" in delta and not delta.get("content")):
                     if chunks == 0:
                         result.ttft_s = now - start
                     else:
@@ -301,6 +302,21 @@ def _get(url: str, timeout_s: float = 2.0) -> tuple[int, bytes]:
         return e.code, b""
 
 
+def _served_model(base_url: str, model: str | None) -> tuple[str, str | None]:
+    """The served model's name (``model`` if given, else the server's first) and the server's engine
+    (its ``owned_by``: vLLM says "vllm"; None where /v1/models does not answer and ``model`` is given)."""
+    try:
+        status, body = _get(f"{base_url}/v1/models", timeout_s=30)
+    except OSError as e:
+        status, body = f"no answer ({e})", b""
+    if status != 200:
+        if model is None:
+            raise RuntimeError(f"GET {base_url}/v1/models: {status}; pass --model")
+        return model, None
+    first = json.loads(body)["data"][0]
+    return model or first["id"], first.get("owned_by")
+
+
 def launch_server(args, host: str, port: int) -> tuple[subprocess.Popen, float, str]:
     """Start `pagedllm serve` on the benchmark model; return (process, seconds until healthy, log path)."""
     if not args.tokenizer:
@@ -379,12 +395,8 @@ def main(argv: list[str] | None = None) -> None:
         proc, healthy_s, _ = launch_server(args, parts.hostname, parts.port or 80)
     engine = "pagedllm" if args.launch else None
     try:
-        if not args.launch:  # the served model's name and its server's engine (``owned_by``: vLLM says "vllm")
-            status, body = _get(f"{base_url}/v1/models", timeout_s=30)
-            if status != 200 and args.model is None:
-                raise RuntimeError(f"GET {base_url}/v1/models answered {status}; pass --model")
-            first = json.loads(body)["data"][0] if status == 200 else {}
-            args.model, engine = args.model or first["id"], first.get("owned_by")
+        if not args.launch:
+            args.model, engine = _served_model(base_url, args.model)
         summaries = asyncio.run(_run_all(args, base_url, args.model))
     finally:
         if proc is not None:
