@@ -10,7 +10,8 @@ the same cases over an fp8 cache (scales 4/448; the floor counts 1 byte per K/V 
 error is against the dequantized cache). ``--split-sweep`` times split-KV decodes instead: batches
 of 1-64 sequences over 128-16k keys at forced split counts beside the default's choice (whether the
 launch merged its splits itself, ``triton_kernels._self_merges``, or in a second launch), each
-checked against the float32 reference.
+checked against the float32 reference. ``--fp8-map`` times the default decode launch over a bf16 and an
+fp8 cache side by side by batch and context (one shape's heads): where the fp8 cache gains and where not.
 """
 from __future__ import annotations
 
@@ -181,11 +182,42 @@ def split_sweep(gen, dtype, dev="cuda", kv_dtype=None) -> None:
     print("\n".join(table))
 
 
+FP8_MAP = {"batches": (4, 8, 16, 32, 64, 128, 256), "contexts": (256, 1024, 2048)}
+
+
+def fp8_map(gen, dtype, shape: str = "qwen3-0.6b", dev="cuda") -> None:
+    """The default decode launch (KV write + attention in a CUDA graph, caches rotated past L2) over a
+    bf16 cache and an fp8 (e4m3) one, µs per layer and their ratio, by batch and context."""
+    heads, kvh, hd = SHAPES[shape]
+    fp8 = FP8_KV_DTYPES["fp8_e4m3"]
+    lines = []
+    for batch in FP8_MAP["batches"]:
+        for ctx in FP8_MAP["contexts"]:
+            us, splits = [], []
+            for kv_dtype in (None, fp8):
+                kv_bytes = batch * ctx * kvh * hd * 2 * (1 if kv_dtype is not None else 2)
+                cases = [make_case(heads, kvh, hd, [(ctx - 1, 1)] * batch, dtype, gen, dev=dev, kv_dtype=kv_dtype)
+                         for _ in range(max(1, min(8, (256 << 20) // kv_bytes)))]
+                for case in cases:
+                    case["max_query_len"] = 1
+                us.append(time_graphs(cases, 100) * 1e6)
+                splits.append(tk._default_num_splits(True, batch * kvh, cases[0]["q"].device, kv_dtype is not None))
+                del cases
+            row = dict(case=f"decode {shape} b{batch} ctx{ctx}", bf16_us=round(us[0], 1), fp8_us=round(us[1], 1),
+                       bf16_splits=splits[0], fp8_splits=splits[1], fp8_over_bf16=round(us[1] / us[0], 2))
+            print(json.dumps(row), flush=True)
+            lines.append(f"{shape} b{batch:<3d} ctx {ctx:5d} | bf16 {us[0]:7.1f} ({splits[0]}) | fp8 {us[1]:7.1f} "
+                         f"({splits[1]}) | {us[1] / us[0]:.2f}")
+    print("\nµs per layer, bf16 cache against fp8 (default splits in brackets), fp8 / bf16 last")
+    print("\n".join(lines))
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer cases and no tile sweep")
     ap.add_argument("--split-sweep", action="store_true", help="split-KV decodes at forced split counts instead")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"])
+    ap.add_argument("--fp8-map", action="store_true", help="the default decode launch, bf16 cache against fp8")
     args = ap.parse_args(argv)
     kv_dtype = FP8_KV_DTYPES[{"fp8": "fp8_e4m3"}.get(args.kv_cache_dtype, args.kv_cache_dtype)] \
         if args.kv_cache_dtype != "auto" else None
@@ -198,6 +230,8 @@ def main(argv=None) -> None:
           flush=True)
     if args.split_sweep:
         return split_sweep(gen, dtype, kv_dtype=kv_dtype)
+    if args.fp8_map:
+        return fp8_map(gen, dtype)
     rows = []
     decode = [("llama3-8b", 1, 512), ("llama3-8b", 1, 4096), ("llama3-8b", 32, 384), ("qwen3-0.6b", 256, 1024),
               ("qwen3-0.6b", 64, 2048), ("llama3-8b", 256, 1024)]
