@@ -182,24 +182,30 @@ def split_sweep(gen, dtype, dev="cuda", kv_dtype=None) -> None:
     print("\n".join(table))
 
 
+def decode_cases(shape: str, batch: int, ctx: int, dtype, gen, kv_dtype=None, dev="cuda") -> tuple[list, int]:
+    """``batch`` decodes over ``ctx`` keys each, as several caches (rotated past L2 when timed), and the
+    K/V bytes one of them holds."""
+    heads, kvh, hd = SHAPES[shape]
+    kv_bytes = batch * ctx * kvh * hd * 2 * (1 if kv_dtype is not None else 2)
+    n_sets = max(1, min(8, (256 << 20) // kv_bytes))
+    return [make_case(heads, kvh, hd, [(ctx - 1, 1)] * batch, dtype, gen, dev=dev, kv_dtype=kv_dtype)
+            for _ in range(n_sets)], kv_bytes
+
+
 FP8_MAP = {"batches": (4, 8, 16, 32, 64, 128, 256), "contexts": (256, 1024, 2048)}
 
 
 def fp8_map(gen, dtype, shape: str = "qwen3-0.6b", dev="cuda") -> None:
     """The default decode launch (KV write + attention in a CUDA graph, caches rotated past L2) over a
     bf16 cache and an fp8 (e4m3) one, µs per layer and their ratio, by batch and context."""
-    heads, kvh, hd = SHAPES[shape]
+    kvh = SHAPES[shape][1]
     fp8 = FP8_KV_DTYPES["fp8_e4m3"]
     lines = []
     for batch in FP8_MAP["batches"]:
         for ctx in FP8_MAP["contexts"]:
             us, splits = [], []
             for kv_dtype in (None, fp8):
-                kv_bytes = batch * ctx * kvh * hd * 2 * (1 if kv_dtype is not None else 2)
-                cases = [make_case(heads, kvh, hd, [(ctx - 1, 1)] * batch, dtype, gen, dev=dev, kv_dtype=kv_dtype)
-                         for _ in range(max(1, min(8, (256 << 20) // kv_bytes)))]
-                for case in cases:
-                    case["max_query_len"] = 1
+                cases, _ = decode_cases(shape, batch, ctx, dtype, gen, kv_dtype, dev)
                 us.append(time_graphs(cases, 100) * 1e6)
                 splits.append(tk._default_num_splits(True, batch * kvh, cases[0]["q"].device, kv_dtype is not None))
                 del cases
@@ -221,7 +227,6 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     kv_dtype = FP8_KV_DTYPES[{"fp8": "fp8_e4m3"}.get(args.kv_cache_dtype, args.kv_cache_dtype)] \
         if args.kv_cache_dtype != "auto" else None
-    kv_itemsize = 1 if kv_dtype is not None else 2
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(0)
     dtype = torch.bfloat16
@@ -244,11 +249,7 @@ def main(argv=None) -> None:
                      if w == 4 or n >= 32]
         variants += [(f"splits={k}", None, None, None, {"num_kv_splits": k}) for k in (1, 2, 4, 16)]
     for shape, batch, ctx in decode:
-        heads, kvh, hd = SHAPES[shape]
-        kv_bytes = batch * ctx * kvh * hd * 2 * kv_itemsize
-        n_sets = max(1, min(8, (256 << 20) // kv_bytes))  # rotate caches past L2
-        cases = [make_case(heads, kvh, hd, [(ctx - 1, 1)] * batch, dtype, gen, kv_dtype=kv_dtype)
-                 for _ in range(n_sets)]
+        cases, kv_bytes = decode_cases(shape, batch, ctx, dtype, gen, kv_dtype)
         for name, block_n, stages, warps, kw in variants:
             original, patched = with_tiles(block_n, stages, warps)
             tk._tile_config = patched
