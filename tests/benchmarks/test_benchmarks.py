@@ -185,13 +185,13 @@ def test_cpu_vs_hf_reports_both_engines_on_the_same_prompts(smollm2_tokenizer_di
 
 def test_cpu_vs_hf_exports_the_weights_vllm_reads(smollm2_tokenizer_dir, tmp_path):
     """The folder written for the vLLM peer holds the model transformers had in memory: reloaded,
-    the same logits; written once (a second call leaves the file alone)."""
+    the same logits; written once (a second call neither loads the model nor touches the file)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     source = build_tiny_model("llama", str(tmp_path / "src"), smollm2_tokenizer_dir, tie_word_embeddings=True)
     model = cpu_vs_hf._load_hf(source, "float32")
     tok = AutoTokenizer.from_pretrained(source)
-    out = cpu_vs_hf.export_hf_folder(model, tok, str(tmp_path / "export"))
+    out = cpu_vs_hf.export_hf_folder(lambda: model, tok, str(tmp_path / "export"))
     weights = tmp_path / "export" / "model.safetensors"
     stamp = weights.stat().st_mtime_ns
     again = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
@@ -200,7 +200,7 @@ def test_cpu_vs_hf_exports_the_weights_vllm_reads(smollm2_tokenizer_dir, tmp_pat
     with torch.no_grad():
         assert torch.equal(again(ids).logits, model(ids).logits)
     assert AutoTokenizer.from_pretrained(out).encode("item 3") == tok.encode("item 3")
-    assert cpu_vs_hf.export_hf_folder(model, tok, out) == out and weights.stat().st_mtime_ns == stamp
+    assert cpu_vs_hf.export_hf_folder(pytest.fail, tok, out) == out and weights.stat().st_mtime_ns == stamp
 
 
 def test_cpu_vs_hf_vllm_peer_failure_names_the_interpreter(tmp_path):

@@ -70,9 +70,9 @@ def main(argv: list[str] | None = None) -> None:
         if args.vllm_model or not is_gguf:
             folder = args.vllm_model or model_path
         else:  # exported in float32 (a GGUF's dequantized values exactly); vLLM casts to --dtype
-            fp32 = model if model is not None and args.dtype == "float32" else _load_hf(model_path, "float32")
-            folder = export_hf_folder(fp32, tok, _export_dir(model_path))
-            del fp32
+            reuse = model is not None and args.dtype == "float32"
+            folder = export_hf_folder(lambda: model if reuse else _load_hf(model_path, "float32"), tok,
+                                      _export_dir(model_path))
         del model, llm  # the peer gets the machine's memory and cores to itself
         peer = run_vllm_peer(args.vllm_python, folder, prompt_ids, args)
         ours_ids = [list(o.outputs[0].token_ids) for o in outs]
@@ -118,14 +118,15 @@ def _export_dir(gguf_path: str) -> str:
     return os.path.join(envs.cache_root(), "hf-export", os.path.basename(gguf_path).removesuffix(".gguf"))
 
 
-def export_hf_folder(model, tok, out_dir: str) -> str:
-    """``model``'s weights as transformers holds them (a GGUF's dequantized at load) in a plain
-    safetensors folder with its config and tokenizer, for engines that read only such folders.
-    Written once: a folder that already has its weights is taken as it is."""
+def export_hf_folder(load_model, tok, out_dir: str) -> str:
+    """The weights of ``load_model()`` as transformers holds them (a GGUF's dequantized at load) in a
+    plain safetensors folder with its config and tokenizer, for engines that read only such folders.
+    Written once: a folder that already has its weights is taken as it is, and nothing is loaded."""
     if os.path.exists(os.path.join(out_dir, "model.safetensors")):
         return out_dir
     from safetensors.torch import save_file
 
+    model = load_model()
     os.makedirs(out_dir, exist_ok=True)
     config = model.config
     tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
