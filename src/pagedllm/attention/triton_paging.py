@@ -113,3 +113,54 @@ def words_dims(c, DIM_PAD: tl.constexpr):
     holds dim 4j + 2i + k."""
     half: tl.constexpr = DIM_PAD // 2
     return 4 * ((c % half) // 2) + 2 * (c // half) + c % 2
+
+
+@triton.jit
+def fp8_keys_major(q, q_pos, k_cache_ptr, v_cache_ptr, bt_row, head_off, kv_stop, tile_lo, tile_hi,
+                   scale_log2, window, stride_c_block, stride_c_slot, BLOCK_N: tl.constexpr,
+                   BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+                   CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr):
+    """The key loop of a short-query program over an fp8 cache with the keys as the dots' rows
+    (FlashAttention-3's fp8 route): ``K @ q8^T`` is an fp8 x fp8 dot (``wgmma`` e4m3 on sm_90,
+    keys fill its 64-row side where a decode's 16 query rows could not) with ``q8`` = q quantized
+    to e4m3 per row (scale amax / 448), so K is never widened; ``V^T @ P^T`` meets V widened to
+    float16 (exact for e4m3 and e5m2). Returns ``(acc [BLOCK_M, DIM_PAD], m_i, l_i)`` as the
+    query-major loop leaves them (k_scale is in ``scale_log2``; v_scale is the caller's)."""
+    d = tl.arange(0, DIM_PAD)
+    n = tl.arange(0, BLOCK_N)
+    q32 = q.to(tl.float32)
+    amax = tl.max(tl.abs(q32), axis=1)
+    q_scale = tl.where(amax > 0.0, amax / 448.0, 1.0)
+    q8t = tl.trans((q32 * (448.0 / tl.where(amax > 0.0, amax, 448.0))[:, None]).to(tl.float8e4nv))
+    col_scale = (q_scale * scale_log2)[None, :]
+    m_i = tl.full([q.shape[0]], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([q.shape[0]], dtype=tl.float32)
+    acc = tl.zeros([DIM_PAD, q.shape[0]], dtype=tl.float32)
+    phys_next = load_block_ids(bt_row, tile_lo, tile_hi, kv_stop, n, BLOCK_N, BLOCK_SIZE)
+    for t in range(tile_lo, tile_hi):
+        k_pos = t * BLOCK_N + n
+        k_ok = k_pos < kv_stop
+        phys = phys_next.to(tl.int64)
+        phys_next = load_block_ids(bt_row, t + 1, tile_hi, kv_stop, n, BLOCK_N, BLOCK_SIZE)
+        kv_off = phys * stride_c_block + (k_pos % BLOCK_SIZE) * stride_c_slot + head_off
+        kv_mask = k_ok[:, None]
+        if DIM_PAD != HEAD_DIM:
+            kv_mask = kv_mask & (d[None, :] < HEAD_DIM)
+        k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        sc = tl.dot(k, q8t) * col_scale  # [keys, rows]
+        if CAUSAL:
+            visible = (k_pos[:, None] <= q_pos[None, :]) & k_ok[:, None]
+        else:
+            visible = (q_pos[None, :] >= 0) & k_ok[:, None]
+        if USE_WINDOW:
+            visible = visible & (k_pos[:, None] > q_pos[None, :] - window)
+        sc = tl.where(visible, sc, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(sc, axis=0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees nothing yet
+        p = tl.math.exp2(sc - m_safe[None, :])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=0)
+        v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float16)
+        acc = tl.dot(tl.trans(v), p.to(tl.float16), acc * alpha[None, :])
+        m_i = m_new
+    return tl.trans(acc), m_i, l_i
