@@ -111,11 +111,6 @@ _VARS = [
            "model dtype) instead of to float16, which takes one conversion instruction per pair of values "
            "instead of three (A/B measurements).",
            _not_zero),
-    EnvVar("PAGEDLLM_FP8_KV_QK", "bool (0 = off)", True,
-           "0: decodes over an fp8 KV cache widen K to the dots' dtype for q @ K^T (query rows as the dots' "
-           "rows) instead of quantizing q to e4m3 per row and running K @ q^T as an fp8 dot with the keys as "
-           "its rows (A/B measurements; the scores differ by q's rounding).",
-           _not_zero),
     EnvVar("PAGEDLLM_FP8_NORM_QUANT", "bool (0 = off)", True,
            "0: an fp8 W8A8 projection with per-token activations quantizes its input with a launch of its own, "
            "instead of taking the rows the RMSNorm or SiLU-and-mul kernel before it quantized (model/loader.py; "

@@ -37,24 +37,6 @@ def fp8_batch(b: Batch, cache_dtype: torch.dtype, kv_scale: torch.Tensor) -> tup
     return deq, fp8
 
 
-def q_as_fp8(b: Batch, kernels, hint: int | None) -> Batch:
-    """``b`` with the queries of the runs that take ``fp8_keys_major`` (short runs of a 16-bit model
-    over the fp8 cache, PAGEDLLM_FP8_KV_QK) quantized to e4m3 per (token, head) row, amax / 448: the
-    scores that launch computes exactly (up to the float32 sums)."""
-    group_pad = 1 << (b.q.shape[1] // b.ks[0].shape[1] - 1).bit_length()
-    cfg = kernels._tile_config(False, hint == 1, group_pad, b.q.shape[2], b.q.dtype == torch.float32, True, False,
-                               fp8_qk=kernels.envs.PAGEDLLM_FP8_KV_QK)
-    if not cfg.get("FP8_QK"):
-        return b
-    q, qsl = b.q.clone(), b.qsl.tolist()
-    for s, q_len in enumerate(b.q_lens):
-        if q_len <= cfg["BLOCK_Q"]:
-            rows = q[qsl[s]:qsl[s] + q_len].float()
-            scale = rows.abs().amax(-1, keepdim=True).clamp(min=1e-30) / 448
-            q[qsl[s]:qsl[s] + q_len] = ((rows / scale).to(E4M3).float() * scale).to(q.dtype)
-    return dataclasses.replace(b, q=q)
-
-
 def metadata(b: Batch, max_query_len: int) -> AttentionMetadata:
     qsl, seq_lens = b.qsl.tolist(), b.seq_lens.tolist()
     return AttentionMetadata(
@@ -153,7 +135,7 @@ def test_triton_kernels_with_fp8_cache_match_dequantized_reference(kernels, case
                               max_query_len=hint, num_kv_splits=splits, kv_scale=kv_scale, logits_soft_cap=cap)
     got = out[:b.num_real_tokens]
     assert not got.isnan().any()
-    assert rel_err(got, reference(q_as_fp8(deq, kernels, hint), hd ** -0.5, window, cap)) < TOL[dtype]
+    assert rel_err(got, reference(deq, hd ** -0.5, window, cap)) < TOL[dtype]
     assert rel_err(got, reference(b, hd ** -0.5, window, cap)) < FP8_TOL[cache_dtype]
 
 
@@ -236,9 +218,7 @@ def test_rotary_write_kv_equals_rotary_then_forward_with_an_fp8_cache(kernels, c
 def test_float16_dots_over_an_fp8_cache_match_the_bfloat16_dots(kernels, monkeypatch):
     """bfloat16 queries over an fp8 cache run their dots in float16 (PAGEDLLM_FP8_KV_F16_DOTS):
     as close to the dequantized float64 reference as the bfloat16 dots are, or closer; and a query
-    past float16's range saturates instead of turning the output into inf / NaN. (Query-major dots:
-    PAGEDLLM_FP8_KV_QK off.)"""
-    monkeypatch.setenv("PAGEDLLM_FP8_KV_QK", "0")
+    past float16's range saturates instead of turning the output into inf / NaN."""
     rng = random.Random(4)
     b = make_batch(rng, block_size=16, num_kv_heads=2, group=2, head_dim=64, dtype=torch.bfloat16,
                    runs=[(30, 1), (7, 1), (0, 5), (50, 1)])
@@ -269,8 +249,7 @@ def test_fp8_values_read_as_words_equal_the_byte_reads(kernels, monkeypatch, cac
     (``FP8_WORDS``); forced on for a small batch here, the output is bit for bit the byte path's
     (both widen exactly), and close to the dequantized reference; a padded head dim (40 of 64) too.
     float32 queries keep IEEE dots on the word path (bit for bit on a GPU, where a tf32 dot would
-    differ; the interpreter computes both in float32). Query-major dots: PAGEDLLM_FP8_KV_QK off."""
-    monkeypatch.setenv("PAGEDLLM_FP8_KV_QK", "0")
+    differ; the interpreter computes both in float32)."""
     rng = random.Random(5)
     b = make_batch(rng, block_size=16, num_kv_heads=2, group=2, head_dim=head_dim, dtype=dtype,
                    runs=[(30, 1), (7, 1), (50, 1), (16, 1)], num_pad_seqs=1)
@@ -293,40 +272,6 @@ def test_fp8_values_read_as_words_equal_the_byte_reads(kernels, monkeypatch, cac
                  (False, True, 2, 128, False, False, True), (False, False, 2, 128, False, True, True),
                  (False, True, 2, 66, False, True, True), (False, True, 64, 128, False, True, True)):
         assert not tile_config(*args).get("FP8_WORDS"), args
-
-
-# (cache dtype, model dtype, head_dim, group, sliding window, forced splits, max_query_len hint)
-KEYS_MAJOR_CASES = [(E4M3, torch.bfloat16, 64, 2, None, 1, 1), (E5M2, torch.float16, 40, 4, 9, 1, 1),
-                    (E4M3, torch.bfloat16, 64, 4, None, 3, 1), (E4M3, torch.float16, 32, 2, 20, None, 3)]
-
-
-@pytest.mark.parametrize("case", range(len(KEYS_MAJOR_CASES)))
-def test_keys_major_fp8_dots_match_the_reference_with_q_quantized(kernels, case):
-    """Short runs of a 16-bit model over an fp8 cache (PAGEDLLM_FP8_KV_QK, on by default) compute
-    ``K @ q8^T`` as an fp8 dot, q quantized to e4m3 per row: the output is the float64 reference's
-    over the dequantized cache with q quantized the same way (model-dtype tolerance), for unsplit
-    and split launches, e5m2 caches (an e5m2 x e4m3 dot), a padded head dim (40 of 64), windows and
-    runs of several tokens; against the unquantized reference the error stays within FP8_TOL, the
-    bound of the fp8 cache alone (q's rounding adds to K's)."""
-    cache_dtype, dtype, hd, group, window, splits, hint = KEYS_MAJOR_CASES[case]
-    cfg = kernels._tile_config(False, hint == 1, group, hd, False, splits == 1, False, fp8_qk=True)
-    assert cfg["FP8_QK"] and cfg["BLOCK_N"] >= 64  # wgmma's 64 rows of keys
-    rng = random.Random(40 + case)
-    runs = [(rng.randrange(0, 150), rng.randrange(1, hint + 1)) for _ in range(3)] + [(0, 1), (130, 1)]
-    b = make_batch(rng, block_size=16, num_kv_heads=2, group=group, head_dim=hd, dtype=dtype, runs=runs,
-                   num_pad_seqs=1)
-    kv_scale = torch.tensor([4.0 / 448, 3.0 / 448])
-    deq, cache = fp8_batch(b, cache_dtype, kv_scale)
-    cache, kv_scale = cache.to(DEVICE), kv_scale.to(DEVICE)
-    kernels.reshape_and_cache(b.k_new, b.v_new, cache, b.slots, kv_scale)
-    out = torch.zeros_like(b.q)
-    kernels.unified_attention(b.q, cache, b.block_tables, b.qsl, b.seq_lens, hd ** -0.5, out, window,
-                              max_query_len=hint, num_kv_splits=splits, kv_scale=kv_scale)
-    got = out[:b.num_real_tokens]
-    quantized_q = q_as_fp8(deq, kernels, hint)
-    assert not torch.equal(quantized_q.q, deq.q)
-    assert rel_err(got, reference(quantized_q, hd ** -0.5, window)) < TOL[dtype]
-    assert rel_err(got, reference(b, hd ** -0.5, window)) < FP8_TOL[cache_dtype]
 
 
 def test_triton_fp8_cache_needs_scales(kernels):

@@ -55,8 +55,8 @@ import triton.language as tl
 from pagedllm import envs
 from pagedllm.attention.kv_quant import FP8_MAX, is_fp8
 from pagedllm.attention.triton_prefill import prefill_attention
-from pagedllm.attention.triton_paging import (add_fp8_values_as_words, add_values, find_seq, fp8_keys_major,
-                                              key_scores, load_block_ids, words_dims)
+from pagedllm.attention.triton_paging import (add_fp8_values_as_words, add_values, find_seq, key_scores,
+                                              load_block_ids, words_dims)
 from pagedllm.ops.triton_pdl import enter_args, pdl_enter
 from pagedllm.ops.triton_splitk import counters, last_to_arrive
 
@@ -171,7 +171,7 @@ def _attention_kernel(
     USE_WINDOW: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr,
     Q_LEN_FILTER: tl.constexpr, Q_LEN_THRESHOLD: tl.constexpr, SOFTCAP: tl.constexpr, KV_FP8: tl.constexpr,
     CAUSAL: tl.constexpr = True, ENTER: tl.constexpr = False, F16_DOTS: tl.constexpr = False,
-    FP8_WORDS: tl.constexpr = False, SELF_MERGE: tl.constexpr = False, FP8_QK: tl.constexpr = False,
+    FP8_WORDS: tl.constexpr = False, SELF_MERGE: tl.constexpr = False,
 ):
     # Launched early (ops/triton_pdl.py): the step's metadata (query_start_loc, seq_lens) was copied
     # before the forward's first kernel started, so it is read before the wait; the programs that
@@ -252,52 +252,46 @@ def _attention_kernel(
         # fp8 K/V tiles are widened to q's dtype (exact) for the dots; the per-tensor scales are
         # folded in once: k_scale into the score multiplier, v_scale into the output.
         scale_log2 = scale_log2 * tl.load(kv_scale_ptr)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, DIM_PAD], dtype=tl.float32)
+    n = tl.arange(0, BLOCK_N)
     bt_row = block_tables_ptr + s.to(tl.int64) * stride_bt
     head_off = kvh * stride_c_head
-    if FP8_QK:  # an fp8 cache's short runs: keys as the dots' rows, q quantized (_tile_config decides where)
-        acc, m_i, l_i = fp8_keys_major(q, q_pos, k_cache_ptr, v_cache_ptr, bt_row, head_off, kv_stop, tile_lo, tile_hi,
-                                       scale_log2, window, stride_c_block, stride_c_slot, BLOCK_N, BLOCK_SIZE,
-                                       HEAD_DIM, DIM_PAD, CAUSAL, USE_WINDOW)
-    else:
-        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, DIM_PAD], dtype=tl.float32)
-        n = tl.arange(0, BLOCK_N)
-        # The block-table entries of each tile are loaded one iteration ahead: a K/V address that
-        # hangs on a load of the same iteration keeps Triton's pipeliner to a single K/V buffer
-        # (seen in the TTGIR for sm_90), while this way K/V arrive num_stages - 1 tiles ahead.
-        phys_next = load_block_ids(bt_row, tile_lo, tile_hi, kv_stop, n, BLOCK_N, BLOCK_SIZE)
-        for t in range(tile_lo, tile_hi):
-            k_pos = t * BLOCK_N + n
-            k_ok = k_pos < kv_stop
-            phys = phys_next.to(tl.int64)
-            phys_next = load_block_ids(bt_row, t + 1, tile_hi, kv_stop, n, BLOCK_N, BLOCK_SIZE)
-            kv_off = phys * stride_c_block + (k_pos % BLOCK_SIZE) * stride_c_slot + head_off
-            kv_mask = k_ok[:, None]
-            if DIM_PAD != HEAD_DIM:
-                kv_mask = kv_mask & (d[None, :] < HEAD_DIM)
-            sc = key_scores(q, k_cache_ptr + kv_off[:, None] + d[None, :], kv_mask, KV_FP8, IEEE) * scale_log2
-            if SOFTCAP:  # Gemma 2: cap * tanh(s / cap); scale_log2 is scale / cap, softcap_log2 cap * log2(e)
-                sc = _tanh(sc) * softcap_log2
-            if CAUSAL:
-                visible = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
-            else:  # encoders: every row sees the whole sequence
-                visible = (q_pos[:, None] >= 0) & k_ok[None, :]
-            if USE_WINDOW:
-                visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
-            sc = tl.where(visible, sc, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees nothing yet
-            p = tl.math.exp2(sc - m_safe[:, None])
-            alpha = tl.math.exp2(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            if FP8_WORDS:  # an fp8 cache (_tile_config decides where)
-                acc = add_fp8_values_as_words(acc, alpha, p, v_cache_ptr + kv_off[:, None], k_ok[:, None], q.dtype,
-                                              IEEE, HEAD_DIM, DIM_PAD)
-            else:
-                acc = add_values(acc, alpha, p, v_cache_ptr + kv_off[:, None] + d[None, :], kv_mask, q.dtype, KV_FP8,
-                                 IEEE)
-            m_i = m_new
+    # The block-table entries of each tile are loaded one iteration ahead: a K/V address that
+    # hangs on a load of the same iteration keeps Triton's pipeliner to a single K/V buffer
+    # (seen in the TTGIR for sm_90), while this way K/V arrive num_stages - 1 tiles ahead.
+    phys_next = load_block_ids(bt_row, tile_lo, tile_hi, kv_stop, n, BLOCK_N, BLOCK_SIZE)
+    for t in range(tile_lo, tile_hi):
+        k_pos = t * BLOCK_N + n
+        k_ok = k_pos < kv_stop
+        phys = phys_next.to(tl.int64)
+        phys_next = load_block_ids(bt_row, t + 1, tile_hi, kv_stop, n, BLOCK_N, BLOCK_SIZE)
+        kv_off = phys * stride_c_block + (k_pos % BLOCK_SIZE) * stride_c_slot + head_off
+        kv_mask = k_ok[:, None]
+        if DIM_PAD != HEAD_DIM:
+            kv_mask = kv_mask & (d[None, :] < HEAD_DIM)
+        sc = key_scores(q, k_cache_ptr + kv_off[:, None] + d[None, :], kv_mask, KV_FP8, IEEE) * scale_log2
+        if SOFTCAP:  # Gemma 2: cap * tanh(s / cap); scale_log2 is scale / cap, softcap_log2 cap * log2(e)
+            sc = _tanh(sc) * softcap_log2
+        if CAUSAL:
+            visible = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
+        else:  # encoders: every row sees the whole sequence
+            visible = (q_pos[:, None] >= 0) & k_ok[None, :]
+        if USE_WINDOW:
+            visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
+        sc = tl.where(visible, sc, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees nothing yet
+        p = tl.math.exp2(sc - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if FP8_WORDS:  # an fp8 cache (_tile_config decides where)
+            acc = add_fp8_values_as_words(acc, alpha, p, v_cache_ptr + kv_off[:, None], k_ok[:, None], q.dtype, IEEE,
+                                          HEAD_DIM, DIM_PAD)
+        else:
+            acc = add_values(acc, alpha, p, v_cache_ptr + kv_off[:, None] + d[None, :], kv_mask, q.dtype, KV_FP8, IEEE)
+        m_i = m_new
 
     if FP8_WORDS:  # acc's columns in fp8_rows_widened's order
         d = words_dims(d, DIM_PAD)
@@ -402,13 +396,11 @@ def _num_sms(device: torch.device) -> int:
     return 132  # the interpreter on CPU: behave as on an H100
 
 
-# fp8 caches' short runs with keys as the dots' rows: (key tile, stages) unsplit and split
-FP8_QK_TILES = {"unsplit": (128, 2), "split": (64, 3)}
 WIDE_DECODE_ROWS = 128  # decode launches of at least this many tokens take 64-key, 2-stage tiles (16-bit caches)
 
 
 def _tile_config(long_queries: bool, block_q_1: bool, group_pad: int, head_dim: int, ieee: bool,
-                 fp8_unsplit: bool = False, wide_decode: bool = False, fp8_qk: bool = False) -> dict:
+                 fp8_unsplit: bool = False, wide_decode: bool = False) -> dict:
     """Tile shapes and launch settings. Not yet tuned on the device; the reasoning, checked
     against ptxas's report for sm_90 (no spills in any of these):
 
@@ -450,10 +442,6 @@ def _tile_config(long_queries: bool, block_q_1: bool, group_pad: int, head_dim: 
     block_m = max(16, block_q * group_pad)
     block_n, stages = (16 if (big or ieee) else 32), (2 if big else 3)
     words = False
-    if fp8_qk and not (big or ieee) and head_dim > 16:
-        # keys as the dots' rows (fp8_keys_major): wgmma takes 64 keys at least
-        block_n, stages = (FP8_QK_TILES["unsplit"] if fp8_unsplit else FP8_QK_TILES["split"])
-        return dict(BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, num_stages=stages, FP8_QK=True)
     if fp8_unsplit and not (big or ieee):
         # V as words (fp8_rows_widened): 4-byte words of a row; mma.sync tiles (wgmma needs 64 rows)
         block_n, stages, words = 128, 2, wide_decode and block_q_1 and head_dim % 4 == 0 and block_m < 64
@@ -608,7 +596,9 @@ def unified_attention(
     scalars = _scalar_args(q, out, kv_cache, block_tables, scale, num_seqs, sliding_window, logits_soft_cap)
 
     decode_only = max_query_len == 1
-    short_cfg, unsplit_cfg = _short_configs(common, decode_only, num_tokens, head_dim)
+    # Without split-KV, fp8 keys and wide decode launches take larger key tiles.
+    short_cfg, unsplit_cfg = (_tile_config(False, decode_only, group_pad, head_dim, ieee, fp8, wide)
+                              for fp8, wide in ((False, False), (common["KV_FP8"], num_tokens >= WIDE_DECODE_ROWS)))
     threshold = short_cfg["BLOCK_Q"]  # a run that fits one short tile is short
     # Shape-only facts: no sequence can have more query tokens than the batch has.
     has_long = num_tokens > threshold and (max_query_len is None or max_query_len > threshold)
@@ -644,14 +634,6 @@ def unified_attention(
         return out
     launch(short_cfg, 0, splits, _split_buffers(num_tokens, num_heads, splits, dim_pad, q.device))
     return out
-
-
-def _short_configs(common: dict, decode_only: bool, num_tokens: int, head_dim: int) -> tuple[dict, dict]:
-    """The short runs' tiles split and unsplit: without split-KV, fp8 keys and wide decode launches take
-    larger key tiles; an fp8 cache's (no soft cap) take keys-major dots (``PAGEDLLM_FP8_KV_QK``)."""
-    qk = common["KV_FP8"] and not common["SOFTCAP"] and envs.PAGEDLLM_FP8_KV_QK
-    return tuple(_tile_config(False, decode_only, common["GROUP_PAD"], head_dim, common["IEEE"], fp8, wide, qk)
-                 for fp8, wide in ((False, False), (common["KV_FP8"], num_tokens >= WIDE_DECODE_ROWS)))
 
 
 def _constexprs(q: torch.Tensor, kv_cache: torch.Tensor, sliding_window: int | None, logits_soft_cap: float | None,
