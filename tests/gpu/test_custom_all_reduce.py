@@ -1,6 +1,7 @@
 """GPU-only (two GPUs): the peer-memory all-reduce (distributed/custom_all_reduce) gives NCCL's
-sums bit for bit, eagerly and replayed in a CUDA graph, for every size up to its buffer; larger
-and fp16 messages fall back to NCCL; a TP=2 engine with it gives the same tokens as with NCCL."""
+sums bit for bit, eagerly, back to back across its three kernels and replayed in a CUDA graph, for
+every size up to its buffer; larger and fp16 messages fall back to NCCL; a TP=2 engine with it
+gives the same tokens as with NCCL."""
 from __future__ import annotations
 
 import socket
@@ -54,6 +55,20 @@ def _check_rank(rank: int, port: int) -> None:
             assert comm.takes(x) == expect_custom, (shape, dtype)
             got = ps.tensor_model_parallel_all_reduce(x.clone())
             assert got.shape == x.shape and torch.equal(got, want), (shape, dtype)
+    # Back to back, sizes alternating between the kernels (torch's one-shot / two-shot, the Triton one-shot
+    # from TRITON_MIN_BYTES): every sum exact, and the Triton kernel's barrier flags all 0 again after.
+    xs = [torch.randn(rows, 4096, device=device, generator=gen).to(torch.bfloat16)
+          for rows in (64, 1, 256, 31, 512, 128)]
+    wants = [x.clone() for x in xs]
+    for w in wants:
+        dist.all_reduce(w)
+    assert any(x.numel() * 2 >= comm.triton_min_bytes for x in xs) and any(x.numel() * 2 < comm.triton_min_bytes
+                                                                              for x in xs)
+    for _ in range(20):
+        for x, w in zip(xs, wants):
+            assert torch.equal(ps.tensor_model_parallel_all_reduce(x), w)
+    torch.cuda.synchronize()
+    assert comm.buffer[comm.max_bytes:].count_nonzero().item() == 0
     # Replayed in a CUDA graph (as decode steps run) with new inputs each replay.
     static = torch.empty(32, 4096, device=device, dtype=torch.bfloat16)
     side = torch.cuda.Stream()

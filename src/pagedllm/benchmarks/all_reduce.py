@@ -20,7 +20,7 @@ import torch
 
 from pagedllm.benchmarks.common import emit, int_list, print_table
 
-PATHS = ("nccl", "one_shot", "two_shot")
+PATHS = ("nccl", "one_shot", "two_shot", "triton")
 
 
 def _reduce(path: str, comm, x: torch.Tensor) -> torch.Tensor:
@@ -30,6 +30,7 @@ def _reduce(path: str, comm, x: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(x)
         return x
     comm.one_shot_max_bytes = comm.max_bytes if path == "one_shot" else 0
+    comm.triton_min_bytes = 0 if path == "triton" else comm.max_bytes + 1
     return comm.all_reduce(x)
 
 

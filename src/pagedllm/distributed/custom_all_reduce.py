@@ -10,9 +10,11 @@ space over NVLink through CUDA IPC handles, no multicast). An all-reduce is then
 - **two-shot** (medium): a reduce-scatter then an all-gather through the buffers, each rank
   reading only ``1/tp`` of every peer's data.
 
-Large messages (prefill chunks) stay on NCCL, which saturates the links there. Both kernels
-come from torch (``torch.ops.symm_mem``), replay inside CUDA graphs (their barriers are device
-side), and add in a fixed rank order, so every rank holds bit-identical sums as with NCCL.
+Both kernels come from torch (``torch.ops.symm_mem``); from ``TRITON_MIN_BYTES`` up a one-shot
+kernel of our own takes over (``triton_all_reduce``: the same steps over many more programs, so
+more bytes are in flight over NVLink). Large messages (prefill chunks) stay on NCCL, which
+saturates the links there. All replay inside CUDA graphs (their barriers are device side) and add
+in a fixed rank order, so every rank holds bit-identical sums as with NCCL.
 
 The path a tensor takes depends only on its dtype and size, which every rank shares, so the
 ranks always meet in the same collective. Where peer memory is unavailable (no P2P between
@@ -31,6 +33,9 @@ logger = logging.getLogger("pagedllm")
 # (benchmarks/all_reduce.py; README "Tensor parallelism").
 ONE_SHOT_MAX_BYTES = 1 << 20
 TWO_SHOT_MAX_BYTES = 8 << 20
+TRITON_MIN_BYTES = 256 << 10  # the Triton one-shot from here up (to max_bytes)
+_FLAG_BYTES = 64 << 10  # after the data: the Triton kernel's barrier flags (2 x programs x ranks int32)
+_TRITON_BLOCK = 4096  # elements a program moves per iteration
 _DTYPES = (torch.bfloat16, torch.float32)  # what torch's symmetric-memory kernels add
 
 
@@ -47,9 +52,18 @@ class CustomAllReduce:
         self.group_name = group_name
         self.max_bytes = max_bytes
         self.one_shot_max_bytes = min(one_shot_max_bytes, max_bytes)
-        self.buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
+        self.triton_min_bytes = TRITON_MIN_BYTES
+        self.buffer = symm_mem.empty(max_bytes + _FLAG_BYTES, dtype=torch.uint8, device=device)
         self.handle = symm_mem.rendezvous(self.buffer, group_name)
-        self.world_size = self.handle.world_size
+        self.world_size, self.rank = self.handle.world_size, self.handle.rank
+        # Every rank's buffer and flag area by address, for the Triton kernel; flags start at 0 on every
+        # rank before any rank's kernel can set one (the device-side barrier after the memset).
+        ptrs = list(self.handle.buffer_ptrs)
+        self._bufs = torch.tensor(ptrs, dtype=torch.int64, device=device)
+        self._flags = torch.tensor([p + max_bytes for p in ptrs], dtype=torch.int64, device=device)
+        self.buffer[max_bytes:].zero_()
+        self.handle.barrier()
+        self._max_programs = 2 * torch.cuda.get_device_properties(device).multi_processor_count
 
     def takes(self, x: torch.Tensor) -> bool:
         """Whether ``x`` goes through peer memory (else NCCL); the same answer on every rank."""
@@ -62,13 +76,25 @@ class CustomAllReduce:
         nbytes = x.numel() * x.element_size()
         buf = self.buffer[:nbytes].view(x.dtype)
         out = torch.empty_like(x)
-        if nbytes <= self.one_shot_max_bytes:
+        if nbytes >= self.triton_min_bytes:
+            self._triton_one_shot(x.view(-1), out.view(-1))
+        elif nbytes <= self.one_shot_max_bytes:
             # The kernel copies x into this rank's buffer itself, then sums every rank's buffer.
             torch.ops.symm_mem.one_shot_all_reduce_copy_out(buf, x.view(-1), "sum", self.group_name, out.view(-1))
         else:
             buf.copy_(x.view(-1))
             torch.ops.symm_mem.two_shot_all_reduce_out(buf, "sum", self.group_name, out.view(-1))
         return out
+
+    def _triton_one_shot(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        from pagedllm.distributed.triton_all_reduce import one_shot_all_reduce_kernel
+
+        n = x.numel()
+        programs = min(self._max_programs, -(-n // _TRITON_BLOCK))
+        chunk = -(-n // (programs * _TRITON_BLOCK)) * _TRITON_BLOCK
+        programs = -(-n // chunk)  # every program owns a non-empty chunk
+        one_shot_all_reduce_kernel[(programs,)](x, out, self._bufs, self._flags, n, chunk, RANK=self.rank,
+                                                WORLD=self.world_size, BLOCK=_TRITON_BLOCK, num_warps=8)
 
 
 def make_custom_all_reduce(group, device: torch.device) -> CustomAllReduce | None:
