@@ -55,19 +55,29 @@ def _check_rank(rank: int, port: int) -> None:
             assert comm.takes(x) == expect_custom, (shape, dtype)
             got = ps.tensor_model_parallel_all_reduce(x.clone())
             assert got.shape == x.shape and torch.equal(got, want), (shape, dtype)
-    # Back to back, sizes alternating between the kernels (torch's one-shot / two-shot, the Triton one-shot
-    # from TRITON_MIN_BYTES): every sum exact, and the Triton kernel's barrier flags all 0 again after.
-    xs = [torch.randn(rows, 4096, device=device, generator=gen).to(torch.bfloat16)
-          for rows in (64, 1, 256, 31, 512, 128)]
+    # Back to back in a graph, sizes alternating between the kernels (torch's one-shot / two-shot, the Triton
+    # one-shot from TRITON_MIN_BYTES): every sum exact, and the Triton kernel's barrier flags all 0 again after.
+    xs = [torch.randn(rows, 4096, device=device, generator=gen).to(dtype)
+          for rows, dtype in ((64, torch.bfloat16), (1, torch.bfloat16), (256, torch.bfloat16), (31, torch.bfloat16),
+                              (512, torch.bfloat16), (128, torch.float32), (128, torch.bfloat16))]
     wants = [x.clone() for x in xs]
-    for w in wants:
+    for x, w in zip(xs, wants):
         dist.all_reduce(w)
-    assert any(x.numel() * 2 >= comm.triton_min_bytes for x in xs) and any(x.numel() * 2 < comm.triton_min_bytes
-                                                                              for x in xs)
-    for _ in range(20):
-        for x, w in zip(xs, wants):
-            assert torch.equal(ps.tensor_model_parallel_all_reduce(x), w)
+        out = torch.empty_like(x)
+        comm._triton_one_shot(x.view(-1), out.view(-1))  # launched eagerly too (the benchmark's eager row)
+        assert torch.equal(out, w)
+    sizes = [x.numel() * x.element_size() for x in xs]
+    assert min(sizes) < comm.triton_min_bytes <= max(sizes)
+    outs = [torch.empty_like(x) for x in xs]
+    graph = torch.cuda.CUDAGraph()  # the Triton kernel runs in graphs only (as in decode steps)
+    with torch.cuda.graph(graph):
+        for _ in range(3):
+            for x, o in zip(xs, outs):
+                o.copy_(ps.tensor_model_parallel_all_reduce(x))
+    for _ in range(7):
+        graph.replay()
     torch.cuda.synchronize()
+    assert all(torch.equal(o, w) for o, w in zip(outs, wants))
     assert comm.buffer[comm.max_bytes:].count_nonzero().item() == 0
     # Replayed in a CUDA graph (as decode steps run) with new inputs each replay.
     static = torch.empty(32, 4096, device=device, dtype=torch.bfloat16)
