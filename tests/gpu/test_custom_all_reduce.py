@@ -56,7 +56,7 @@ def _check_rank(rank: int, port: int) -> None:
             got = ps.tensor_model_parallel_all_reduce(x.clone())
             assert got.shape == x.shape and torch.equal(got, want), (shape, dtype)
     # Back to back in a graph, sizes alternating between the kernels (torch's one-shot / two-shot, the Triton
-    # one-shot from TRITON_MIN_BYTES): every sum exact, the Triton kernel's counts consistent after.
+    # one-shot from TRITON_MIN_BYTES): every sum exact, and the Triton kernel's barrier flags all 0 again after.
     xs = [torch.randn(rows, 4096, device=device, generator=gen).to(dtype)
           for rows, dtype in ((64, torch.bfloat16), (1, torch.bfloat16), (256, torch.bfloat16), (31, torch.bfloat16),
                               (512, torch.bfloat16), (128, torch.float32), (128, torch.bfloat16))]
@@ -78,10 +78,7 @@ def _check_rank(rank: int, port: int) -> None:
         graph.replay()
     torch.cuda.synchronize()
     assert all(torch.equal(o, w) for o, w in zip(outs, wants))
-    # every flag counts the calls (one per call and program slot used); the state's done-count is back at 0
-    calls = comm._state[0].item()
-    assert calls > 0 and comm._state[1].item() == 0
-    assert comm.buffer[2 * comm.max_bytes:].view(torch.int32).max().item() == calls
+    assert comm.buffer[comm.max_bytes:].count_nonzero().item() == 0
     # Replayed in a CUDA graph (as decode steps run) with new inputs each replay.
     static = torch.empty(32, 4096, device=device, dtype=torch.bfloat16)
     side = torch.cuda.Stream()

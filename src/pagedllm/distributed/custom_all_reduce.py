@@ -38,7 +38,7 @@ TWO_SHOT_MAX_BYTES = 8 << 20
 # The Triton one-shot from here up (to max_bytes), in CUDA graphs: launched from Python it costs ~15 µs
 # more host time than torch's ops, which an eager step (a prefill chunk past the pieces) would wait on.
 TRITON_MIN_BYTES = 256 << 10
-_FLAG_BYTES = 64 << 10  # after the data (two halves): the Triton kernel's flags (programs x ranks int32)
+_FLAG_BYTES = 64 << 10  # after the data: the Triton kernel's barrier flags (2 x programs x ranks int32)
 _TRITON_BLOCK = 4096  # elements a program moves per iteration
 _DTYPES = (torch.bfloat16, torch.float32)  # what torch's symmetric-memory kernels add
 
@@ -57,18 +57,15 @@ class CustomAllReduce:
         self.max_bytes = max_bytes
         self.one_shot_max_bytes = min(one_shot_max_bytes, max_bytes)
         self.triton_min_bytes = TRITON_MIN_BYTES
-        # The Triton kernel alternates between two halves of the data area (its calls never wait for
-        # the peers to have read the previous one); torch's kernels use the first.
-        self.buffer = symm_mem.empty(2 * max_bytes + _FLAG_BYTES, dtype=torch.uint8, device=device)
+        self.buffer = symm_mem.empty(max_bytes + _FLAG_BYTES, dtype=torch.uint8, device=device)
         self.handle = symm_mem.rendezvous(self.buffer, group_name)
         self.world_size, self.rank = self.handle.world_size, self.handle.rank
         # Every rank's buffer and flag area by address, for the Triton kernel; flags start at 0 on every
         # rank before any rank's kernel can set one (the device-side barrier after the memset).
         ptrs = list(self.handle.buffer_ptrs)
         self._bufs = torch.tensor(ptrs, dtype=torch.int64, device=device)
-        self._flags = torch.tensor([p + 2 * max_bytes for p in ptrs], dtype=torch.int64, device=device)
-        self._state = torch.zeros(2, dtype=torch.int32, device=device)  # [calls so far, programs done]
-        self.buffer[2 * max_bytes:].zero_()
+        self._flags = torch.tensor([p + max_bytes for p in ptrs], dtype=torch.int64, device=device)
+        self.buffer[max_bytes:].zero_()
         self.handle.barrier()
         self._max_programs = 2 * torch.cuda.get_device_properties(device).multi_processor_count
         for dtype in _DTYPES:  # compiled and loaded now, not first inside a graph capture (collective)
@@ -103,8 +100,7 @@ class CustomAllReduce:
         programs = min(self._max_programs, -(-n // _TRITON_BLOCK))
         chunk = -(-n // (programs * _TRITON_BLOCK)) * _TRITON_BLOCK
         programs = -(-n // chunk)  # every program owns a non-empty chunk
-        one_shot_all_reduce_kernel[(programs,)](x, out, self._bufs, self._flags, self._state, n, chunk,
-                                                self.max_bytes // x.element_size(), RANK=self.rank,
+        one_shot_all_reduce_kernel[(programs,)](x, out, self._bufs, self._flags, n, chunk, RANK=self.rank,
                                                 WORLD=self.world_size, BLOCK=_TRITON_BLOCK, num_warps=8)
 
 
