@@ -18,8 +18,7 @@ NCCL, which saturates the links there. All replay inside CUDA graphs (their barr
 side) and add in a fixed rank order, so every rank holds bit-identical sums as with NCCL.
 
 The path a tensor takes depends only on its dtype, its size and whether a CUDA graph is being
-captured, which every rank shares, so the
-ranks always meet in the same collective. Where peer memory is unavailable (no P2P between
+captured, which every rank shares, so the ranks always meet in the same collective. Where peer memory is unavailable (no P2P between
 the GPUs, a torch without symmetric memory, a failed rendezvous) the engine logs one line and
 keeps NCCL; ``disable_custom_all_reduce=True`` (vLLM's flag) keeps NCCL by choice.
 """
@@ -37,6 +36,7 @@ ONE_SHOT_MAX_BYTES = 1 << 20
 TWO_SHOT_MAX_BYTES = 8 << 20
 # The Triton one-shot from here up (to max_bytes), in CUDA graphs: launched from Python it costs ~15 µs
 # more host time than torch's ops, which an eager step (a prefill chunk past the pieces) would wait on.
+# Two ranks only (measured and checked on 2x H200; more ranks keep torch's kernels).
 TRITON_MIN_BYTES = 256 << 10
 _FLAG_BYTES = 64 << 10  # after the data: the Triton kernel's barrier flags (2 x programs x ranks int32)
 _TRITON_BLOCK = 4096  # elements a program moves per iteration
@@ -56,10 +56,10 @@ class CustomAllReduce:
         self.group_name = group_name
         self.max_bytes = max_bytes
         self.one_shot_max_bytes = min(one_shot_max_bytes, max_bytes)
-        self.triton_min_bytes = TRITON_MIN_BYTES
         self.buffer = symm_mem.empty(max_bytes + _FLAG_BYTES, dtype=torch.uint8, device=device)
         self.handle = symm_mem.rendezvous(self.buffer, group_name)
         self.world_size, self.rank = self.handle.world_size, self.handle.rank
+        self.triton_min_bytes = TRITON_MIN_BYTES if self.world_size == 2 else max_bytes + 1
         # Every rank's buffer and flag area by address, for the Triton kernel; flags start at 0 on every
         # rank before any rank's kernel can set one (the device-side barrier after the memset).
         ptrs = list(self.handle.buffer_ptrs)
@@ -68,9 +68,9 @@ class CustomAllReduce:
         self.buffer[max_bytes:].zero_()
         self.handle.barrier()
         self._max_programs = 2 * torch.cuda.get_device_properties(device).multi_processor_count
-        for dtype in _DTYPES:  # compiled and loaded now, not first inside a graph capture (collective)
-            x = torch.zeros(_TRITON_BLOCK, dtype=dtype, device=device)
-            self._triton_one_shot(x, torch.empty_like(x))
+        for dtype in _DTYPES if self.triton_min_bytes <= max_bytes else ():
+            x = torch.zeros(_TRITON_BLOCK, dtype=dtype, device=device)  # compiled and loaded now, not first
+            self._triton_one_shot(x, torch.empty_like(x))  # inside a graph capture (collective: every rank)
 
     def takes(self, x: torch.Tensor) -> bool:
         """Whether ``x`` goes through peer memory (else NCCL); the same answer on every rank."""
@@ -127,8 +127,11 @@ def make_custom_all_reduce(group, device: torch.device) -> CustomAllReduce | Non
             reason = f"symmetric-memory rendezvous failed ({type(e).__name__}: {e})"
         else:
             if dist.get_rank(group) == 0:
+                triton = f"; in CUDA graphs the Triton one-shot from {comm.triton_min_bytes >> 10} KiB" \
+                    if comm.triton_min_bytes <= comm.max_bytes else ""
                 logger.info("Custom all-reduce over peer memory on %d GPUs (one-shot up to %d KiB, two-shot up "
-                            "to %d MiB, NCCL above)", len(ranks), comm.one_shot_max_bytes >> 10, comm.max_bytes >> 20)
+                            "to %d MiB%s, NCCL above)", len(ranks), comm.one_shot_max_bytes >> 10,
+                            comm.max_bytes >> 20, triton)
             return comm
     if dist.get_rank(group) == 0:
         logger.warning("Custom all-reduce off (%s): tensor-parallel all-reduces use NCCL", reason)

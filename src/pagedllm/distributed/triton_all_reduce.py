@@ -2,8 +2,8 @@
 
 torch's one-shot and two-shot kernels (``torch.ops.symm_mem``) move ~100-150 GB/s over NVLink at
 1-8 MiB on two H200s (README, "Tensor parallelism"), a fraction of the links. This kernel spreads a
-message over up to two programs per SM (8 warps, no shared memory: all resident at once, so a program
-never waits on a peer's program that cannot start), so many more bytes are in flight. Program ``p``
+message over up to two programs per SM (8 warps, almost no shared memory: all resident at once, so a
+program never waits on a peer's program that cannot start), so many more bytes are in flight. Program ``p``
 owns one contiguous chunk of the message on every rank:
 
 1. copies its chunk of ``x`` into this rank's buffer;
