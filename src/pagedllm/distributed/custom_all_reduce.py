@@ -94,12 +94,10 @@ class CustomAllReduce:
         return out
 
     def _triton_one_shot(self, x: torch.Tensor, out: torch.Tensor) -> None:
-        from pagedllm.distributed.triton_all_reduce import one_shot_all_reduce_kernel
+        from pagedllm.distributed.triton_all_reduce import launch_shape, one_shot_all_reduce_kernel
 
         n = x.numel()
-        programs = min(self._max_programs, -(-n // _TRITON_BLOCK))
-        chunk = -(-n // (programs * _TRITON_BLOCK)) * _TRITON_BLOCK
-        programs = -(-n // chunk)  # every program owns a non-empty chunk
+        programs, chunk = launch_shape(n, self._max_programs, _TRITON_BLOCK)
         one_shot_all_reduce_kernel[(programs,)](x, out, self._bufs, self._flags, n, chunk, RANK=self.rank,
                                                 WORLD=self.world_size, BLOCK=_TRITON_BLOCK, num_warps=8)
 

@@ -24,6 +24,14 @@ import triton
 import triton.language as tl
 
 
+def launch_shape(n: int, max_programs: int, block: int) -> tuple[int, int]:
+    """(programs, chunk) for ``n`` elements: chunks of whole ``block``s, at most ``max_programs`` of them,
+    none empty (a program past the message would still meet its peers, for nothing)."""
+    programs = min(max_programs, -(-n // block))
+    chunk = -(-n // (programs * block)) * block
+    return -(-n // chunk), chunk
+
+
 @triton.jit
 def _meet_peers(flags, slot, RANK: tl.constexpr, WORLD: tl.constexpr):
     """Barrier of this program with the programs of the same index on the other ranks. ``flags``:

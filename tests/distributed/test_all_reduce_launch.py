@@ -1,0 +1,24 @@
+"""The Triton one-shot all-reduce's launch shape (distributed/triton_all_reduce.launch_shape): every
+element of a message in exactly one program's chunk, chunks of whole blocks, no program without
+elements (it would still meet its peers), at most the cap, and the barrier flags of the widest
+launch within the flag area after the data (custom_all_reduce). The kernel itself needs two GPUs:
+tests/gpu/test_custom_all_reduce.py."""
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("triton")
+
+from pagedllm.distributed import custom_all_reduce as car  # noqa: E402
+from pagedllm.distributed.triton_all_reduce import launch_shape  # noqa: E402
+
+
+@pytest.mark.parametrize("max_programs", [264, 296, 1])
+def test_launch_shape_covers_every_element_once(max_programs):
+    block = car._TRITON_BLOCK
+    for n in (8, block - 8, block, block + 8, 32 * 4096, 37 * 4096, 256 * 4096, 1024 * 4096, 2048 * 4096 // 2 + 8):
+        programs, chunk = launch_shape(n, max_programs, block)
+        assert 1 <= programs <= max_programs and chunk % block == 0, (n, programs, chunk)
+        assert (programs - 1) * chunk < n <= programs * chunk, (n, programs, chunk)  # none empty, all covered
+    # the widest launch's flags (two barriers x programs x up to 8 ranks, int32) fit the area after the data
+    assert 2 * max(max_programs, 2 * 148) * 8 * 4 <= car._FLAG_BYTES
