@@ -63,6 +63,11 @@ SHAPES = {
 }
 
 
+def story_chat(i: int) -> list[dict]:
+    """Workload 5's (and workload 6's) chat number ``i`` (docs/benchmarks.md)."""
+    return [{"role": "user", "content": f"Write a short story about item {i}"}]
+
+
 def write_shape(shape: str, tokenizer_dir: str | None = None, **overrides) -> str:
     """A temporary model folder: the shape's config.json (with ``overrides``), plus the
     tokenizer files of ``tokenizer_dir`` when given (the server needs a tokenizer)."""

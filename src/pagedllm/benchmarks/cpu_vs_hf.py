@@ -18,7 +18,7 @@ import subprocess
 import time
 
 from pagedllm import envs
-from pagedllm.benchmarks.common import emit
+from pagedllm.benchmarks.common import emit, story_chat
 
 PEER_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_peer.py")
 
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> None:
     llm = LLM(model_path, dtype=args.dtype, max_model_len=args.max_model_len,
               kv_cache_memory_bytes=args.kv_cache_memory_bytes)
     tok = llm.get_tokenizer()
-    convs = [[{"role": "user", "content": f"Write a short story about item {i}"}] for i in range(args.num_requests)]
+    convs = [story_chat(i) for i in range(args.num_requests)]
     prompts = [tok.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in convs]
     prompt_ids = [tok.encode(t, add_special_tokens=False) for t in prompts]
     sp = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=True)

@@ -43,7 +43,7 @@ import urllib.request
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from pagedllm.benchmarks.common import SHAPES, emit, float_list, percentile, print_table, write_shape
+from pagedllm.benchmarks.common import SHAPES, emit, float_list, percentile, print_table, story_chat, write_shape
 
 SERVE_VOCAB_SIZE = 49152  # SmolLM2's tokenizer
 PERCENTILES = (50, 90, 99)
@@ -85,8 +85,7 @@ def draw_chats(num_prompts: int, request_rate: float, max_tokens: int = 128,
     """Workload 6's chats (BENCHMARKS.md): workload 5's user message for request i, each asking for
     ``max_tokens``; Poisson gaps drawn as draw_workload draws them."""
     rng = random.Random(seed)
-    requests = [BenchRequest([], max_tokens, [{"role": "user", "content": f"Write a short story about item {i}"}])
-                for i in range(num_prompts)]
+    requests = [BenchRequest([], max_tokens, story_chat(i)) for i in range(num_prompts)]
     return requests, [rng.expovariate(request_rate) for _ in range(num_prompts)]
 
 
