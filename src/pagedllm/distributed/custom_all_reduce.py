@@ -38,7 +38,7 @@ TWO_SHOT_MAX_BYTES = 8 << 20
 # more host time than torch's ops, which an eager step (a prefill chunk past the pieces) would wait on.
 # Two ranks only (measured and checked on 2x H200; more ranks keep torch's kernels).
 TRITON_MIN_BYTES = 256 << 10
-_FLAG_BYTES = 64 << 10  # after the data: the Triton kernel's barrier flags (2 x programs x ranks int32)
+_FLAG_BYTES = 64 << 10  # after the data (two halves): the Triton kernel's flags (programs x ranks int32)
 _TRITON_BLOCK = 4096  # elements a program moves per iteration
 _DTYPES = (torch.bfloat16, torch.float32)  # what torch's symmetric-memory kernels add
 
@@ -56,7 +56,7 @@ class CustomAllReduce:
         self.group_name = group_name
         self.max_bytes = max_bytes
         self.one_shot_max_bytes = min(one_shot_max_bytes, max_bytes)
-        self.buffer = symm_mem.empty(max_bytes + _FLAG_BYTES, dtype=torch.uint8, device=device)
+        self.buffer = symm_mem.empty(2 * max_bytes + _FLAG_BYTES, dtype=torch.uint8, device=device)
         self.handle = symm_mem.rendezvous(self.buffer, group_name)
         self.world_size, self.rank = self.handle.world_size, self.handle.rank
         self.triton_min_bytes = TRITON_MIN_BYTES if self.world_size == 2 else max_bytes + 1
@@ -64,8 +64,9 @@ class CustomAllReduce:
         # rank before any rank's kernel can set one (the device-side barrier after the memset).
         ptrs = list(self.handle.buffer_ptrs)
         self._bufs = torch.tensor(ptrs, dtype=torch.int64, device=device)
-        self._flags = torch.tensor([p + max_bytes for p in ptrs], dtype=torch.int64, device=device)
-        self.buffer[max_bytes:].zero_()
+        self._flags = torch.tensor([p + 2 * max_bytes for p in ptrs], dtype=torch.int64, device=device)
+        self._state = torch.zeros(2, dtype=torch.int32, device=device)
+        self.buffer[2 * max_bytes:].zero_()
         self.handle.barrier()
         self._max_programs = 2 * torch.cuda.get_device_properties(device).multi_processor_count
         for dtype in _DTYPES if self.triton_min_bytes <= max_bytes else ():
@@ -98,7 +99,8 @@ class CustomAllReduce:
 
         n = x.numel()
         programs, chunk = launch_shape(n, self._max_programs, _TRITON_BLOCK)
-        one_shot_all_reduce_kernel[(programs,)](x, out, self._bufs, self._flags, n, chunk, RANK=self.rank,
+        one_shot_all_reduce_kernel[(programs,)](x, out, self._bufs, self._flags, self._state, n, chunk,
+                                                self.max_bytes // x.element_size(), RANK=self.rank,
                                                 WORLD=self.world_size, BLOCK=_TRITON_BLOCK, num_warps=8)
 
 

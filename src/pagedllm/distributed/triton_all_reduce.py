@@ -6,17 +6,22 @@ message over up to two programs per SM (8 warps, almost no shared memory: all re
 program never waits on a peer's program that cannot start), so many more bytes are in flight. Program ``p``
 owns one contiguous chunk of the message on every rank:
 
-1. copies its chunk of ``x`` into this rank's buffer;
-2. meets program ``p`` of every other rank at a barrier (a flag in each peer's flag area, set
-   with release semantics after a CTA barrier; its own flags awaited with acquire semantics);
+1. copies its chunk of ``x`` into this rank's buffer, into the half of the data area of this
+   call's parity;
+2. meets program ``p`` of every other rank: writes the call's number into its flag in each peer's
+   flag area (release, after a CTA barrier), then waits until each peer's flag in its own area has
+   reached it (acquire);
 3. sums the chunk over the ranks in rank order (float32; the local term read from ``x``, the peers'
    past L1) and stores it;
-4. meets the same programs again, so that no rank overwrites its buffer (the next call's step 1)
-   while a peer still reads it.
+4. counts itself done; the call's last program advances the call number (``state[0]``).
 
-Only chunk ``p`` crosses between programs ``p``, so the barriers are per program, not global.
-Every flag is set from 0 to 1 by its writer and back to 0 by its reader (compare-and-swap loops
-both ways), so the area is zero again after every launch, and CUDA graph replays reuse it.
+Only chunk ``p`` crosses between programs ``p``, so the barrier is per program, not global. No
+second barrier guards the buffer: consecutive calls write alternate halves, and a rank writes a
+half again only two calls later, once it has met a peer's program in the call between, which the
+peer starts only after its own call before (the reader of that half) has ended. The flags hold
+call numbers, compared by wrapping difference (a peer is at most one call ahead), so nothing
+resets them: a program slot that calls with fewer programs leave unused keeps an older number
+(flags that counted calls instead hung there), and CUDA graph replays go on from the last call.
 """
 from __future__ import annotations
 
@@ -33,37 +38,32 @@ def launch_shape(n: int, max_programs: int, block: int) -> tuple[int, int]:
 
 
 @triton.jit
-def _meet_peers(flags, slot, RANK: tl.constexpr, WORLD: tl.constexpr):
-    """Barrier of this program with the programs of the same index on the other ranks. ``flags``:
-    per rank, the int64 address of its flag area; ``slot``: this barrier's row of WORLD flags."""
-    tl.debug_barrier()  # every thread's memory operations come before the release below
-    for r in tl.static_range(WORLD):
-        if r != RANK:
-            peer = tl.load(flags + r).to(tl.pointer_type(tl.int32)) + slot * WORLD + RANK
-            while tl.atomic_cas(peer, 0, 1, sem="release", scope="sys") != 0:
-                pass
-    mine = tl.load(flags + RANK).to(tl.pointer_type(tl.int32)) + slot * WORLD
-    for r in tl.static_range(WORLD):
-        if r != RANK:
-            while tl.atomic_cas(mine + r, 1, 0, sem="acquire", scope="sys") != 1:
-                pass
-    tl.debug_barrier()
-
-
-@triton.jit
-def one_shot_all_reduce_kernel(x_ptr, out_ptr, bufs, flags, n, chunk,
+def one_shot_all_reduce_kernel(x_ptr, out_ptr, bufs, flags, state, n, chunk, half,
                                RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr):
-    """``bufs`` / ``flags``: int64 arrays of every rank's buffer / flag-area address; ``chunk``: elements
-    per program (a multiple of BLOCK)."""
+    """``bufs`` / ``flags``: int64 arrays of every rank's buffer / flag-area address; ``state``: this
+    rank's [calls so far, programs done in this call] (int32); ``chunk``: elements per program (a
+    multiple of BLOCK); ``half``: elements in one half of the data area."""
     pid = tl.program_id(0)
+    call = tl.load(state, volatile=True)  # the same for every program: advanced once all are done
     lo = pid.to(tl.int64) * chunk
+    side = (call & 1).to(tl.int64) * half  # this call's half of every buffer
     dtype = x_ptr.dtype.element_ty
-    mine = tl.multiple_of(tl.load(bufs + RANK).to(tl.pointer_type(dtype)), 16)  # symmetric buffers: 16-aligned
+    mine = tl.multiple_of(tl.load(bufs + RANK).to(tl.pointer_type(dtype)), 16) + side  # symmetric: 16-aligned
     for start in range(0, chunk, BLOCK):
         offs = tl.multiple_of(lo + start, BLOCK) + tl.arange(0, BLOCK)
         ok = offs < n
         tl.store(mine + offs, tl.load(x_ptr + offs, mask=ok), mask=ok)
-    _meet_peers(flags, 2 * pid, RANK, WORLD)
+    tl.debug_barrier()  # every thread's copy comes before the release below
+    for r in tl.static_range(WORLD):
+        if r != RANK:
+            tl.atomic_xchg(tl.load(flags + r).to(tl.pointer_type(tl.int32)) + pid * WORLD + RANK, call + 1,
+                           sem="release", scope="sys")
+    own = tl.load(flags + RANK).to(tl.pointer_type(tl.int32)) + pid * WORLD
+    for r in tl.static_range(WORLD):
+        if r != RANK:
+            while tl.atomic_add(own + r, 0, sem="acquire", scope="sys") - (call + 1) < 0:
+                pass
+    tl.debug_barrier()
     for start in range(0, chunk, BLOCK):
         offs = tl.multiple_of(lo + start, BLOCK) + tl.arange(0, BLOCK)
         ok = offs < n
@@ -72,7 +72,9 @@ def one_shot_all_reduce_kernel(x_ptr, out_ptr, bufs, flags, n, chunk,
             if r == RANK:
                 acc += tl.load(x_ptr + offs, mask=ok).to(tl.float32)
             else:
-                peer = tl.multiple_of(tl.load(bufs + r).to(tl.pointer_type(dtype)), 16)
+                peer = tl.multiple_of(tl.load(bufs + r).to(tl.pointer_type(dtype)), 16) + side
                 acc += tl.load(peer + offs, mask=ok, cache_modifier=".cv").to(tl.float32)
         tl.store(out_ptr + offs, acc.to(dtype), mask=ok)
-    _meet_peers(flags, 2 * pid + 1, RANK, WORLD)
+    if tl.atomic_add(state + 1, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
+        tl.atomic_xchg(state + 1, 0)
+        tl.atomic_xchg(state, call + 1)
