@@ -1,6 +1,7 @@
 """Small process-wide helpers."""
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 
@@ -16,6 +17,33 @@ def freeze_gc_heap() -> None:
     after start-up. Call it at the end of a process's initialisation."""
     gc.collect()
     gc.freeze()
+
+
+# While an engine runs, a full collection (CPython's generation 2) happens after this many collections of
+# generation 1 (CPython's default: 10), still only once the survivors have grown by a quarter.
+FULL_GC_AFTER = 1000
+
+
+def rare_full_collections() -> None:
+    """Make full collections rare in a process that runs the engine. Each one walks every live
+    request's token lists (prompt and output ids: the frontend's, the scheduler's and the worker's
+    copies), 17 ms for 1,000 workload-1 requests on a 2-core VM and 46-73 ms on an H200 host, where
+    each stalled the GPU for as long (5 of them in a 5.9 s qwen3-0.6b run: GPU idle gaps of those
+    lengths). Young collections go on as before; cyclic garbage that grew old waits longer."""
+    t0, t1, t2 = gc.get_threshold()
+    gc.set_threshold(t0, t1, max(t2, FULL_GC_AFTER))
+
+
+@contextlib.contextmanager
+def fewer_full_collections():
+    """``rare_full_collections`` for a block of the caller's process (``LLM.generate``), then the
+    thresholds as they were."""
+    thresholds = gc.get_threshold()
+    rare_full_collections()
+    try:
+        yield
+    finally:
+        gc.set_threshold(*thresholds)
 
 
 def held_back(text: str, markers: tuple[str, ...]) -> int:

@@ -31,3 +31,35 @@ def test_engine_start_up_freezes_the_heap_and_a_dropped_engine_is_freed(tiny_mod
     del llm, runner, out
     assert [r() is None for r in refs] == [True] * len(refs)  # freed by reference counting alone
     gc.unfreeze()
+
+
+def test_generate_makes_full_collections_rare_and_restores_the_thresholds(tiny_models):
+    """Inside LLM.generate a full collection (which walks every live request's token lists and
+    stalled the GPU as long) needs FULL_GC_AFTER young-generation passes instead of CPython's 10;
+    the caller's thresholds are back afterwards, also when generate raises."""
+    from pagedllm.utils import FULL_GC_AFTER
+
+    llm = LLM(tiny_models["llama"], dtype="float32", kv_cache_memory_bytes=TEST_KV_BYTES, max_model_len=64)
+    engine, seen = llm.llm_engine, []
+    step = engine.step
+
+    def recording_step():
+        seen.append(gc.get_threshold())
+        return step()
+
+    engine.step = recording_step
+    before = gc.get_threshold()
+    assert before[2] < FULL_GC_AFTER
+    llm.generate(["a b c"] * 3, SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    assert seen and all(t == (before[0], before[1], FULL_GC_AFTER) for t in seen)
+    assert gc.get_threshold() == before
+
+    def failing_step():
+        raise KeyboardInterrupt
+
+    engine.step = failing_step
+    try:
+        llm.generate(["a b c"], SamplingParams(max_tokens=2), use_tqdm=False)
+    except KeyboardInterrupt:
+        pass
+    assert gc.get_threshold() == before

@@ -32,6 +32,7 @@ from pagedllm.core.messages import (
     UtilityCall,
     UtilityResult,
 )
+from pagedllm.utils import rare_full_collections
 
 logger = logging.getLogger("pagedllm")
 
@@ -72,6 +73,7 @@ def run_engine_core(config: EngineConfig | None, input_q: Any, output_q: Any, pa
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
         output_q.put(CoreStartupError(f"{type(e).__name__}: {e}", traceback.format_exc()))
         return
+    rare_full_collections()  # this process only runs the engine
     output_q.put(CoreReady(core.kv_cache_manager.num_blocks))
     try:
         while True:

@@ -20,7 +20,7 @@ from pagedllm.outputs import (
 )
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
-from pagedllm.utils import check_profiling_on
+from pagedllm.utils import check_profiling_on, fewer_full_collections
 
 
 class LLM:
@@ -176,16 +176,17 @@ class LLM:
             bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
             start = time.perf_counter()
             in_tokens = out_tokens = 0
-            while engine.has_unfinished_requests():
-                for out in engine.step():
-                    if out.finished:
-                        results[out.request_id] = out
-                        in_tokens += len(out.prompt_token_ids)
-                        out_tokens += sum(len(o.token_ids) for o in out.outputs)
-                        elapsed = time.perf_counter() - start
-                        bar.set_postfix_str(f"est. speed input: {in_tokens / elapsed:.2f} toks/s, "
-                                            f"output: {out_tokens / elapsed:.2f} toks/s", refresh=False)
-                        bar.update(1)
+            with fewer_full_collections():  # each would stall the device (utils.rare_full_collections)
+                while engine.has_unfinished_requests():
+                    for out in engine.step():
+                        if out.finished:
+                            results[out.request_id] = out
+                            in_tokens += len(out.prompt_token_ids)
+                            out_tokens += sum(len(o.token_ids) for o in out.outputs)
+                            elapsed = time.perf_counter() - start
+                            bar.set_postfix_str(f"est. speed input: {in_tokens / elapsed:.2f} toks/s, "
+                                                f"output: {out_tokens / elapsed:.2f} toks/s", refresh=False)
+                            bar.update(1)
             bar.close()
         except BaseException:
             engine.abort_request(ids)  # leave the engine clean for the next call
@@ -312,14 +313,15 @@ class LLM:
             results: dict[str, PoolingRequestOutput] = {}
             bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
             start, in_tokens = time.perf_counter(), 0
-            while engine.has_unfinished_requests():
-                for out in engine.step():
-                    if out.finished:
-                        results[out.request_id] = out
-                        in_tokens += len(out.prompt_token_ids)
-                        bar.set_postfix_str(f"est. speed input: {in_tokens / (time.perf_counter() - start):.2f} "
-                                            "toks/s", refresh=False)
-                        bar.update(1)
+            with fewer_full_collections():
+                while engine.has_unfinished_requests():
+                    for out in engine.step():
+                        if out.finished:
+                            results[out.request_id] = out
+                            in_tokens += len(out.prompt_token_ids)
+                            bar.set_postfix_str(f"est. speed input: {in_tokens / (time.perf_counter() - start):.2f} "
+                                                "toks/s", refresh=False)
+                            bar.update(1)
             bar.close()
         except BaseException:
             engine.abort_request(ids)

@@ -18,7 +18,7 @@ import torch
 from pagedllm import envs
 from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import SchedulerOutput
-from pagedllm.utils import freeze_gc_heap
+from pagedllm.utils import freeze_gc_heap, rare_full_collections
 from pagedllm.worker.executor_base import (
     Executor,
     WorkerFailedError,
@@ -226,6 +226,7 @@ def _worker_main(config: EngineConfig, rank: int, init_method: str, conn) -> Non
         conn.send((-1, False, worker))  # the traceback
         return
     freeze_gc_heap()
+    rare_full_collections()  # a process of ours that runs steps
     conn.send((-1, True, None))
     _serve(worker, conn, rank == config.parallel_config.output_rank, bool(config.scheduler_config.async_scheduling))
     destroy_distributed()

@@ -16,7 +16,7 @@ from typing import Any
 
 from pagedllm import envs
 from pagedllm.config import EngineConfig
-from pagedllm.utils import freeze_gc_heap
+from pagedllm.utils import freeze_gc_heap, rare_full_collections
 from pagedllm.worker.executor_base import (
     PendingStep, WorkerFailedError, WorkerGroupExecutor, WorkerMethod, finish_step, outcome, serve_call,
 )
@@ -346,6 +346,7 @@ class _RayWorker:
                 os.environ["GLOO_SOCKET_IFNAME"] = ifname
         self.worker = Worker(config, rank, init_method, local_rank)
         freeze_gc_heap()
+        rare_full_collections()  # a Ray actor of ours that runs steps
 
     def call(self, payload: tuple) -> tuple[bool, Any]:
         method, args, kwargs = ray.cloudpickle.loads(payload)
