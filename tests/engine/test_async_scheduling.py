@@ -6,14 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pagedllm import SamplingParams, TokensPrompt
-from tests.engine.test_correctness import (
-    MAX_TOKENS,
-    generate_ids,
-    hf_greedy,
-    make_llm,
-    mixed_prompts,
-    shared_prefix_prompts,
-)
+from tests.engine.test_correctness import generate_ids, hf_greedy, make_llm, mixed_prompts, shared_prefix_prompts
 
 
 @pytest.mark.parametrize("kwargs", [
@@ -81,39 +74,3 @@ def test_generate_interrupted_with_a_step_in_flight_leaves_the_engine_empty(tiny
     kv = engine.engine_core.kv_cache_manager
     assert not engine.has_unfinished_requests() and kv.num_free_blocks == kv.num_blocks
     assert generate_ids(llm, prompts) == hf_greedy(tiny_models["qwen3"], prompts)
-
-
-def test_launch_ahead_next_step_in_flight_while_outputs_are_processed(tiny_models, monkeypatch):
-    """LLMEngine launches the next step before it processes a step's outputs: while they are
-    processed two steps are in flight. Stop strings (found there, after the next step left) end
-    requests with the synchronous engine's text, and no block or worker row is left."""
-    prompts = mixed_prompts()
-    sync = make_llm(tiny_models["llama"], async_scheduling=False)
-    fast = make_llm(tiny_models["llama"], async_scheduling=True)
-    core, processor = fast.llm_engine.engine_core, fast.llm_engine.output_processor
-    assert core.launch_ahead
-    in_flight = []
-    process = processor.process_outputs
-
-    def counting(*args, **kwargs):
-        in_flight.append(len(core._batch_queue))
-        return process(*args, **kwargs)
-
-    monkeypatch.setattr(processor, "process_outputs", counting)
-    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    texts = [o.outputs[0].text for o in sync.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], greedy,
-                                                         use_tqdm=False)]
-    assert generate_ids(fast, prompts) == generate_ids(sync, prompts)
-    assert in_flight.count(2) >= MAX_TOKENS - 2  # every step but the first and the last two
-    # a stop string from the middle of each text (random weights: any text is a fine target)
-    stops = [t[len(t) // 2:len(t) // 2 + 3] for t in texts]
-    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[s]) for s in stops]
-    tok = [TokensPrompt(prompt_token_ids=p) for p in prompts]
-    want = [(o.outputs[0].text, o.outputs[0].finish_reason) for o in sync.generate(tok, params, use_tqdm=False)]
-    got = [(o.outputs[0].text, o.outputs[0].finish_reason) for o in fast.generate(tok, params, use_tqdm=False)]
-    assert got == want and sum(reason == "stop" for _, reason in got) >= len(prompts) // 2
-    kv = core.kv_cache_manager
-    assert not fast.llm_engine.has_unfinished_requests() and kv.num_free_blocks == kv.num_blocks
-    runner = core.executor.worker.model_runner
-    last = fast.generate(["flush"], SamplingParams(max_tokens=1), use_tqdm=False)[0]
-    assert set(runner.requests) <= {last.request_id}

@@ -78,10 +78,6 @@ class EngineCore:
         self._max_in_flight = sc.max_concurrent_batches if sc.max_concurrent_batches > 1 \
             else 2 if sc.async_scheduling else 1
         self._deferred_rows: list[str] = []  # a defer_grammar step's candidate constrained rows
-        # Async scheduling: launch the next step as soon as the oldest lands, before step() returns.
-        # For a caller that processes outputs between calls in this process (LLMEngine), which
-        # then runs while the device works; a request added between calls waits one step more.
-        self.launch_ahead = False
         self.sleeping_tags: set[str] = set()  # sleep mode: what is freed now ("weights", "kv_cache")
         mc = config.model_config
         self.structured_output = StructuredOutputManager(
@@ -212,39 +208,31 @@ class EngineCore:
         has work (under pipeline parallelism, requests whose token is in flight sit out),
         otherwise read the oldest step's tokens. With async scheduling (two in flight) the host
         work of one step (scheduling, inputs, outputs) overlaps the device work of the other;
-        with pipeline stages every stage has a micro-batch. With ``launch_ahead`` the next step
-        is also launched right after the oldest one lands, before this returns its outputs."""
+        with pipeline stages every stage has a micro-batch."""
+        launched = deferred = False
         failed = self._fail_grammars()
-        launched, deferred = self._launch_if_room()
+        # A constrained request's next mask needs its token in flight. With async scheduling the
+        # next step is launched anyway, its sampling deferred: its forward runs on the device
+        # while the step in flight lands here and the masks are filled, then sample_tokens sends
+        # them (vLLM's way). Otherwise (pipeline stages, speculation) that step lands first.
+        masked_in_flight = bool(self._batch_queue) and self._holds_grammar(self._batch_queue[-1][0])
+        if len(self._batch_queue) < self._max_in_flight and self.scheduler.has_unfinished_requests() \
+                and (not masked_in_flight or self._defers_grammar):
+            sched = self._schedule(defer=masked_in_flight)
+            if sched.total_num_scheduled_tokens:
+                self._batch_queue.append((sched, self.executor.execute_model(sched, non_block=True)))
+                launched, deferred = True, sched.defer_grammar
+            else:  # nothing runnable now: the workers hear of finished/preempted requests next time
+                self.scheduler.defer_notices(sched)
+                self._wait_for_grammars(sched)
         outputs = []
         if self._batch_queue and (not launched or len(self._batch_queue) == self._max_in_flight):
             sched, pending = self._batch_queue.popleft()
             outputs = self.scheduler.update_from_output(sched, pending.result())
-            if self.launch_ahead and not deferred:
-                self._launch_if_room(allow_deferred=False)
         if deferred:  # the tokens the masks follow have landed (max_in_flight is 2: popped above)
             rows, self._deferred_rows = self._deferred_rows, []
             self.executor.sample_tokens(self._grammar_of(rows))
         return EngineCoreOutputs(failed + outputs, self.scheduler.make_stats())
-
-    def _launch_if_room(self, allow_deferred: bool = True) -> tuple[bool, bool]:
-        """Schedule and launch a step if one more fits in flight and has work; returns (launched,
-        its sampling deferred). A constrained request's next mask needs its token in flight. With
-        async scheduling the next step is launched anyway, its sampling deferred: its forward runs
-        on the device while the step in flight lands and the masks are filled, then sample_tokens
-        sends them (vLLM's way). Otherwise (pipeline stages, speculation, ``allow_deferred`` off)
-        that step lands first."""
-        masked_in_flight = bool(self._batch_queue) and self._holds_grammar(self._batch_queue[-1][0])
-        if len(self._batch_queue) >= self._max_in_flight or not self.scheduler.has_unfinished_requests() \
-                or (masked_in_flight and not (self._defers_grammar and allow_deferred)):
-            return False, False
-        sched = self._schedule(defer=masked_in_flight)
-        if not sched.total_num_scheduled_tokens:  # nothing runnable: the workers hear of finished/preempted requests next time
-            self.scheduler.defer_notices(sched)
-            self._wait_for_grammars(sched)
-            return False, False
-        self._batch_queue.append((sched, self.executor.execute_model(sched, non_block=True)))
-        return True, sched.defer_grammar
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self._batch_queue)

@@ -19,9 +19,6 @@ class LLMEngine(EngineFrontend):
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
         self.engine_core = EngineCore(config)
-        # Outputs are processed here between steps: with async scheduling the next step is already
-        # launched by then, so that work overlaps the device's instead of delaying its next step.
-        self.engine_core.launch_ahead = True
         self.log_stats = config.log_stats
         self.last_stats: SchedulerStats | None = None
         self.stat_logger = LoggingStatLogger(device=config.device) if config.log_stats else None
