@@ -20,6 +20,7 @@ from pagedllm.worker.executor_base import WorkerFailedError
 from tests.conftest import TEST_KV_BYTES, build_tiny_model
 from tests.distributed.conftest import reused_llm
 from tests.engine.test_correctness import _hf_model, generate_ids, make_llm, mixed_prompts
+from tests.engine.test_gc_freeze import gc_full_after
 
 PROMPTS = mixed_prompts(4)
 
@@ -44,12 +45,6 @@ def generate_with_logprobs(llm: LLM, prompts: list[list[int]]) -> tuple[list[lis
     return ids, lps
 
 
-def _gc_full_after(worker) -> int:
-    import gc
-
-    return gc.get_threshold()[2]
-
-
 def _piece_replays(worker) -> int | None:
     pieces = worker.model_runner.graphs.piecewise
     return None if pieces is None else pieces.replays
@@ -64,7 +59,7 @@ def test_tp2_greedy_outputs_equal_tp1(tp_models, module_llms, name, async_schedu
     assert ids == ref_ids
     replays = llm.collective_rpc(_piece_replays)  # GPU ranks: the prefill steps replayed piecewise graphs
     assert replays == [None, None] if not torch.cuda.is_available() else replays[0] == replays[1] > 0, replays
-    assert llm.collective_rpc(_gc_full_after) == [FULL_GC_AFTER] * 2  # worker processes: full collections rare
+    assert llm.collective_rpc(gc_full_after) == [FULL_GC_AFTER] * 2  # worker processes: full collections rare
     # Row-parallel sums add in another order than one matmul: equal up to the last bits.
     for got, want in zip(lps, ref_lps):
         assert got == pytest.approx(want, abs=1e-4)

@@ -13,6 +13,11 @@ from pagedllm import LLM, SamplingParams
 from tests.conftest import TEST_KV_BYTES
 
 
+def gc_full_after(worker=None) -> int:
+    """This process's full-collection threshold (run in a worker through collective_rpc)."""
+    return gc.get_threshold()[2]
+
+
 def test_engine_start_up_freezes_the_heap_and_a_dropped_engine_is_freed(tiny_models):
     gc.unfreeze()
     gc.collect()  # earlier tests' garbage: not what start-up keeps

@@ -10,6 +10,7 @@ from pagedllm import LLM, SamplingParams, TokensPrompt
 from pagedllm.utils import FULL_GC_AFTER
 from tests.conftest import TEST_KV_BYTES
 from tests.engine.test_correctness import _hf_model, generate_ids, hf_greedy, mixed_prompts
+from tests.engine.test_gc_freeze import gc_full_after
 
 PROMPTS = mixed_prompts(3)
 
@@ -154,12 +155,6 @@ def test_sleep_and_wake_up_errors_name_the_problem(tiny_models):
     llm.wake_up()
 
 
-def _gc_full_after(worker) -> int:
-    import gc
-
-    return gc.get_threshold()[2]
-
-
 def test_async_llm_sleeps_wakes_and_updates_in_the_core_process(tiny_models):
     """The server's engine: the same calls cross to the core process as utility messages."""
     import asyncio
@@ -192,7 +187,7 @@ def test_async_llm_sleeps_wakes_and_updates_in_the_core_process(tiny_models):
             results = await engine.collective_rpc("load_weights", args=(state_dict_items(model_dir),))
             assert len(results) == 1
             # the core process (its worker runs there) makes full collections rare
-            assert await engine.collective_rpc(_gc_full_after) == [FULL_GC_AFTER]
+            assert await engine.collective_rpc(gc_full_after) == [FULL_GC_AFTER]
             await engine.wake_up(["kv_cache"])
             assert not await engine.is_sleeping()
             assert await greedy("c") == expected
