@@ -22,3 +22,23 @@ def test_launch_shape_covers_every_element_once(max_programs):
         assert (programs - 1) * chunk < n <= programs * chunk, (n, programs, chunk)  # none empty, all covered
     # the widest launch's flags (programs x up to 8 ranks, int32) fit the area after the data
     assert max(max_programs, 2 * 148) * 8 * 4 <= car._FLAG_BYTES
+
+
+_AR_BODY = r"""
+from pagedllm.distributed.triton_all_reduce import one_shot_all_reduce_kernel as k
+sig = {"x_ptr": "*bf16", "out_ptr": "*bf16", "bufs": "*i64", "flags": "*i64", "state": "*i32", "n": "i32",
+       "chunk": "i32", "half": "i32", "RANK": c, "WORLD": c, "BLOCK": c, "ENTER": c}
+for enter in (False, True):
+    compile_(f"enter={enter}", k, sig, {"RANK": 1, "WORLD": 2, "BLOCK": 4096, "ENTER": enter}, num_warps=8,
+             want_ptx=["griddepcontrol.wait", "griddepcontrol.launch_dependents"] if enter else None,
+             divisible=("x_ptr", "out_ptr"))
+"""
+
+
+def test_kernel_compiles_for_sm90_and_waits_in_kernel_when_launched_early(tmp_path):
+    """The kernel as a decode graph launches it (ENTER: early, in a layer's chain) waits for the
+    projection before it and lets the next kernel launch; both variants compile for sm_90."""
+    from tests.triton_env import compile_for_sm90
+
+    results = compile_for_sm90(_AR_BODY, tmp_path)
+    assert results == {"enter=False": True, "enter=True": True}, results

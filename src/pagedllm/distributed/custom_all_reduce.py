@@ -96,12 +96,14 @@ class CustomAllReduce:
 
     def _triton_one_shot(self, x: torch.Tensor, out: torch.Tensor) -> None:
         from pagedllm.distributed.triton_all_reduce import launch_shape, one_shot_all_reduce_kernel
+        from pagedllm.ops.triton_pdl import enter_args
 
         n = x.numel()
         programs, chunk = launch_shape(n, self._max_programs, _TRITON_BLOCK)
         one_shot_all_reduce_kernel[(programs,)](x, out, self._bufs, self._flags, self._state, n, chunk,
                                                 self.max_bytes // x.element_size(), RANK=self.rank,
-                                                WORLD=self.world_size, BLOCK=_TRITON_BLOCK, num_warps=8)
+                                                WORLD=self.world_size, BLOCK=_TRITON_BLOCK, num_warps=8,
+                                                **enter_args(x.device))
 
 
 def make_custom_all_reduce(group, device: torch.device) -> CustomAllReduce | None:

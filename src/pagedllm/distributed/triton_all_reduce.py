@@ -28,6 +28,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from pagedllm.ops.triton_pdl import pdl_enter
+
 
 def launch_shape(n: int, max_programs: int, block: int) -> tuple[int, int]:
     """(programs, chunk) for ``n`` elements: chunks of whole ``block``s, at most ``max_programs`` of them,
@@ -39,10 +41,16 @@ def launch_shape(n: int, max_programs: int, block: int) -> tuple[int, int]:
 
 @triton.jit
 def one_shot_all_reduce_kernel(x_ptr, out_ptr, bufs, flags, state, n, chunk, half,
-                               RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr):
+                               RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr,
+                               ENTER: tl.constexpr = False):
     """``bufs`` / ``flags``: int64 arrays of every rank's buffer / flag-area address; ``state``: this
     rank's [calls so far, programs done in this call] (int32); ``chunk``: elements per program (a
-    multiple of BLOCK); ``half``: elements in one half of the data area."""
+    multiple of BLOCK); ``half``: elements in one half of the data area. ENTER (launched early, in a
+    layer's chain): wait for the kernel before (the projection that wrote ``x``; each kernel of the
+    chain waits for its own, so the previous call has ended too), then let the next one launch: once
+    every program of this call has started, so a program that waits for its peers never waits for
+    a slot the next kernel took."""
+    pdl_enter(ENTER)
     pid = tl.program_id(0)
     call = tl.load(state, volatile=True)  # the same for every program: advanced once all are done
     lo = pid.to(tl.int64) * chunk
