@@ -27,9 +27,9 @@ FULL_GC_AFTER = 1000
 def rare_full_collections() -> None:
     """Make full collections rare in a process that runs the engine. Each one walks every live
     request's token lists (prompt and output ids: the frontend's, the scheduler's and the worker's
-    copies), 17 ms for 1,000 workload-1 requests on a 2-core VM and 46-73 ms on an H200 host, where
-    each stalled the GPU for as long (5 of them in a 5.9 s qwen3-0.6b run: GPU idle gaps of those
-    lengths). Young collections go on as before; cyclic garbage that grew old waits longer."""
+    copies): 17 ms for 1,000 workload-1 requests on a 2-core VM, 46-73 ms on an H200 host under the
+    profiler, each a GPU idle gap as long (5 of them in a 5.9 s qwen3-0.6b run). Young collections
+    go on as before; cyclic garbage that grew old waits longer."""
     t0, t1, t2 = gc.get_threshold()
     gc.set_threshold(t0, t1, max(t2, FULL_GC_AFTER))
 
