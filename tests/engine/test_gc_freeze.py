@@ -9,7 +9,10 @@ from __future__ import annotations
 import gc
 import weakref
 
+import pytest
+
 from pagedllm import LLM, SamplingParams
+from pagedllm.utils import FULL_GC_AFTER
 from tests.conftest import TEST_KV_BYTES
 
 
@@ -42,8 +45,6 @@ def test_generate_makes_full_collections_rare_and_restores_the_thresholds(tiny_m
     """Inside LLM.generate a full collection (which walks every live request's token lists and
     stalled the GPU as long) needs FULL_GC_AFTER young-generation passes instead of CPython's 10;
     the caller's thresholds are back afterwards, also when generate raises."""
-    from pagedllm.utils import FULL_GC_AFTER
-
     llm = LLM(tiny_models["llama"], dtype="float32", kv_cache_memory_bytes=TEST_KV_BYTES, max_model_len=64)
     engine, seen = llm.llm_engine, []
     step = engine.step
@@ -63,8 +64,6 @@ def test_generate_makes_full_collections_rare_and_restores_the_thresholds(tiny_m
         raise KeyboardInterrupt
 
     engine.step = failing_step
-    try:
+    with pytest.raises(KeyboardInterrupt):
         llm.generate(["a b c"], SamplingParams(max_tokens=2), use_tqdm=False)
-    except KeyboardInterrupt:
-        pass
     assert gc.get_threshold() == before
