@@ -96,6 +96,10 @@ _VARS = [
            "0: each fused-MoE kernel of a step (routing, pair alignment, the two expert GEMMs, the top-k sum) waits "
            "for the one before it to end before it launches, instead of launching while it runs (programmatic "
            "dependent launch, ops/triton_fused_moe.py; A/B measurements).", _not_zero),
+    EnvVar("PAGEDLLM_LAMPORT_ALL_REDUCE", "bool (0 = off)", True,
+           "0: two-GPU all-reduces of bf16 decode activations up to 1 MiB inside CUDA graphs take the one-shot "
+           "kernels with a barrier (torch's, the Triton one) instead of the Lamport one-shot whose data is its own "
+           "flag (distributed/triton_all_reduce.py; A/B measurements)."),
     EnvVar("PAGEDLLM_DECODE_PDL", "bool (0 = off)", True,
            "0: the kernels of a layer's chain (the projections: 16-bit small-row GEMMs, FP8's activation "
            "quantization and GEMM, the W4A16 split-K GEMM; RMSNorm, rotary, the KV write, attention and its split "

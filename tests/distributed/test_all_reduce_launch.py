@@ -32,6 +32,13 @@ for enter in (False, True):
     compile_(f"enter={enter}", k, sig, {"RANK": 1, "WORLD": 2, "BLOCK": 4096, "ENTER": enter}, num_warps=8,
              want_ptx=["griddepcontrol.wait", "griddepcontrol.launch_dependents"] if enter else None,
              divisible=("x_ptr", "out_ptr"))
+from pagedllm.distributed.triton_all_reduce import lamport_all_reduce_kernel as lk
+sig = {"x_ptr": "*bf16", "out_ptr": "*bf16", "bufs": "*i64", "state": "*i32", "n": "i32", "chunk": "i32",
+       "slot": "i32", "RANK": c, "WORLD": c, "BLOCK": c, "ENTER": c}
+for enter in (False, True):
+    compile_(f"lamport enter={enter}", lk, sig, {"RANK": 0, "WORLD": 2, "BLOCK": 1024, "ENTER": enter}, num_warps=4,
+             want_ptx=["ld.volatile.global", "griddepcontrol.wait"] if enter else ["ld.volatile.global"],
+             divisible=("x_ptr", "out_ptr"))
 """
 
 
@@ -41,4 +48,5 @@ def test_kernel_compiles_for_sm90_and_waits_in_kernel_when_launched_early(tmp_pa
     from tests.triton_env import compile_for_sm90
 
     results = compile_for_sm90(_AR_BODY, tmp_path)
-    assert results == {"enter=False": True, "enter=True": True}, results
+    assert results == {"enter=False": True, "enter=True": True, "lamport enter=False": True,
+                       "lamport enter=True": True}, results

@@ -97,8 +97,46 @@ def _check_rank(rank: int, port: int) -> None:
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, torch.full_like(out, 2.0 * (0 + step) + 2.0 * (1 + step))), step
+    _check_lamport(comm, device)
     dist.barrier()
     ps.destroy_distributed()
+
+
+def _check_lamport(comm, device) -> None:
+    """The Lamport kernel (bf16 up to ``lamport_max_bytes`` in graphs) over inputs of -0.0, its "not arrived"
+    mark: sums of +0.0 (a kernel that sent -0.0 as it is would wait forever). After it, only the last call's
+    region holds data: every other element of the buffer is the mark again, and no program is left counted."""
+    from pagedllm.distributed.triton_all_reduce import NEG_ZERO_BITS
+
+    assert comm.lamport_max_bytes >= 32 * 4096 * 2
+    x = torch.full((32, 4096), -0.0, device=device, dtype=torch.bfloat16)
+    x[0, :7] = torch.arange(7, device=device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ps_all_reduce(x)
+    for _ in range(4):
+        graph.replay()
+    torch.cuda.synchronize()
+    want = torch.zeros_like(x)
+    want[0, :7] = 2 * torch.arange(7, device=device)
+    assert torch.equal(out, want) and not torch.signbit(out).any()
+    state = comm._lamport_state.tolist()
+    assert state[1] == 0 and state[2 + (state[0] - 1) % 3] == x.numel()
+    regions = comm.lamport_buffer.view(torch.int16).view(3, comm.world_size, -1)
+    last = (state[0] - 1) % 3
+    for region in range(3):
+        for slot in range(comm.world_size):
+            data = regions[region, slot]
+            if region == last and slot != comm.rank:  # the peer's last message, -0.0 made +0.0
+                assert not (data[:x.numel()] == NEG_ZERO_BITS).any() and (data[x.numel():] == NEG_ZERO_BITS).all()
+            else:
+                assert (data == NEG_ZERO_BITS).all(), (region, slot)
+
+
+def ps_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    from pagedllm.distributed import parallel_state as ps
+
+    return ps.tensor_model_parallel_all_reduce(x)
 
 
 def test_custom_all_reduce_equals_nccl_eager_and_in_graphs():

@@ -20,7 +20,7 @@ import torch
 
 from pagedllm.benchmarks.common import emit, int_list, print_table
 
-PATHS = ("nccl", "one_shot", "two_shot", "triton")
+PATHS = ("nccl", "one_shot", "two_shot", "triton", "lamport")
 
 
 def _reduce(path: str, comm, x: torch.Tensor) -> torch.Tensor:
@@ -31,9 +31,9 @@ def _reduce(path: str, comm, x: torch.Tensor) -> torch.Tensor:
         return x
     comm.one_shot_max_bytes = comm.max_bytes if path == "one_shot" else 0
     comm.triton_min_bytes = 0 if path == "triton" else comm.max_bytes + 1
-    if path == "triton" and not torch.cuda.is_current_stream_capturing():
-        out = torch.empty_like(x)  # the engine takes it in graphs only; timed eagerly all the same
-        comm._triton_one_shot(x.view(-1), out.view(-1))
+    if path in ("triton", "lamport"):  # the engine takes them in graphs only; timed eagerly all the same
+        out = torch.empty_like(x)
+        (comm._triton_one_shot if path == "triton" else comm._lamport)(x.view(-1), out.view(-1))
         return out
     return comm.all_reduce(x)
 
@@ -79,7 +79,8 @@ def _worker(rank: int, world: int, port: int, args, queue) -> None:
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     device = torch.device("cuda", rank)
-    comm = CustomAllReduce(dist.group.WORLD.group_name, device, max_bytes=max(args.sizes_kib) << 10)
+    comm = CustomAllReduce(dist.group.WORLD.group_name, device, max_bytes=max(args.sizes_kib) << 10,
+                           lamport_max_bytes=max(args.sizes_kib) << 10)
     rows = []
     for kib in args.sizes_kib:
         n = (kib << 10) // 2
@@ -89,6 +90,8 @@ def _worker(rank: int, world: int, port: int, args, queue) -> None:
         dist.all_reduce(ref)
         row = {"size_kib": kib}
         for path in PATHS:
+            if path == "lamport" and not comm.lamport_max_bytes:  # two ranks only
+                continue
             got = _reduce(path, comm, x.clone())
             # Bit-identical to NCCL's sum, and the same bits on every rank.
             gathered = [torch.empty_like(got) for _ in range(world)]

@@ -30,6 +30,8 @@ import logging
 
 import torch
 
+from pagedllm import envs
+
 logger = logging.getLogger("pagedllm")
 
 # Message sizes (bytes) up to which each kernel beats NCCL on two H200s over NVLink
@@ -42,6 +44,10 @@ TWO_SHOT_MAX_BYTES = 8 << 20
 TRITON_MIN_BYTES = 256 << 10
 _FLAG_BYTES = 64 << 10  # after the data (two halves): the Triton kernel's flags (programs x ranks int32)
 _TRITON_BLOCK = 4096  # elements a program moves per iteration
+# The Lamport one-shot (``triton_all_reduce.lamport_all_reduce_kernel``): bf16 messages up to this size in
+# CUDA graphs, two ranks (measured on 2x H200); its buffer holds three regions of one slot per rank.
+LAMPORT_MAX_BYTES = 1 << 20
+_LAMPORT_BLOCK = 1024  # elements a program moves per iteration (4 warps: 16 bytes a thread)
 _DTYPES = (torch.bfloat16, torch.float32)  # what torch's symmetric-memory kernels add
 
 
@@ -50,7 +56,7 @@ class CustomAllReduce:
     ``max_bytes``. Build it on every rank of the group at once (the rendezvous is collective)."""
 
     def __init__(self, group_name: str, device: torch.device, max_bytes: int = TWO_SHOT_MAX_BYTES,
-                 one_shot_max_bytes: int = ONE_SHOT_MAX_BYTES) -> None:
+                 one_shot_max_bytes: int = ONE_SHOT_MAX_BYTES, lamport_max_bytes: int = LAMPORT_MAX_BYTES) -> None:
         import torch.distributed._symmetric_memory as symm_mem
 
         if hasattr(symm_mem, "enable_symm_mem_for_group"):  # needed before torch 2.9, harmless after
@@ -62,6 +68,8 @@ class CustomAllReduce:
         self.handle = symm_mem.rendezvous(self.buffer, group_name)
         self.world_size, self.rank = self.handle.world_size, self.handle.rank
         self.triton_min_bytes = TRITON_MIN_BYTES if self.world_size == 2 else max_bytes + 1
+        lamport = self.world_size == 2 and envs.PAGEDLLM_LAMPORT_ALL_REDUCE
+        self.lamport_max_bytes = min(lamport_max_bytes, max_bytes) if lamport else 0
         # Every rank's buffer and flag area by address, for the Triton kernel; flags start at 0 on every
         # rank before any rank's kernel can set one (the device-side barrier after the memset).
         ptrs = list(self.handle.buffer_ptrs)
@@ -69,11 +77,23 @@ class CustomAllReduce:
         self._flags = torch.tensor([p + 2 * max_bytes for p in ptrs], dtype=torch.int64, device=device)
         self._state = torch.zeros(2, dtype=torch.int32, device=device)
         self.buffer[2 * max_bytes:].zero_()
+        self._lamport_state = torch.zeros(5, dtype=torch.int32, device=device)  # region, programs done, 3 sizes
+        if self.lamport_max_bytes:
+            from pagedllm.distributed.triton_all_reduce import NEG_ZERO_BITS
+
+            self.lamport_buffer = symm_mem.empty(3 * self.world_size * self.lamport_max_bytes, dtype=torch.uint8,
+                                                 device=device)
+            handle = symm_mem.rendezvous(self.lamport_buffer, group_name)
+            self._lamport_bufs = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=device)
+            self.lamport_buffer.view(torch.int16).fill_(NEG_ZERO_BITS)  # every element "not arrived"
         self.handle.barrier()
         self._max_programs = 2 * torch.cuda.get_device_properties(device).multi_processor_count
         for dtype in _DTYPES if self.triton_min_bytes <= max_bytes else ():
             x = torch.zeros(_TRITON_BLOCK, dtype=dtype, device=device)  # compiled and loaded now, not first
             self._triton_one_shot(x, torch.empty_like(x))  # inside a graph capture (collective: every rank)
+        if self.lamport_max_bytes:
+            x = torch.zeros(_LAMPORT_BLOCK, dtype=torch.bfloat16, device=device)
+            self._lamport(x, torch.empty_like(x))
 
     def takes(self, x: torch.Tensor) -> bool:
         """Whether ``x`` goes through peer memory (else NCCL); the same answer on every rank."""
@@ -86,7 +106,10 @@ class CustomAllReduce:
         nbytes = x.numel() * x.element_size()
         buf = self.buffer[:nbytes].view(x.dtype)
         out = torch.empty_like(x)
-        if nbytes >= self.triton_min_bytes and torch.cuda.is_current_stream_capturing():
+        capturing = torch.cuda.is_current_stream_capturing()
+        if capturing and nbytes <= self.lamport_max_bytes and x.dtype == torch.bfloat16:
+            self._lamport(x.view(-1), out.view(-1))
+        elif nbytes >= self.triton_min_bytes and capturing:
             self._triton_one_shot(x.view(-1), out.view(-1))
         elif nbytes <= self.one_shot_max_bytes:
             # The kernel copies x into this rank's buffer itself, then sums every rank's buffer.
@@ -106,6 +129,17 @@ class CustomAllReduce:
                                                 self.max_bytes // x.element_size(), RANK=self.rank,
                                                 WORLD=self.world_size, BLOCK=_TRITON_BLOCK, num_warps=8,
                                                 **enter_args(x.device))
+
+
+    def _lamport(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        from pagedllm.distributed.triton_all_reduce import lamport_all_reduce_kernel, launch_shape
+        from pagedllm.ops.triton_pdl import enter_args
+
+        n = x.numel()
+        programs, chunk = launch_shape(n, self._max_programs, _LAMPORT_BLOCK)
+        lamport_all_reduce_kernel[(programs,)](x, out, self._lamport_bufs, self._lamport_state, n, chunk,
+                                               self.lamport_max_bytes // 2, RANK=self.rank, WORLD=self.world_size,
+                                               BLOCK=_LAMPORT_BLOCK, num_warps=4, **enter_args(x.device))
 
 
 def make_custom_all_reduce(group, device: torch.device) -> CustomAllReduce | None:

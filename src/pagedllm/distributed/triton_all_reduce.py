@@ -86,3 +86,75 @@ def one_shot_all_reduce_kernel(x_ptr, out_ptr, bufs, flags, state, n, chunk, hal
     if tl.atomic_add(state + 1, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
         tl.atomic_xchg(state + 1, 0)
         tl.atomic_xchg(state, call + 1)
+
+
+NEG_ZERO_BITS = -32768  # a 16-bit float's -0.0 (0x8000) as int16: the "not arrived yet" mark
+NEG_ZERO = tl.constexpr(NEG_ZERO_BITS)
+
+
+@triton.jit
+def lamport_all_reduce_kernel(x_ptr, out_ptr, bufs, state, n, chunk, slot,
+                              RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr,
+                              ENTER: tl.constexpr = False):
+    """One-shot all-reduce of 16-bit floats whose data is its own flag (the Lamport scheme of
+    TensorRT-LLM's small all-reduces), no fence and no barrier: every rank's buffer (``bufs``: their
+    addresses) has three regions of WORLD slots of ``slot`` elements, every element of a region
+    -0.0 (``NEG_ZERO``) while unwritten. A call in region c (``state[0]``):
+
+    1. stores this rank's chunk, each -0.0 made +0.0, into its slot of region c of every peer;
+    2. reads its own buffer's region c slots until none of the chunk's elements is -0.0 (the
+       peers' stores have landed; a 16-bit element lands whole), sums the ranks in rank order in
+       float32, the local term made +0.0 too (so every rank adds the same values: the same bits);
+    3. sets the region of the call before (its data read by then; ``state[2 + region]``: its size)
+       back to -0.0 for the call after next, the next writer of that region: a peer gets there only
+       after taking this rank's data of the call between, which this rank sends after this call
+       ended;
+    4. counts itself done; the last program records the call's size and moves to the next region.
+
+    ENTER: as ``one_shot_all_reduce_kernel``'s. Signed zeros of the sum may differ from NCCL's
+    (0.0 where NCCL gives -0.0); every other bit is the same."""
+    pdl_enter(ENTER)
+    pid = tl.program_id(0)
+    region = tl.load(state, volatile=True)
+    stale = (region + 2) % 3
+    stale_n = tl.load(state + 2 + stale).to(tl.int64)
+    lo = pid.to(tl.int64) * chunk
+    mine = tl.multiple_of(tl.load(bufs + RANK).to(tl.pointer_type(tl.int16)), 16)
+    put = (region * WORLD + RANK).to(tl.int64) * slot
+    for start in range(0, chunk, BLOCK):
+        offs = tl.multiple_of(lo + start, BLOCK) + tl.arange(0, BLOCK)
+        ok = offs < n
+        v = tl.load(x_ptr + offs, mask=ok).to(tl.int16, bitcast=True)
+        v = tl.where(v == NEG_ZERO, tl.zeros_like(v), v)
+        for r in tl.static_range(WORLD):
+            if r != RANK:
+                peer = tl.multiple_of(tl.load(bufs + r).to(tl.pointer_type(tl.int16)), 16)
+                tl.store(peer + put + offs, v, mask=ok)
+    dtype = x_ptr.dtype.element_ty
+    for start in range(0, chunk, BLOCK):
+        offs = tl.multiple_of(lo + start, BLOCK) + tl.arange(0, BLOCK)
+        ok = offs < n
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for r in tl.static_range(WORLD):
+            if r == RANK:
+                v = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.int16, bitcast=True)
+                v = tl.where(v == NEG_ZERO, tl.zeros_like(v), v)
+            else:
+                src = mine + (region * WORLD + r).to(tl.int64) * slot + offs
+                v = tl.load(src, mask=ok, other=0, volatile=True)
+                while tl.max(((v == NEG_ZERO) & ok).to(tl.int32), axis=0) > 0:
+                    v = tl.load(src, mask=ok, other=0, volatile=True)
+            acc += v.to(dtype, bitcast=True).to(tl.float32)
+        tl.store(out_ptr + offs, acc.to(dtype), mask=ok)
+    # The call before's slots back to -0.0, spread over this call's programs.
+    step = tl.num_programs(0).to(tl.int64) * BLOCK
+    marks = tl.full([BLOCK], NEG_ZERO, dtype=tl.int16)
+    for start in range(pid.to(tl.int64) * BLOCK, stale_n, step):
+        offs = start + tl.arange(0, BLOCK)
+        for r in tl.static_range(WORLD):
+            if r != RANK:
+                tl.store(mine + (stale * WORLD + r).to(tl.int64) * slot + offs, marks, mask=offs < stale_n)
+    if tl.atomic_add(state + 1, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
+        tl.store(state + 2 + region, n)
+        tl.atomic_xchg(state + 1, 0)
+        tl.atomic_xchg(state, (region + 1) % 3)
