@@ -100,6 +100,10 @@ _VARS = [
            "0: two-GPU all-reduces of bf16 decode activations up to 1 MiB inside CUDA graphs take the one-shot "
            "kernels with a barrier (torch's, the Triton one) instead of the Lamport one-shot whose data is its own "
            "flag (distributed/triton_all_reduce.py; A/B measurements)."),
+    EnvVar("PAGEDLLM_SHARDED_SAMPLING", "bool (0 = off)", True,
+           "0: under tensor parallelism every step all-gathers the logits before sampling, instead of sampling "
+           "temperature-only batches from each rank's vocabulary slice and exchanging the slices' winners "
+           "(sample/sharded.py; A/B measurements)."),
     EnvVar("PAGEDLLM_DECODE_PDL", "bool (0 = off)", True,
            "0: the kernels of a layer's chain (the projections: 16-bit small-row GEMMs, FP8's activation "
            "quantization and GEMM, the W4A16 split-K GEMM; RMSNorm, rotary, the KV write, attention and its split "

@@ -9,7 +9,7 @@ import socket
 import pytest
 import torch
 
-from pagedllm import LLM
+from pagedllm import LLM, SamplingParams
 from tests.engine.test_correctness import generate_ids, mixed_prompts
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
@@ -170,3 +170,19 @@ def test_tp2_tokens_equal_with_and_without_the_custom_all_reduce(tiny_models):
         finally:
             llm.llm_engine.engine_core.shutdown()
     assert outs[False] == outs[True]
+
+
+def test_tp2_sampled_tokens_equal_with_and_without_sampling_from_vocabulary_slices(tiny_models, monkeypatch):
+    """sample/sharded.py on two GPUs: temperature-only batches sampled from each rank's vocabulary slice give
+    the tokens of the gathered logits (the same noise at every id), step after step."""
+    prompts = mixed_prompts(4)
+    params = SamplingParams(temperature=0.8, max_tokens=12, ignore_eos=True)
+    outs = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("PAGEDLLM_SHARDED_SAMPLING", flag)  # read by the spawned workers
+        llm = LLM(tiny_models["llama"], dtype="bfloat16", seed=0, tensor_parallel_size=2, gpu_memory_utilization=0.3)
+        try:
+            outs[flag] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        finally:
+            llm.llm_engine.engine_core.shutdown()
+    assert outs["1"] == outs["0"] and len({tuple(t) for t in outs["1"]}) > 1

@@ -82,3 +82,16 @@ def test_greedy_is_torch_argmax(vocab):
     half[9, [11, vocab - 4]] = half[9].max() + 1  # ties that only exist after rounding to bfloat16
     md = SamplingMetadata(temperature=torch.zeros(12), all_greedy=True, all_random=False)
     assert torch.equal(Sampler()(half, md).sampled_token_ids, half.float().argmax(dim=-1))
+
+
+def test_sampler_gathers_a_vocabulary_slice_where_the_batch_needs_whole_rows():
+    """A tensor-parallel rank's logits slice (``VocabShard``, the last rank's padded with zeros) goes to the
+    general path whole: logprobs over the real vocabulary, the padding never sampled or counted."""
+    from pagedllm.sample.sharded import VocabShard
+
+    torch.manual_seed(0)
+    logits = torch.randn(3, 50) - 5.0
+    shard = VocabShard(torch.cat([logits, torch.zeros(3, 2)], dim=1), 0, 50, 50)
+    md = SamplingMetadata(temperature=torch.zeros(3), all_greedy=True, all_random=False, max_num_logprobs=2)
+    got, want = Sampler()(shard, md), Sampler()(logits, md)
+    assert torch.equal(got.sampled_token_ids, logits.argmax(-1)) and torch.equal(got.logprobs, want.logprobs)

@@ -8,6 +8,7 @@ from torch import nn
 
 from pagedllm.model.layers import GemmaRMSNorm, RotaryEmbedding, rope_params
 from pagedllm.model.llama import MLP, Attention, LlamaForCausalLM
+from pagedllm.sample.sharded import VocabShard
 
 
 class GemmaDecoderLayer(nn.Module):
@@ -61,12 +62,13 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         # (in bfloat16 sqrt(3072) = 55.43 becomes 55.5); the loader sets the default dtype.
         return torch.tensor(config.hidden_size ** 0.5, dtype=torch.get_default_dtype()).item()
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden_states)
+    def compute_logits(self, hidden_states: torch.Tensor, shard: bool = False):
+        logits = super().compute_logits(hidden_states, shard)
         cap = self.final_logit_softcapping
-        if cap is not None:
-            logits = torch.tanh(logits / cap) * cap
-        return logits
+        if cap is None:
+            return logits
+        soft_cap = lambda x: torch.tanh(x / cap) * cap  # noqa: E731 - elementwise: a vocabulary slice takes it too
+        return logits.map(soft_cap) if isinstance(logits, VocabShard) else soft_cap(logits)
 
 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):

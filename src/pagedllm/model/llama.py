@@ -6,11 +6,13 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
+from pagedllm import envs
 from pagedllm.attention.backend import AttentionBackend, AttentionMetadata
 from pagedllm.distributed import get_pp_rank, get_pp_size
 from pagedllm.distributed.utils import pp_layer_range
 from pagedllm.model import layers
 from pagedllm.model.kv_scales import load_kv_scale
+from pagedllm.sample.sharded import VocabShard
 from pagedllm.model.layers import (
     GeluTanhAndMul, LMHead, MergedLinear, QKVLinear, RMSNorm, RotaryEmbedding, RowParallelLinear, SiluAndMul,
     VocabEmbedding, load_tensor,
@@ -262,9 +264,14 @@ class LlamaForCausalLM(nn.Module):
         (hidden_states, residual) pair for the next stage."""
         return self.model(input_ids, positions, attn_metadata, intermediate_tensors)
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Logits in the model dtype; the sampler and logprobs upcast where they need to."""
-        return self.lm_head(hidden_states)
+    def compute_logits(self, hidden_states: torch.Tensor, shard: bool = False) -> torch.Tensor | VocabShard:
+        """Logits in the model dtype; the sampler and logprobs upcast where they need to. ``shard``, under
+        tensor parallelism: this rank's vocabulary slice, not gathered (the sampler gathers what it needs)."""
+        head = self.lm_head
+        if shard and head.tp_size > 1 and envs.PAGEDLLM_SHARDED_SAMPLING:
+            return VocabShard(layers.linear(hidden_states, head.weight), head.vocab_start,
+                              head.vocab_end - head.vocab_start, head.vocab_size)
+        return head(hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load HF-named tensors; returns our parameter names whose every shard was loaded."""

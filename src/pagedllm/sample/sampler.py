@@ -9,6 +9,7 @@ import torch
 
 from pagedllm.ops import triton_ops_for
 from pagedllm.sample.draw import draw, greedy
+from pagedllm.sample.sharded import VocabShard, sharded_gumbel_sample
 
 _EPS = 1e-5
 
@@ -65,7 +66,13 @@ def compute_logprobs_with_ranks(
 
 
 class Sampler:
-    def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor | VocabShard, md: SamplingMetadata) -> SamplerOutput:
+        """``logits`` [B, V], or this tensor-parallel rank's slice of them (gathered unless the batch
+        samples with temperature only on CUDA: ``sample/sharded.py``)."""
+        if isinstance(logits, VocabShard):
+            if self._only_temperature(md) and triton_ops_for(logits.local) is not None:
+                return SamplerOutput(sharded_gumbel_sample(logits, md.temperature))
+            logits = logits.gather()
         if self._only_temperature(md):
             if triton_ops_for(logits) is not None:  # CUDA, kernels enabled
                 from pagedllm.sample.triton_sampler import gumbel_sample

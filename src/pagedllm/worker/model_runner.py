@@ -144,8 +144,7 @@ class ModelRunner:
             extra.allocate(num_blocks)
 
     def free_kv_cache(self) -> None:
-        """Drop every reference to the KV cache (sleep mode); initialize_kv_cache rebuilds it.
-        The CUDA graphs read the cache's addresses, so they go too."""
+        """Drop every reference to the KV cache (sleep mode; initialize_kv_cache rebuilds it), graphs too."""
         self.release_cuda_graphs()
         self.kv_caches = []
         for layer in self.attn_layers:
@@ -272,7 +271,8 @@ class ModelRunner:
         if sample_rows:
             sampling = [states[i] for i in sample_rows]
             last_hidden = hidden[:batch.num_tokens] if batch.sample_index is None else hidden[batch.sample_index]
-            logits = self.model.compute_logits(last_hidden)
+            logits = self.model.compute_logits(  # under TP a vocabulary slice where the sampler may take it
+                last_hidden, shard=batch.num_drafts is None and not sched.defer_grammar and sched.grammar is None)
             if batch.num_drafts is not None:  # speculative decoding: drafted requests verify theirs
                 if sched.defer_grammar:
                     raise RuntimeError("a step with speculative tokens cannot defer its grammar masks")
