@@ -1,7 +1,9 @@
 """GPU-only (two GPUs): the peer-memory all-reduce (distributed/custom_all_reduce) gives NCCL's
-sums bit for bit, eagerly, back to back across its three kernels and replayed in a CUDA graph, for
-every size up to its buffer; larger and fp16 messages fall back to NCCL; a TP=2 engine with it
-gives the same tokens as with NCCL."""
+sums bit for bit (up to the sign of a zero sum in the Lamport kernel), eagerly, back to back across
+its kernels and replayed in a CUDA graph, for every size up to its buffer; larger and fp16 messages
+fall back to NCCL; the Lamport kernel takes -0.0 inputs and leaves its buffer marked for the next
+calls; a TP=2 engine with it gives the same tokens as with NCCL, and samples the same tokens from
+its ranks' vocabulary slices as from the gathered logits."""
 from __future__ import annotations
 
 import socket

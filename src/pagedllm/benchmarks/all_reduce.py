@@ -30,6 +30,7 @@ def _reduce(path: str, comm, x: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(x)
         return x
     comm.one_shot_max_bytes = comm.max_bytes if path == "one_shot" else 0
+    comm.lamport_max_bytes = 0  # the Lamport kernel only where asked for (called directly below)
     comm.triton_min_bytes = 0 if path == "triton" else comm.max_bytes + 1
     if path in ("triton", "lamport"):  # the engine takes them in graphs only; timed eagerly all the same
         out = torch.empty_like(x)
@@ -90,7 +91,7 @@ def _worker(rank: int, world: int, port: int, args, queue) -> None:
         dist.all_reduce(ref)
         row = {"size_kib": kib}
         for path in PATHS:
-            if path == "lamport" and not comm.lamport_max_bytes:  # two ranks only
+            if path == "lamport" and not comm.lamport_slot:  # two ranks only
                 continue
             got = _reduce(path, comm, x.clone())
             # Bit-identical to NCCL's sum, and the same bits on every rank.
