@@ -135,7 +135,6 @@ class CustomAllReduce:
                                                 WORLD=self.world_size, BLOCK=_TRITON_BLOCK, num_warps=8,
                                                 **enter_args(x.device))
 
-
     def _lamport(self, x: torch.Tensor, out: torch.Tensor) -> None:
         from pagedllm.distributed.triton_all_reduce import lamport_all_reduce_kernel, launch_shape
         from pagedllm.ops.triton_pdl import enter_args

@@ -12,11 +12,11 @@ from pagedllm.distributed import get_pp_rank, get_pp_size
 from pagedllm.distributed.utils import pp_layer_range
 from pagedllm.model import layers
 from pagedllm.model.kv_scales import load_kv_scale
-from pagedllm.sample.sharded import VocabShard
 from pagedllm.model.layers import (
     GeluTanhAndMul, LMHead, MergedLinear, QKVLinear, RMSNorm, RotaryEmbedding, RowParallelLinear, SiluAndMul,
     VocabEmbedding, load_tensor,
 )
+from pagedllm.sample.sharded import VocabShard
 
 
 class Attention(nn.Module):
