@@ -171,6 +171,8 @@ def make_custom_all_reduce(group, device: torch.device) -> CustomAllReduce | Non
             if dist.get_rank(group) == 0:
                 triton = f"; in CUDA graphs the Triton one-shot from {comm.triton_min_bytes >> 10} KiB" \
                     if comm.triton_min_bytes <= comm.max_bytes else ""
+                if comm.lamport_max_bytes:
+                    triton += f" (bf16 up to {comm.lamport_max_bytes >> 10} KiB: the Lamport one-shot)"
                 logger.info("Custom all-reduce over peer memory on %d GPUs (one-shot up to %d KiB, two-shot up "
                             "to %d MiB%s, NCCL above)", len(ranks), comm.one_shot_max_bytes >> 10,
                             comm.max_bytes >> 20, triton)
