@@ -7,6 +7,10 @@ import pytest
 
 from pagedllm import LLM
 from tests.engine.test_correctness import make_llm
+from tests.triton_env import import_interpreted
+
+# The peer-memory kernels: their protocol runs in Triton's interpreter without a GPU (test_lamport_all_reduce).
+import_interpreted("pagedllm.distributed.triton_all_reduce")
 
 
 @pytest.fixture(scope="module")
