@@ -93,6 +93,21 @@ NEG_ZERO = tl.constexpr(NEG_ZERO_BITS)
 
 
 @triton.jit
+def _unmarked(v):
+    """16-bit words with -0.0 made +0.0: never the "not arrived" mark."""
+    return tl.where(v == NEG_ZERO, tl.zeros_like(v), v)
+
+
+@triton.jit
+def _arrived(src, ok):
+    """The 16-bit words at ``src`` (where ``ok``) once none is the "not arrived" mark: reread until then."""
+    v = tl.load(src, mask=ok, other=0, volatile=True)
+    while tl.max(((v == NEG_ZERO) & ok).to(tl.int32), axis=0) > 0:
+        v = tl.load(src, mask=ok, other=0, volatile=True)
+    return v
+
+
+@triton.jit
 def lamport_all_reduce_kernel(x_ptr, out_ptr, bufs, state, n, chunk, slot,
                               RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr,
                               ENTER: tl.constexpr = False):
@@ -125,7 +140,7 @@ def lamport_all_reduce_kernel(x_ptr, out_ptr, bufs, state, n, chunk, slot,
         offs = tl.multiple_of(lo + start, BLOCK) + tl.arange(0, BLOCK)
         ok = offs < n
         v = tl.load(x_ptr + offs, mask=ok).to(tl.int16, bitcast=True)
-        v = tl.where(v == NEG_ZERO, tl.zeros_like(v), v)
+        v = _unmarked(v)
         for r in tl.static_range(WORLD):
             if r != RANK:
                 peer = tl.multiple_of(tl.load(bufs + r).to(tl.pointer_type(tl.int16)), 16)
@@ -138,12 +153,9 @@ def lamport_all_reduce_kernel(x_ptr, out_ptr, bufs, state, n, chunk, slot,
         for r in tl.static_range(WORLD):
             if r == RANK:
                 v = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.int16, bitcast=True)
-                v = tl.where(v == NEG_ZERO, tl.zeros_like(v), v)
+                v = _unmarked(v)
             else:
-                src = mine + (region * WORLD + r).to(tl.int64) * slot + offs
-                v = tl.load(src, mask=ok, other=0, volatile=True)
-                while tl.max(((v == NEG_ZERO) & ok).to(tl.int32), axis=0) > 0:
-                    v = tl.load(src, mask=ok, other=0, volatile=True)
+                v = _arrived(mine + (region * WORLD + r).to(tl.int64) * slot + offs, ok)
             acc += v.to(dtype, bitcast=True).to(tl.float32)
         tl.store(out_ptr + offs, acc.to(dtype), mask=ok)
     # The call before's slots back to -0.0, spread over this call's programs.
