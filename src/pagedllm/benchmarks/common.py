@@ -271,6 +271,31 @@ def parse_engine_args(text: str) -> dict:
     return extra
 
 
+def add_long_prompt_args(p, num_prompts_help: str | None = None) -> None:
+    """The options the long-prompt workloads (``long_prompt``, ``shared_prefix``) share: the model, the
+    request count and output lengths, dtype, context length and extra engine args."""
+    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b")
+    p.add_argument("--model", help="a real model instead of a dummy shape")
+    p.add_argument("--num-prompts", type=int, default=64, help=num_prompts_help)
+    p.add_argument("--min-output-len", type=int, default=16)
+    p.add_argument("--max-output-len", type=int, default=64)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--max-model-len", type=int, default=None, help="default: the longest prompt plus output")
+    p.add_argument("--engine-args", default="", help="extra EngineArgs as k=v,k=v (ints parsed)")
+
+
+def warm_llm(args, max_model_len: int, warmup_ids: list[int], **engine_args):
+    """An ``LLM`` over ``args.model`` (or ``args.shape``'s dummy weights, no tokenizer), warmed by one
+    two-token request of ``warmup_ids`` (compiles and captures before the timed run)."""
+    from pagedllm import LLM, SamplingParams, TokensPrompt
+
+    llm = LLM(args.model or write_shape(args.shape), load_format="auto" if args.model else "dummy", dtype=args.dtype,
+              skip_tokenizer_init=not args.model, max_model_len=args.max_model_len or max_model_len, **engine_args)
+    llm.generate([TokensPrompt(prompt_token_ids=warmup_ids)], SamplingParams(max_tokens=2, detokenize=False),
+                 use_tqdm=False)
+    return llm
+
+
 def int_list(text: str) -> list[int]:
     """``1,32`` → [1, 32]."""
     return [int(x) for x in text.split(",") if x]

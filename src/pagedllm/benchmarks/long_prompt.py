@@ -15,21 +15,15 @@ import argparse
 import random
 import time
 
-from pagedllm.benchmarks.common import SHAPES, emit, engine_figures, parse_engine_args, ttft_figures, write_shape
+from pagedllm.benchmarks.common import add_long_prompt_args, emit, engine_figures, parse_engine_args, ttft_figures, \
+    warm_llm
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b")
-    p.add_argument("--model", help="a real model instead of a dummy shape")
-    p.add_argument("--num-prompts", type=int, default=64)
+    add_long_prompt_args(p)
     p.add_argument("--min-input-len", type=int, default=4096)
     p.add_argument("--max-input-len", type=int, default=8192)
-    p.add_argument("--min-output-len", type=int, default=16)
-    p.add_argument("--max-output-len", type=int, default=64)
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--max-model-len", type=int, default=None, help="default: the longest prompt plus output")
-    p.add_argument("--engine-args", default="", help="extra EngineArgs as k=v,k=v (ints parsed)")
     return p
 
 
@@ -38,7 +32,7 @@ def main(argv: list[str] | None = None) -> None:
     if not 1 <= args.min_input_len <= args.max_input_len or not 1 <= args.min_output_len <= args.max_output_len:
         raise ValueError("need 1 <= --min-input-len <= --max-input-len and 1 <= --min-output-len <= --max-output-len")
 
-    from pagedllm import LLM, SamplingParams, TokensPrompt
+    from pagedllm import SamplingParams, TokensPrompt
 
     random.seed(0)
     prompts = [[random.randint(0, 10000) for _ in range(random.randint(args.min_input_len, args.max_input_len))]
@@ -46,13 +40,7 @@ def main(argv: list[str] | None = None) -> None:
     max_tokens = [random.randint(args.min_output_len, args.max_output_len) for _ in range(args.num_prompts)]
     warmup = [random.randint(0, 10000) for _ in range(args.max_input_len)]
 
-    model = args.model or write_shape(args.shape)
-    llm = LLM(model, load_format="auto" if args.model else "dummy", dtype=args.dtype,
-              skip_tokenizer_init=not args.model,
-              max_model_len=args.max_model_len or args.max_input_len + args.max_output_len,
-              **parse_engine_args(args.engine_args))
-    llm.generate([TokensPrompt(prompt_token_ids=warmup)], SamplingParams(max_tokens=2, detokenize=False),
-                 use_tqdm=False)
+    llm = warm_llm(args, args.max_input_len + args.max_output_len, warmup, **parse_engine_args(args.engine_args))
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m, detokenize=False) for m in max_tokens]
     start_wall, start = time.time(), time.perf_counter()
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)

@@ -15,22 +15,16 @@ import argparse
 import random
 import time
 
-from pagedllm.benchmarks.common import SHAPES, emit, engine_figures, parse_engine_args, ttft_figures, write_shape
+from pagedllm.benchmarks.common import add_long_prompt_args, emit, engine_figures, parse_engine_args, ttft_figures, \
+    warm_llm
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b")
-    p.add_argument("--model", help="a real model instead of a dummy shape")
-    p.add_argument("--num-prompts", type=int, default=64, help="requests, the cold first one included")
+    add_long_prompt_args(p, num_prompts_help="requests, the cold first one included")
     p.add_argument("--prefix-len", type=int, default=6144)
     p.add_argument("--min-suffix-len", type=int, default=32)
     p.add_argument("--max-suffix-len", type=int, default=128)
-    p.add_argument("--min-output-len", type=int, default=16)
-    p.add_argument("--max-output-len", type=int, default=64)
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--max-model-len", type=int, default=None, help="default: the longest prompt plus output")
-    p.add_argument("--engine-args", default="", help="extra EngineArgs as k=v,k=v (ints parsed)")
     return p
 
 
@@ -41,7 +35,7 @@ def main(argv: list[str] | None = None) -> None:
     if not 1 <= args.min_suffix_len <= args.max_suffix_len or not 1 <= args.min_output_len <= args.max_output_len:
         raise ValueError("need 1 <= --min-suffix-len <= --max-suffix-len and 1 <= --min-output-len <= --max-output-len")
 
-    from pagedllm import LLM, SamplingParams, TokensPrompt
+    from pagedllm import SamplingParams, TokensPrompt
 
     random.seed(0)
     prefix = [random.randint(0, 10000) for _ in range(args.prefix_len)]
@@ -51,14 +45,9 @@ def main(argv: list[str] | None = None) -> None:
     max_tokens = [random.randint(args.min_output_len, args.max_output_len) for _ in range(args.num_prompts)]
     warmup = [random.randint(10001, 20000) for _ in range(args.prefix_len + args.max_suffix_len)]
 
-    model = args.model or write_shape(args.shape)
     extra = parse_engine_args(args.engine_args)
-    llm = LLM(model, load_format="auto" if args.model else "dummy", dtype=args.dtype,
-              skip_tokenizer_init=not args.model,
-              max_model_len=args.max_model_len or args.prefix_len + args.max_suffix_len + args.max_output_len,
-              **{"enable_prefix_caching": True, **extra})
-    llm.generate([TokensPrompt(prompt_token_ids=warmup)], SamplingParams(max_tokens=2, detokenize=False),
-                 use_tqdm=False)
+    llm = warm_llm(args, args.prefix_len + args.max_suffix_len + args.max_output_len, warmup,
+                   **{"enable_prefix_caching": True, **extra})
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m, detokenize=False) for m in max_tokens]
     requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
     (cold,) = llm.generate(requests[:1], params[:1], use_tqdm=False)
