@@ -110,10 +110,6 @@ _VARS = [
            "merge, SiLU-and-mul) wait for the kernel before them to end before they launch, instead of launching "
            "while it runs (programmatic dependent launch, ops/triton_pdl.py; A/B measurements).",
            _not_zero),
-    EnvVar("PAGEDLLM_WEIGHT_PREFETCH_TILES", "int", 2,
-           "Decode projections launched early (PAGEDLLM_DECODE_PDL): how many of its first K tiles each program "
-           "asks L2 for before it waits for the kernel before it (16-bit small-row GEMMs; 0 = none).",
-           _count("PAGEDLLM_WEIGHT_PREFETCH_TILES")),
     EnvVar("PAGEDLLM_FUSED_ROTARY_KV", "bool (0 = off)", True,
            "0: the Triton attention backend's layers launch rotary (with Qwen3's q/k norm) and the KV write as "
            "two kernels instead of one (A/B measurements; the values are the same bit for bit).",

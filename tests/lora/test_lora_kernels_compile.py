@@ -25,26 +25,24 @@ compile_("shrink", triton_lora._shrink_kernel,
 lora = {"t_ptr": "*fp32", "lb_ptr": "*bf16", "ls_ptr": "*i64", "R": "i32"}
 gemv = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "N": "i32", "K": "i32",
         "stride_wn": "i32", **lora, "stride_ts": "i32", "stride_lbs": "i32", "stride_lbn": "i32", "HAS_BIAS": c,
-        "BLOCK_N": c, "BLOCK_K": c, "HAS_LORA": c, "SPLIT": c, "BLOCK_R": c, "PDL": c, "ENTER": c, "PREFETCH": c}
+        "BLOCK_N": c, "BLOCK_K": c, "HAS_LORA": c, "SPLIT": c, "BLOCK_R": c, "PDL": c, "ENTER": c}
 compile_("gemv with the expand", triton_gemv._gemv_kernel, gemv,
          {"HAS_BIAS": False, "BLOCK_N": 8, "BLOCK_K": 512, "HAS_LORA": True, "SPLIT": 4, "BLOCK_R": 64, "PDL": True,
-          "ENTER": False, "PREFETCH": 0}, options=pdl, want_ptx="griddepcontrol.wait")
+          "ENTER": False}, options=pdl, want_ptx="griddepcontrol.wait")
 compile_("gemv launched early", triton_gemv._gemv_kernel, gemv,
          {"HAS_BIAS": False, "BLOCK_N": 8, "BLOCK_K": 512, "HAS_LORA": False, "SPLIT": 1, "BLOCK_R": 16, "PDL": False,
-          "ENTER": True, "PREFETCH": 2048}, options=pdl,
-         want_ptx=["cp.async.bulk.prefetch.L2.global", "griddepcontrol.wait"], divisible=("w_ptr", "stride_wn"))
+          "ENTER": True}, options=pdl, want_ptx="griddepcontrol.wait")
 dot = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32",
        "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32", **lora, "NUM_SLOTS": "i32", "stride_ts": "i32",
        "stride_tm": "i32", "stride_lbs": "i32", "stride_lbn": "i32", "part_ptr": "*fp32", "cnt_ptr": "*i32",
        "K_TILES_PER_SPLIT": "i32", "SPLIT_K": "i32", "HAS_BIAS": c, "BLOCK_M": c, "BLOCK_N": c,
-       "BLOCK_K": c, "HAS_LORA": c, "SPLIT": c, "BLOCK_R": c, "PDL": c, "ENTER": c, "USE_SPLIT": c, "PREFETCH": c}
+       "BLOCK_K": c, "HAS_LORA": c, "SPLIT": c, "BLOCK_R": c, "PDL": c, "ENTER": c, "USE_SPLIT": c}
 compile_("small-row dot with the expand", triton_gemv._small_m_gemm_kernel, dot,
          {"HAS_BIAS": True, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "HAS_LORA": True, "SPLIT": 2, "BLOCK_R": 32,
-          "PDL": True, "ENTER": False, "USE_SPLIT": False, "PREFETCH": 0}, options=pdl, want_ptx="griddepcontrol.wait")
+          "PDL": True, "ENTER": False, "USE_SPLIT": False}, options=pdl, want_ptx="griddepcontrol.wait")
 compile_("small-row dot split-K", triton_gemv._small_m_gemm_kernel, dot,
          {"HAS_BIAS": True, "BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 256, "HAS_LORA": False, "SPLIT": 1, "BLOCK_R": 16,
-          "PDL": False, "ENTER": True, "USE_SPLIT": True, "PREFETCH": 1024}, options=pdl,
-         want_ptx=["atom", "cp.async.bulk.prefetch.L2.global"], divisible=("w_ptr", "stride_wn"))
+          "PDL": False, "ENTER": True, "USE_SPLIT": True}, options=pdl, want_ptx="atom")
 compile_("rms norm letting the shrink launch", triton_ops._rms_norm_kernel, norm,
          {"HAS_RESIDUAL": True, "BLOCK": 4096, "TRIGGER": True, "FP8_OUT": False, "ENTER": False}, options=pdl,
          want_ptx="griddepcontrol.launch_dependents")

@@ -38,19 +38,16 @@ compile_("w4a16 dequantize GGUF Q4_1 mins", triton_int4._w4a16_dequant_kernel,
 splitk = {"x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*i32", "b_ptr": "*bf16", "y_ptr": "*bf16",
           "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32",
           "stride_ym": "i32", "K_TILES_PER_SPLIT": "i32", "SPLIT_K": "i32", "GROUP": c, "HAS_ZP": c, "HAS_BIAS": c,
-          "HAS_MIN": c, "BLOCK_M": c, "BLOCK_N": c, "BLOCK_K": c, "USE_SPLIT": c, "USE_DOT": c, "ENTER": c,
-          "PREFETCH_ROWS": c}
+          "HAS_MIN": c, "BLOCK_M": c, "BLOCK_N": c, "BLOCK_K": c, "USE_SPLIT": c, "USE_DOT": c, "ENTER": c}
 for dot, block_m, split, zp, group in [(True, 16, 4, True, 128), (True, 32, 1, False, 128), (False, 1, 8, True, 128),
                                        (False, 4, 2, False, 32)]:
     compile_(f"w4a16 split-K dot={dot} rows={block_m} split={split}", triton_int4._w4a16_splitk_kernel, splitk,
              {"GROUP": group, "HAS_ZP": zp, "HAS_BIAS": True, "HAS_MIN": False, "BLOCK_M": block_m, "BLOCK_N": 128,
-              "BLOCK_K": min(group, 128), "USE_SPLIT": split > 1, "USE_DOT": dot, "ENTER": split == 4,
-              "PREFETCH_ROWS": 32 if split == 4 else 0},
-             options={"launch_pdl": split == 4}, divisible=("qw_ptr",),
-             want_ptx="cp.async.bulk.prefetch.L2.global" if split == 4 else None)
+              "BLOCK_K": min(group, 128), "USE_SPLIT": split > 1, "USE_DOT": dot, "ENTER": split == 4},
+             options={"launch_pdl": split == 4})
 compile_("w4a16 split-K GGUF Q4_1 mins", triton_int4._w4a16_splitk_kernel, {**splitk, "z_ptr": "*fp16"},
          {"GROUP": 32, "HAS_ZP": False, "HAS_BIAS": False, "HAS_MIN": True, "BLOCK_M": 2, "BLOCK_N": 64,
-          "BLOCK_K": 32, "USE_SPLIT": True, "USE_DOT": False, "ENTER": False, "PREFETCH_ROWS": 0})
+          "BLOCK_K": 32, "USE_SPLIT": True, "USE_DOT": False, "ENTER": False})
 quant = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "static_s_ptr": "*fp32", "K": "i32",
          "stride_xm": "i32", "n_groups": "i32", "GROUP": c, "STATIC": c, "BLOCK": c, "PDL": c}
 compile_("fp8 quantize per token", triton_fp8._quant_fp8_kernel, quant,

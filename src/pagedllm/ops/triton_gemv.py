@@ -21,21 +21,10 @@ import triton.language as tl
 
 from pagedllm.ops.tile_tables import DECODE_MAX_ROWS, DECODE_ROW_BUCKETS, TileTable, default_block_m
 from pagedllm.ops.triton_lora import block_r_for, partial_sums
-from pagedllm.ops.triton_pdl import decode_pdl, gdc_wait, launch_early, pdl_enter, prefetch_l2, prefetch_tiles
+from pagedllm.ops.triton_pdl import decode_pdl, gdc_wait, launch_early, pdl_enter
 from pagedllm.ops.triton_splitk import counters, finish_split, split_for, tile_counter
 
 MAX_ROWS = DECODE_MAX_ROWS  # rows a launch takes at most (past 32: row tiles); more go to cuBLAS
-
-
-@triton.jit
-def prefetch_rows(w_ptr, N, K, stride_wn, k0, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr):
-    """Before this program waits for the kernel before it: L2 prefetches of the first PREFETCH bytes
-    from column ``k0`` of its BLOCK_N weight rows (clipped to the row), which no kernel writes."""
-    if PREFETCH:
-        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        nbytes = tl.minimum(PREFETCH, (K - k0) * (w_ptr.dtype.element_ty.primitive_bitwidth // 8))
-        prefetch_l2(w_ptr + tl.where(rows < N, rows, 0).to(tl.int64) * stride_wn + k0,
-                    tl.full([BLOCK_N], 0, tl.int32) + nbytes)
 
 
 @triton.jit(do_not_specialize=["M", "K_TILES_PER_SPLIT", "SPLIT_K"])
@@ -44,15 +33,12 @@ def _small_m_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_
                          part_ptr, cnt_ptr, K_TILES_PER_SPLIT, SPLIT_K,
                          HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr, HAS_LORA: tl.constexpr, SPLIT: tl.constexpr,
-                         BLOCK_R: tl.constexpr, PDL: tl.constexpr, ENTER: tl.constexpr, USE_SPLIT: tl.constexpr,
-                         PREFETCH: tl.constexpr = 0):
+                         BLOCK_R: tl.constexpr, PDL: tl.constexpr, ENTER: tl.constexpr, USE_SPLIT: tl.constexpr):
     """Program (pid_n, pid_k, pid_m) owns BLOCK_N output features of the ``pid_m``-th BLOCK_M rows
     and walks the ``pid_k``-th slice of K (``K_TILES_PER_SPLIT`` tiles; all of K without the
-    split). USE_SPLIT (never with LoRA): the partials meet in ``triton_splitk.finish_split``.
-    PREFETCH (launched early): the first PREFETCH bytes of each of its weight rows asked of L2 first."""
-    pid_k = tl.program_id(1)
-    prefetch_rows(w_ptr, N, K, stride_wn, pid_k * K_TILES_PER_SPLIT * BLOCK_K, BLOCK_N, PREFETCH)
+    split). USE_SPLIT (never with LoRA): the partials meet in ``triton_splitk.finish_split``."""
     pdl_enter(ENTER)
+    pid_k = tl.program_id(1)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
     kk = tl.arange(0, BLOCK_K)
@@ -100,10 +86,8 @@ def _small_m_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn,
                  t_ptr, lb_ptr, ls_ptr, R, stride_ts, stride_lbs, stride_lbn,
                  HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_LORA: tl.constexpr,
-                 SPLIT: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr, ENTER: tl.constexpr,
-                 PREFETCH: tl.constexpr = 0):
+                 SPLIT: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr, ENTER: tl.constexpr):
     """One row: products accumulated elementwise in fp32, reduced once at the end."""
-    prefetch_rows(w_ptr, N, K, stride_wn, 0, BLOCK_N, PREFETCH)
     pdl_enter(ENTER)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     if HAS_LORA:  # the row's adapter slot, in flight while the weight streams in
@@ -190,16 +174,6 @@ def decode_config(m: int, n: int, k: int) -> dict | None:
     return {key: value for key, value in entry.items() if key != "us"}
 
 
-def _prefetch_bytes(weight: torch.Tensor, block_k: int, enter: bool) -> int:
-    """The bytes of each weight row a program launched early prefetches (``prefetch_rows``): its first
-    ``PAGEDLLM_WEIGHT_PREFETCH_TILES`` K tiles; 0 unless the rows start 16-byte aligned, as the bulk
-    prefetch needs."""
-    item = weight.element_size()
-    if not enter or weight.data_ptr() % 16 or (weight.stride(0) * item) % 16:
-        return 0
-    return prefetch_tiles(weight.device) * block_k * item
-
-
 def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                    block_n: int = 32, block_k: int | None = None, num_warps: int = 4, num_stages: int = 4,
                    kernel: str = "dot", split_k: int = 1, block_m: int | None = None, lora=None) -> torch.Tensor:
@@ -234,8 +208,7 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     enter = lora is None and decode_pdl(x.device)  # launched early: waits first
     common = dict(HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, HAS_LORA=lora is not None,
                   SPLIT=lora.split if lora is not None else 1, BLOCK_R=block_r, num_warps=num_warps,
-                  num_stages=num_stages, PDL=pdl, ENTER=enter, PREFETCH=_prefetch_bytes(weight, block_k, enter),
-                  **launch_early(pdl or enter))
+                  num_stages=num_stages, PDL=pdl, ENTER=enter, **launch_early(pdl or enter))
     if kernel == "gemv" and m == 1:
         ts, _, lbs, lbn = lora_strides
         _gemv_kernel[grid](x, weight, b, y, n, k, weight.stride(0), t, lb, ls, r, ts, lbs, lbn, **common)

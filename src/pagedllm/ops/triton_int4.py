@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from pagedllm.ops.tile_tables import ROW_BUCKETS, TileTable
-from pagedllm.ops.triton_pdl import enter_args, pdl_enter, prefetch_l2, prefetch_tiles
+from pagedllm.ops.triton_pdl import enter_args, pdl_enter
 from pagedllm.ops.triton_splitk import counters, finish_split, split_for, tile_counter
 
 SMALL_ROWS = 32  # at most this many rows take the decode tiling
@@ -110,7 +110,7 @@ def _w4a16_splitk_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, cnt_
                          K_TILES_PER_SPLIT, SPLIT_K, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr,
                          HAS_MIN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr, USE_SPLIT: tl.constexpr, USE_DOT: tl.constexpr,
-                         ENTER: tl.constexpr, PREFETCH_ROWS: tl.constexpr = 0):
+                         ENTER: tl.constexpr):
     """Decode batches (the FMA variant: M <= BLOCK_M; the dot variant: row tiles, up to 512 rows):
     program (pid_n, pid_k, pid_m) owns ``BLOCK_N`` output features of ``BLOCK_M`` rows and the
     ``pid_k``-th slice of K (``K_TILES_PER_SPLIT`` tiles of ``BLOCK_K``, each inside one group), and
@@ -124,15 +124,11 @@ def _w4a16_splitk_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, cnt_
     USE_SPLIT (SPLIT_K > 1; the count itself is a run-time argument, so one compiled variant serves
     every split): each program writes its fp32 partial to ``ws`` [SPLIT_K, M, N]; the last of a
     column tile's programs to finish (a counter per output tile, ``cnt``, which it resets to 0 for
-    the next launch) sums the SPLIT_K partials in split order, adds the bias and writes y: one launch,
-    deterministic. ENTER: launched early (``triton_pdl``), it waits for the kernel before (PREFETCH_ROWS
-    rows of its words asked of L2 first)."""
-    BKW: tl.constexpr = BLOCK_K // 8
-    if PREFETCH_ROWS:  # its first K tiles' words (no kernel writes them), before the wait
-        rows = tl.minimum(tl.program_id(1) * K_TILES_PER_SPLIT * BKW + tl.arange(0, PREFETCH_ROWS), K // 8 - 1)
-        prefetch_l2(qw_ptr + rows.to(tl.int64) * N + tl.program_id(0) * BLOCK_N,
-                    tl.full([PREFETCH_ROWS], 0, tl.int32) + tl.minimum(BLOCK_N, N - tl.program_id(0) * BLOCK_N) * 4)
+    the next launch) sums the SPLIT_K partials in split order, adds the bias and writes y. One
+    launch, and the result does not depend on which program finished last (deterministic).
+    ENTER: launched while the kernel before it runs (``triton_pdl``), it waits for it first."""
     pdl_enter(ENTER)
+    BKW: tl.constexpr = BLOCK_K // 8
     MAGIC: tl.constexpr = 0x43004300 if x_ptr.dtype.element_ty == tl.bfloat16 else 0x64006400  # 128 | 1024
     BASE: tl.constexpr = 128.0 if x_ptr.dtype.element_ty == tl.bfloat16 else 1024.0
     ONE: tl.constexpr = 0x3F80 if x_ptr.dtype.element_ty == tl.bfloat16 else 0x3C00  # 1.0's bits
@@ -396,12 +392,10 @@ def w4a16_splitk(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, q
     else:
         ws = cnt = y
     second = mins if mins is not None else qzeros if qzeros is not None else qweight
-    enter, tiles = enter_args(x.device), prefetch_tiles(x.device) if qweight.data_ptr() % 16 == 0 else 0
     _w4a16_splitk_kernel[(n_tiles, split, m_tiles)](
         x, qweight, scales, second, bias if bias is not None else y, y, ws, cnt, m, n, k, x.stride(0), y.stride(0),
         per_split, split, GROUP=group_size, HAS_ZP=qzeros is not None, HAS_BIAS=bias is not None,
-        HAS_MIN=mins is not None, USE_SPLIT=split > 1, **cfg, **enter,
-        PREFETCH_ROWS=triton.next_power_of_2(tiles * block_k // 8) if tiles else 0)
+        HAS_MIN=mins is not None, USE_SPLIT=split > 1, **cfg, **enter_args(x.device))
     return y
 
 

@@ -56,16 +56,6 @@ def decode_pdl(device: torch.device) -> bool:
     return pdl_enabled(device, "PAGEDLLM_DECODE_PDL")
 
 
-def prefetch_tiles(device: torch.device) -> int:
-    """How many of its first K tiles a decode projection's program asks L2 for before it waits for the
-    kernel before it (``PAGEDLLM_WEIGHT_PREFETCH_TILES``; 0 without ``decode_pdl``, which launches it early)."""
-    if not decode_pdl(device):
-        return 0
-    from pagedllm import envs
-
-    return envs.PAGEDLLM_WEIGHT_PREFETCH_TILES
-
-
 def launch_early(early: bool) -> dict:
     """The launch argument that lets a kernel start while the one before it runs."""
     return {"launch_pdl": True} if early else {}
@@ -91,16 +81,6 @@ def pdl_begin(ENTER: tl.constexpr, TRIGGER: tl.constexpr):
         gdc_launch_dependents()
     elif TRIGGER:
         gdc_launch_dependents()
-
-
-@triton.jit
-def prefetch_l2(ptrs, nbytes):
-    """One bulk prefetch into L2 per element of ``ptrs`` (16-byte aligned starts of ``nbytes`` each, a
-    multiple of 16): ``cp.async.bulk.prefetch.L2`` (sm_90). For data no kernel writes during the step
-    (weights): a program launched early issues it before ``gdc_wait``, so its first tiles travel while
-    the kernel before it ends."""
-    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
-                              [ptrs, nbytes], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
