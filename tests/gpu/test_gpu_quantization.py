@@ -98,8 +98,8 @@ def test_w4a16_kernel_at_llama_shapes(m, n, k, group, zp):
 
 @pytest.mark.parametrize("m", [1, 3, 8, 32])
 def test_w4a16_splitk_in_a_cuda_graph_is_deterministic(m):
-    """The split-K decode kernel captured in a graph: every config the tuning sweep may pick (dot and
-    FMA, several splits), replayed with new inputs, equals its eager result bit for bit (the
+    """The split-K decode kernel captured in a graph: every config the tuning sweep may pick (dot,
+    transposed dot and FMA, several splits), replayed with new inputs, equals its eager result bit for bit (the
     fixed-order reduction) and the reference; the counters are back to zero after each replay."""
     from pagedllm.ops import triton_int4
 
@@ -110,7 +110,9 @@ def test_w4a16_splitk_in_a_cuda_graph_is_deterministic(m):
     w = dequantize(qweight, scales, None, group, k, torch.bfloat16).double()
     configs = [triton_int4.decode_config(m, n, k, group),
                dict(BLOCK_M=16 if m <= 16 else 32, BLOCK_N=64, BLOCK_K=128, USE_DOT=True, SPLIT_K=8, num_warps=4,
-                    num_stages=3)]
+                    num_stages=3),
+               dict(BLOCK_M=16 if m <= 16 else 32, BLOCK_N=128, BLOCK_K=128, USE_DOT=True, SWAP=True, SPLIT_K=4,
+                    num_warps=4, num_stages=4)]  # the transposed kernel (triton_int4_swap)
     if m <= 4:
         configs.append(dict(BLOCK_M=1 << (m - 1).bit_length(), BLOCK_N=128, BLOCK_K=128, USE_DOT=False, SPLIT_K=5,
                             num_warps=4, num_stages=2))

@@ -9,7 +9,7 @@ DEVICE = "cuda" if ON_GPU else "cpu"
 
 import_interpreted("pagedllm.ops.triton_ops", "pagedllm.ops.triton_gemv", "pagedllm.ops.triton_moe_routing",
                   "pagedllm.ops.triton_fused_moe",
-                  "pagedllm.ops.triton_int4", "pagedllm.ops.triton_fp8")
+                  "pagedllm.ops.triton_int4_swap", "pagedllm.ops.triton_int4", "pagedllm.ops.triton_fp8")
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ from tests.triton_env import HAS_TRITON, compile_for_sm90
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 
 _BODY = r"""
-from pagedllm.ops import triton_fp8, triton_int4
+from pagedllm.ops import triton_fp8, triton_int4, triton_int4_swap
 w4 = {"x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*i32", "b_ptr": "*bf16", "y_ptr": "*bf16",
       "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_ym": "i32", "GROUP": c, "HAS_ZP": c,
       "HAS_BIAS": c, "BLOCK_M": c, "BLOCK_N": c, "BLOCK_K": c, "PACKED_LOAD": c, "HAS_MIN": c}
@@ -48,6 +48,12 @@ for dot, block_m, split, zp, group in [(True, 16, 4, True, 128), (True, 32, 1, F
 compile_("w4a16 split-K GGUF Q4_1 mins", triton_int4._w4a16_splitk_kernel, {**splitk, "z_ptr": "*fp16"},
          {"GROUP": 32, "HAS_ZP": False, "HAS_BIAS": False, "HAS_MIN": True, "BLOCK_M": 2, "BLOCK_N": 64,
           "BLOCK_K": 32, "USE_SPLIT": True, "USE_DOT": False, "ENTER": False})
+swap = {k: v for k, v in splitk.items() if k not in ("HAS_MIN", "USE_DOT")}
+for block_m, block_n, split, zp in [(16, 64, 4, False), (32, 128, 1, True)]:  # Hopper's wgmma, not mma.sync
+    compile_(f"w4a16 split-K transposed rows={block_m} zp={zp}", triton_int4_swap._w4a16_swap_kernel, swap,
+             {"GROUP": 128, "HAS_ZP": zp, "HAS_BIAS": True, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": 128,
+              "USE_SPLIT": split > 1, "ENTER": split == 4}, options={"launch_pdl": split == 4},
+             want_ptx="wgmma.mma_async")
 quant = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "static_s_ptr": "*fp32", "K": "i32",
          "stride_xm": "i32", "n_groups": "i32", "GROUP": c, "STATIC": c, "BLOCK": c, "PDL": c}
 compile_("fp8 quantize per token", triton_fp8._quant_fp8_kernel, quant,
@@ -79,5 +85,5 @@ compile_("fp8 small-row, row tiles of 128, K split", triton_fp8._fp8_small_m_ker
 
 def test_quantization_kernels_compile_for_sm90(tmp_path):
     results = compile_for_sm90(_BODY, tmp_path)
-    assert len(results) == 21
+    assert len(results) == 23
     assert {name: ok for name, ok in results.items() if ok is not True} == {}

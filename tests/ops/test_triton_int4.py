@@ -225,3 +225,55 @@ def _check_dispatched(triton_int4, rows, qweight, scales, qzeros):
         y = triton_int4.w4a16_linear(x, qweight, scales, qzeros, 128)
         exact = x.double() @ dequantize(qweight, scales, qzeros, 128, 256, torch.bfloat16).double()
         assert _rel(y, exact) < TOL[torch.bfloat16]
+
+
+# ---- the transposed split-K kernel (triton_int4_swap: weights as the dot's left operand) ------------
+
+@pytest.mark.parametrize("m, n, k, zp, bias, split, block_m, dtype", [
+    (1, 72, 384, False, True, 3, 16, torch.bfloat16),    # one row; N under two tiles; 3 groups, 3 splits
+    (5, 136, 256, True, False, 1, 16, torch.float16),    # zero points; one split: the direct store
+    (16, 64, 512, True, True, 4, 16, torch.bfloat16),    # zero points, bias, 4 splits
+    (32, 200, 384, False, False, 2, 32, torch.float16),  # 3 K tiles over 2 splits (2 + 1)
+    (40, 72, 256, True, False, 2, 16, torch.bfloat16),   # row tiles: 40 rows in tiles of 16
+])
+def test_swapped_splitk_kernel_matches_dequantized_matmul(triton_int4, m, n, k, zp, bias, split, block_m, dtype):
+    qweight, scales, qzeros = _weights(n, k, 128, zp, dtype, seed=m * 7 + n)
+    g = torch.Generator().manual_seed(k + m)
+    x = torch.randn(m, k, generator=g).to(DEVICE, dtype)
+    b = torch.randn(n, generator=g).to(DEVICE, dtype) if bias else None
+    config = dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=128, USE_DOT=True, SWAP=True, SPLIT_K=split, num_warps=4,
+                  num_stages=2)
+    calls = []
+    swap = triton_int4.w4a16_swap_splitk
+    triton_int4.w4a16_swap_splitk = lambda *a: calls.append(a[-2]) or swap(*a)
+    try:
+        y = triton_int4.w4a16_linear(x, qweight, scales, qzeros, 128, b, decode=config)
+        again = triton_int4.w4a16_linear(x, qweight, scales, qzeros, 128, b, decode=config)
+    finally:
+        triton_int4.w4a16_swap_splitk = swap
+    assert len(calls) == 2 and calls[0]["SPLIT_K"] == split  # the transposed kernel ran
+    ref = x.double() @ dequantize(qweight, scales, qzeros, 128, k, dtype).double()
+    assert y.shape == (m, n) and y.dtype == dtype
+    assert _rel(y, ref if b is None else ref + b.double()) < TOL[dtype]
+    assert torch.equal(again, y)  # the split's sum in split order, counters reset
+    # The same numbers as the untransposed kernel, to the rounding of the output.
+    plain = triton_int4.w4a16_splitk(x, qweight, scales, qzeros, 128, b, config={**config, "SWAP": False})
+    assert _rel(y, plain) < 2 * TOL[dtype] / 10
+
+
+def test_swapped_configs_fall_back_where_they_do_not_fit(triton_int4):
+    """A SWAP entry needs 128-deep K tiles in one group, 64+ features and 16+ rows a program; GGUF Q4_1's
+    mins take the untransposed kernel."""
+    base = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, USE_DOT=True, SWAP=True, SPLIT_K=1, num_warps=4, num_stages=2)
+    assert triton_int4.splitk_eligible(1, 128, base)
+    assert not triton_int4.splitk_eligible(1, 64, {**base, "BLOCK_K": 64})
+    assert not triton_int4.splitk_eligible(1, 128, {**base, "BLOCK_N": 32})
+    with pytest.raises(ValueError, match="BLOCK_N"):
+        triton_int4.w4a16_swap_splitk(torch.zeros(1, 128).to(DEVICE, torch.bfloat16), None, None, None, 128, None,
+                                      {**base, "BLOCK_N": 32}, None)
+    qweight, scales, _ = _weights(64, 256, 128, False, torch.bfloat16, seed=1)
+    mins = (torch.randn(2, 64) * 0.01).to(DEVICE, torch.bfloat16)
+    x = torch.randn(2, 256).to(DEVICE, torch.bfloat16)
+    y = triton_int4.w4a16_splitk(x, qweight, scales, None, 128, mins=mins, config=base)
+    w = dequantize(qweight, scales, None, 128, 256, torch.bfloat16, mins)
+    assert _rel(y, x.double() @ w.double()) < TOL[torch.bfloat16]

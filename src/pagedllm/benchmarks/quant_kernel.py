@@ -116,12 +116,13 @@ DOT_TILES = [dict(BLOCK_N=bn, num_warps=w, num_stages=st) for bn in (64, 128, 25
              for w, st in ((4, 3), (4, 4), (8, 3))] + \
     [dict(BLOCK_N=512, num_warps=w, num_stages=3) for w in (8, 16)]  # (16 rows only: 32 spill at 8 warps)
 FMA_TILES = [dict(BLOCK_N=bn, num_warps=w, num_stages=2) for bn in (128, 256) for w in (4, 8)]
-# About 50 compiled variants in all (each tile with and without the split): 1-3 minutes of compiling.
+# About 70 compiled variants in all (each tile with and without the split, the transposed kernel too): a few
+# minutes of compiling.
 
 
 def splitk_candidates(m: int, n: int, k: int, group: int, sm_count: int) -> list[dict]:
-    """The sweep's split-K configs at ``m`` rows: the dot variant (group 128) and, up to 4 rows, the
-    FMA one, each tile with every split that keeps the grid under 8 programs per SM and the fp32
+    """The sweep's split-K configs at ``m`` rows: the dot variant (group 128; up to 256 columns also
+    transposed, ``SWAP``) and, up to 4 rows, the FMA one, each tile with every split that keeps the grid under 8 programs per SM and the fp32
     partials under a quarter of the packed weight's bytes."""
     import triton
 
@@ -146,8 +147,10 @@ def splitk_candidates(m: int, n: int, k: int, group: int, sm_count: int) -> list
                     continue
                 seen.add(split)
                 config = dict(BLOCK_M=block_m, BLOCK_K=block_k, USE_DOT=use_dot, SPLIT_K=split, **tile)
-                if splitk_eligible(m, group, config):
-                    out.append(config)
+                # each dot tile also transposed (triton_int4_swap: the weights as wgmma's 64-row operand)
+                for cand in (config, dict(config, SWAP=True)) if use_dot and tile["BLOCK_N"] <= 256 else (config,):
+                    if splitk_eligible(m, group, cand):
+                        out.append(cand)
     return out
 
 
@@ -156,15 +159,19 @@ def tune_splitk(args) -> dict:
     import torch
 
     from pagedllm.ops import triton_int4
-    from pagedllm.ops.tile_tables import write_table
+    from pagedllm.ops.tile_tables import note_tuned_on, read_table, write_table
 
     shape = SHAPES[args.shape]
     group, device = 128, "cuda" if torch.cuda.is_available() else "cpu"
     sm_count = torch.cuda.get_device_properties(0).multi_processor_count if device == "cuda" else 132
     gpu = torch.cuda.get_device_name(0) if device == "cuda" else "cpu"
-    table: dict = {"_doc": f"W4A16 split-K decode configs by N,K,G and row bucket ({{'kernel': 'tiled' | 'dequant'}} "
-                           f"where that path won): pagedllm.benchmarks.quant_kernel --tune on {gpu} ({args.shape}); "
-                           f"shapes it lacks take triton_int4.default_splitk_config"}
+    path = args.config_out or triton_int4.CONFIG_FILE
+    # A run replaces its row buckets and keeps the file's others (_tuned_on: which GPU tuned which rows).
+    table: dict = {"_doc": "W4A16 split-K decode configs by N,K,G and row bucket ({'kernel': 'tiled' | 'dequant'} "
+                           "where that path won): pagedllm.benchmarks.quant_kernel --tune; shapes it "
+                           "lacks take triton_int4.default_splitk_config; _tuned_on: the GPU each run's rows were "
+                           "tuned on", **read_table(path)}
+    note_tuned_on(path, table, [m for m in args.rows if m <= triton_int4.M_BUCKETS[-1]], gpu)
     for name, (n, k) in projections(shape).items():
         nbytes = _int4_bytes(n, k, group, args.zero_points)
         copies = max(2, -(-(256 << 20) // nbytes)) if device == "cuda" else 1
@@ -221,12 +228,14 @@ def tune_splitk(args) -> dict:
                   "default_us": None if default_ms is None else round(default_ms * 1e3, 2),
                   "tiled_us": None if tiled_ms is None else round(tiled_ms * 1e3, 2),
                   "dequant_us": next((round(r[2] * 1e3, 2) for r in results if r[0] == "dequant"), None),
+                  "best_unswapped_us": round(min((r[2] for r in results if not (r[1] or {}).get("SWAP")),
+                                                 default=float("nan")) * 1e3, 2),
                   "best_roofline": round(nbytes / (args.peak_gb_s * 1e9) / (best_ms * 1e-3), 3)})
         del weights
         if device == "cuda":
             torch.cuda.empty_cache()
         # After each projection: a later crash keeps these.
-        write_table(args.config_out or triton_int4.CONFIG_FILE, table)
+        write_table(path, table)
     triton_int4.reload_config_table()
     return table
 

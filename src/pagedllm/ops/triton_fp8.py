@@ -21,7 +21,7 @@ import triton.language as tl
 
 from pagedllm.ops.tile_tables import DECODE_MAX_ROWS, DECODE_ROW_BUCKETS, TileTable, default_block_m
 from pagedllm.ops.triton_pdl import launch_args, pdl_enter
-from pagedllm.ops.triton_splitk import counters, finish_split, split_for, tile_counter
+from pagedllm.ops.triton_splitk import finish_split, splitk_setup, tile_counter
 
 # Kernels read globals only as constexprs: the e4m3 maximum, and the smallest dynamic scale (as
 # pagedllm.model.quantization.fp8: an all-zero row divides by this).
@@ -222,15 +222,10 @@ def fp8_small_m_linear(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Te
     y = torch.empty(m, n, dtype=out_dtype, device=xq.device)
     if m == 0:
         return y
-    per_split, split = split_for(triton.cdiv(k, block_k), split_k)
     n_tiles = triton.cdiv(n, block_n)
     block_m = block_m or default_block_m(m)
     m_tiles = triton.cdiv(m, block_m)
-    if split > 1:
-        part = torch.empty(split, m, n, dtype=torch.float32, device=xq.device)
-        cnt = counters(xq.device, n_tiles * m_tiles)
-    else:
-        part = cnt = y
+    per_split, split, part, cnt = splitk_setup(y, triton.cdiv(k, block_k), split_k, n_tiles * m_tiles)
     _fp8_small_m_kernel[(n_tiles, split, m_tiles)](
         xq, x_scale.reshape(m).contiguous(), weight, weight_scale, bias if bias is not None else y, y, part, cnt,
         m, n, k, xq.stride(0), weight.stride(0), y.stride(0), per_split, split, HAS_BIAS=bias is not None,

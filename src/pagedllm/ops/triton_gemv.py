@@ -22,7 +22,7 @@ import triton.language as tl
 from pagedllm.ops.tile_tables import DECODE_MAX_ROWS, DECODE_ROW_BUCKETS, TileTable, default_block_m
 from pagedllm.ops.triton_lora import block_r_for, partial_sums
 from pagedllm.ops.triton_pdl import decode_pdl, gdc_wait, launch_early, pdl_enter
-from pagedllm.ops.triton_splitk import counters, finish_split, split_for, tile_counter
+from pagedllm.ops.triton_splitk import finish_split, splitk_setup, tile_counter
 
 MAX_ROWS = DECODE_MAX_ROWS  # rows a launch takes at most (past 32: row tiles); more go to cuBLAS
 
@@ -213,11 +213,9 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         ts, _, lbs, lbn = lora_strides
         _gemv_kernel[grid](x, weight, b, y, n, k, weight.stride(0), t, lb, ls, r, ts, lbs, lbn, **common)
     else:
-        per_split, split = split_for(k // block_k, split_k if lora is None else 1)
         block_m = block_m or default_block_m(m)
         m_tiles = triton.cdiv(m, block_m)
-        part, cnt = (torch.empty(split, m, n, dtype=torch.float32, device=x.device),
-                     counters(x.device, grid[0] * m_tiles)) if split > 1 else (y, y)
+        per_split, split, part, cnt = splitk_setup(y, k // block_k, split_k if lora is None else 1, grid[0] * m_tiles)
         _small_m_gemm_kernel[(grid[0], split, m_tiles)](
             x, weight, b, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0), t, lb, ls, r,
             lb.shape[0] if lora is not None else 0, *lora_strides, part, cnt, per_split, split,

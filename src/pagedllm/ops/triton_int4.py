@@ -22,7 +22,8 @@ import triton.language as tl
 
 from pagedllm.ops.tile_tables import ROW_BUCKETS, TileTable
 from pagedllm.ops.triton_pdl import enter_args, pdl_enter
-from pagedllm.ops.triton_splitk import counters, finish_split, split_for, tile_counter
+from pagedllm.ops.triton_int4_swap import swap_eligible, w4a16_swap_splitk
+from pagedllm.ops.triton_splitk import finish_split, splitk_setup, tile_counter
 
 SMALL_ROWS = 32  # at most this many rows take the decode tiling
 DEQUANT_ROWS = 1024  # from this many rows on: dequantize once, then cuBLAS
@@ -304,6 +305,8 @@ def _sm_count(device: str) -> int:
 
 
 def splitk_eligible(m: int, group: int, config: dict) -> bool:
+    if config.get("SWAP") and not swap_eligible(group, config):
+        return False
     block_k = config["BLOCK_K"]
     if (m > config["BLOCK_M"] and not config["USE_DOT"]) or group % block_k or block_k % 8:
         return False
@@ -383,14 +386,10 @@ def w4a16_splitk(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, q
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return y
-    split, block_n, block_k = cfg.pop("SPLIT_K"), cfg["BLOCK_N"], cfg["BLOCK_K"]
-    per_split, split = split_for(k // block_k, split)
-    n_tiles, m_tiles = triton.cdiv(n, block_n), triton.cdiv(m, cfg["BLOCK_M"])
-    if split > 1:
-        ws = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
-        cnt = counters(x.device, n_tiles * m_tiles)
-    else:
-        ws = cnt = y
+    if cfg.pop("SWAP", False) and mins is None:  # (Q4_1's mins: the kernel below)
+        return w4a16_swap_splitk(x, qweight, scales, qzeros, group_size, bias, cfg, y)
+    n_tiles, m_tiles = triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"])
+    per_split, split, ws, cnt = splitk_setup(y, k // cfg["BLOCK_K"], cfg.pop("SPLIT_K"), n_tiles * m_tiles)
     second = mins if mins is not None else qzeros if qzeros is not None else qweight
     _w4a16_splitk_kernel[(n_tiles, split, m_tiles)](
         x, qweight, scales, second, bias if bias is not None else y, y, ws, cnt, m, n, k, x.stride(0), y.stride(0),

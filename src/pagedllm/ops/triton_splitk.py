@@ -73,3 +73,14 @@ def split_for(k_tiles: int, split: int) -> tuple[int, int]:
     last (which may have fewer)."""
     per_split = triton.cdiv(k_tiles, max(1, min(split, k_tiles)))
     return per_split, triton.cdiv(k_tiles, per_split)
+
+
+def splitk_setup(y: torch.Tensor, k_tiles: int, split: int, tiles: int) -> tuple[int, int, torch.Tensor, torch.Tensor]:
+    """A split-K launch's (K tiles per split, splits, fp32 workspace [splits, *y.shape], counters for
+    ``tiles`` output tiles); without a split, ``y`` stands in for the two buffers the kernel then
+    never touches."""
+    per_split, split = split_for(k_tiles, split)
+    if split == 1:
+        return per_split, split, y, y
+    return per_split, split, torch.empty(split, *y.shape, dtype=torch.float32, device=y.device), \
+        counters(y.device, tiles)
