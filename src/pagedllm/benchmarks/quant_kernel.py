@@ -115,14 +115,18 @@ SPLITS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 DOT_TILES = [dict(BLOCK_N=bn, num_warps=w, num_stages=st) for bn in (64, 128, 256)
              for w, st in ((4, 3), (4, 4), (8, 3))] + \
     [dict(BLOCK_N=512, num_warps=w, num_stages=3) for w in (8, 16)]  # (16 rows only: 32 spill at 8 warps)
+# The transposed kernel is a candidate up to 16 rows. At 32 it won every projection but o alone (H200:
+# 107.7 against 119.3 us a layer) and lost end to end (GPTQ llama3-8b batch 32, 5.36 against 5.23 ms a
+# step with the best unswapped configs); at one row it won both (3.10 against 3.19 ms).
+SWAP_MAX_ROWS = 16
 FMA_TILES = [dict(BLOCK_N=bn, num_warps=w, num_stages=2) for bn in (128, 256) for w in (4, 8)]
 # About 70 compiled variants in all (each tile with and without the split, the transposed kernel too): a few
 # minutes of compiling.
 
 
 def splitk_candidates(m: int, n: int, k: int, group: int, sm_count: int) -> list[dict]:
-    """The sweep's split-K configs at ``m`` rows: the dot variant (group 128; up to 256 columns also
-    transposed, ``SWAP``) and, up to 4 rows, the FMA one, each tile with every split that keeps the grid under 8 programs per SM and the fp32
+    """The sweep's split-K configs at ``m`` rows: the dot variant (group 128; up to 256 columns and
+    SWAP_MAX_ROWS rows also transposed, ``SWAP``) and, up to 4 rows, the FMA one, each tile with every split that keeps the grid under 8 programs per SM and the fp32
     partials under a quarter of the packed weight's bytes."""
     import triton
 
@@ -148,10 +152,31 @@ def splitk_candidates(m: int, n: int, k: int, group: int, sm_count: int) -> list
                 seen.add(split)
                 config = dict(BLOCK_M=block_m, BLOCK_K=block_k, USE_DOT=use_dot, SPLIT_K=split, **tile)
                 # each dot tile also transposed (triton_int4_swap: the weights as wgmma's 64-row operand)
-                for cand in (config, dict(config, SWAP=True)) if use_dot and tile["BLOCK_N"] <= 256 else (config,):
+                swap = use_dot and tile["BLOCK_N"] <= 256 and m <= SWAP_MAX_ROWS
+                for cand in (config, dict(config, SWAP=True)) if swap else (config,):
                     if splitk_eligible(m, group, cand):
                         out.append(cand)
     return out
+
+
+def _checked_best(results: list, x, weight: tuple, group: int, what: str) -> tuple:
+    """The fastest of ``results`` ((kind, config, ms)) that computes what the tiled kernel computes
+    (fresh inputs in ``x``; ``weight`` (qweight, scales, qzeros)): (kind, config, ms)."""
+    from pagedllm.ops import triton_int4
+
+    qw, sc, zr = weight
+    x.normal_()
+    want = triton_int4.w4a16_linear(x, qw, sc, zr, group, decode=False).float()
+    for cand_kind, cand, cand_ms in sorted(results, key=lambda r: r[2]):
+        if cand_kind == "tiled":
+            return cand_kind, cand, cand_ms
+        decode = triton_int4.DEQUANT if cand_kind == "dequant" else cand
+        got = triton_int4.w4a16_linear(x, qw, sc, zr, group, decode=decode).float()
+        err = ((got - want).norm() / want.norm()).item()
+        if err < 1e-2:
+            return cand_kind, cand, cand_ms
+        print(f"# {what} {cand}: relative difference {err:.3g} from the tiled kernel: skipped", flush=True)
+    return "tiled", None, float("inf")
 
 
 def tune_splitk(args) -> dict:
@@ -203,23 +228,7 @@ def tune_splitk(args) -> dict:
                     continue
                 default_ms = ms if default_ms is None and config is default else default_ms
                 results.append(("splitk", config, ms))
-            # The fastest config that computes what the tiled kernel computes (fresh inputs).
-            qw, sc, zr = weights[0]
-            x.normal_()
-            want = triton_int4.w4a16_linear(x, qw, sc, zr, group, decode=False).float()
-            kind, best, best_ms = "tiled", None, float("inf")
-            for cand_kind, cand, cand_ms in sorted(results, key=lambda r: r[2]):
-                if cand_kind == "tiled":
-                    kind, best, best_ms = cand_kind, cand, cand_ms
-                    break
-                decode = triton_int4.DEQUANT if cand_kind == "dequant" else cand
-                got = triton_int4.w4a16_linear(x, qw, sc, zr, group, decode=decode).float()
-                err = ((got - want).norm() / want.norm()).item()
-                if err < 1e-2:
-                    kind, best, best_ms = cand_kind, cand, cand_ms
-                    break
-                print(f"# {name} m={m} {cand}: relative difference {err:.3g} from the tiled kernel: skipped",
-                      flush=True)
+            kind, best, best_ms = _checked_best(results, x, weights[0], group, f"{name} m={m}")
             tiled_ms = next((r[2] for r in results if r[0] == "tiled"), None)
             # the fastest without the transposed kernel (not checked against the tiled kernel: a note)
             unswapped = min((r for r in results if not (r[1] or {}).get("SWAP")), key=lambda r: r[2],
