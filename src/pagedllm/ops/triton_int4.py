@@ -22,7 +22,7 @@ import triton.language as tl
 
 from pagedllm.ops.tile_tables import ROW_BUCKETS, TileTable
 from pagedllm.ops.triton_pdl import enter_args, pdl_enter
-from pagedllm.ops.triton_int4_swap import swap_eligible, w4a16_swap_splitk
+from pagedllm.ops.triton_int4_swap import nibble_activations, swap_eligible, w4a16_swap_splitk
 from pagedllm.ops.triton_splitk import finish_split, splitk_setup, tile_counter
 
 SMALL_ROWS = 32  # at most this many rows take the decode tiling
@@ -176,13 +176,11 @@ def _w4a16_splitk_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, cnt_
             # point below, comes from one more dot, with a tile of ones (1.0's bits: the
             # interpreter keeps 16-bit floats as raw bits).
             xk = tl.load(xk_ptrs, mask=m_ok[:, None], other=0.0)
-            x_c0, x_c1 = tl.split(tl.reshape(xk, (BLOCK_M, BKW, 2, 2, 2)))  # k = 8 j + 4 h + 2 b + c
-            x_b0c0, x_b1c0 = tl.split(x_c0)  # [BLOCK_M, BKW, 2 (h)]: x at k = 8 j + 4 h + i, i = 2 b + c
-            x_b0c1, x_b1c1 = tl.split(x_c1)
-            part = _dot_nibble_pair(x_b0c0, words, 0, MAGIC, OFF, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32))
-            part = _dot_nibble_pair(x_b0c1, words, 1, MAGIC, OFF, part)
-            part = _dot_nibble_pair(x_b1c0, words, 2, MAGIC, OFF, part)
-            part = _dot_nibble_pair(x_b1c1, words, 3, MAGIC, OFF, part)
+            x0, x1, x2, x3 = nibble_activations(xk, BKW)
+            part = _dot_nibble_pair(x0, words, 0, MAGIC, OFF, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32))
+            part = _dot_nibble_pair(x1, words, 1, MAGIC, OFF, part)
+            part = _dot_nibble_pair(x2, words, 2, MAGIC, OFF, part)
+            part = _dot_nibble_pair(x3, words, 3, MAGIC, OFF, part)
             if not SYMMETRIC:  # (symmetric: the operands were q - 8)
                 xsum = tl.dot(xk, tl.full((BLOCK_K, BLOCK_N), ONE, tl.int16).to(x_ptr.dtype.element_ty, bitcast=True))
         elif BLOCK_M == 1:  # a GEMV: [BKW, BLOCK_N] products, summed over the words once per tile

@@ -30,6 +30,17 @@ def swap_eligible(group: int, config: dict) -> bool:
 
 
 @triton.jit
+def nibble_activations(xk, BKW: tl.constexpr):
+    """A [rows, 8 BKW] tile of x split in registers into the four operands of the nibble-pair dots:
+    operand i ([rows, BKW, 2]) holds x at k = 8 j + i + 4 h (the activations of nibbles i and i + 4 of
+    word j). Shared by both split-K kernels."""
+    x_c0, x_c1 = tl.split(tl.reshape(xk, (xk.shape[0], BKW, 2, 2, 2)))  # k = 8 j + 4 h + 2 b + c
+    x_b0c0, x_b1c0 = tl.split(x_c0)  # i = 2 b + c
+    x_b0c1, x_b1c1 = tl.split(x_c1)
+    return x_b0c0, x_b0c1, x_b1c0, x_b1c1
+
+
+@triton.jit
 def _pair_dot(words, xh, i: tl.constexpr, MAGIC: tl.constexpr, OFF: tl.constexpr, part):
     """``part`` plus the dot of nibbles i and i + 4 of each word ([BLOCK_N, BKW]) with their activations
     (``xh`` [BLOCK_M, BKW, 2]: x at k = 8 j + i + 4 h). Both nibbles sit in one 32-bit register, each
@@ -82,13 +93,11 @@ def _w4a16_swap_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, cnt_pt
         s = s_next.to(tl.float32)
         s_next = tl.load(s_ptr + (tl.minimum(kt + 1, kt_hi - 1) * BLOCK_K // GROUP) * N + n, mask=n_ok, other=0.0)
         xk = tl.load(xk_ptrs, mask=m_ok[:, None], other=0.0)
-        x_c0, x_c1 = tl.split(tl.reshape(xk, (BLOCK_M, BKW, 2, 2, 2)))  # k = 8 j + 4 h + 2 b + c
-        x_b0c0, x_b1c0 = tl.split(x_c0)  # [BLOCK_M, BKW, 2 (h)]: x at k = 8 j + 4 h + i, i = 2 b + c
-        x_b0c1, x_b1c1 = tl.split(x_c1)
-        part = _pair_dot(words, x_b0c0, 0, MAGIC, OFF, tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32))
-        part = _pair_dot(words, x_b0c1, 1, MAGIC, OFF, part)
-        part = _pair_dot(words, x_b1c0, 2, MAGIC, OFF, part)
-        part = _pair_dot(words, x_b1c1, 3, MAGIC, OFF, part)
+        x0, x1, x2, x3 = nibble_activations(xk, BKW)
+        part = _pair_dot(words, x0, 0, MAGIC, OFF, tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32))
+        part = _pair_dot(words, x1, 1, MAGIC, OFF, part)
+        part = _pair_dot(words, x2, 2, MAGIC, OFF, part)
+        part = _pair_dot(words, x3, 3, MAGIC, OFF, part)
         if SYMMETRIC:  # the operands were q - 8
             acc += s[:, None] * part
         else:  # BASE + q: sum_k x (a dot with a tile of ones) times BASE + z comes off
