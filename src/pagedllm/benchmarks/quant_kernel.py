@@ -126,8 +126,9 @@ FMA_TILES = [dict(BLOCK_N=bn, num_warps=w, num_stages=2) for bn in (128, 256) fo
 
 def splitk_candidates(m: int, n: int, k: int, group: int, sm_count: int) -> list[dict]:
     """The sweep's split-K configs at ``m`` rows: the dot variant (group 128; up to 256 columns and
-    SWAP_MAX_ROWS rows also transposed, ``SWAP``) and, up to 4 rows, the FMA one, each tile with every split that keeps the grid under 8 programs per SM and the fp32
-    partials under a quarter of the packed weight's bytes."""
+    SWAP_MAX_ROWS rows also transposed, ``SWAP``) and, up to 4 rows, the FMA one, each tile with every
+    split that keeps the grid under 8 programs per SM and the fp32 partials under a quarter of the
+    packed weight's bytes."""
     import triton
 
     from pagedllm.ops.triton_int4 import splitk_eligible
