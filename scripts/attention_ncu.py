@@ -6,9 +6,9 @@ issue 19's prefill).
 
 CASE: l8b_b32_bf16 / l8b_b32_fp8 (llama3-8b heads, 32 sequences x 384 tokens), q06_b256_bf16 /
 q06_b256_fp8 (qwen3-0.6b heads, 256 x 1,024) decode; l8b_p8k_bf16 (one fresh 8,192-token prompt,
-llama3-8b heads: the prefill kernel); random paged caches as in ``pagedllm.attention.kernel_bench``. Each case runs the KV write and attention three times (ncu's
-``-s 2`` skips the first two attention launches: compile and warm-up).
-"""
+llama3-8b heads: the prefill kernel); random paged caches as in ``pagedllm.attention.kernel_bench``.
+Each case runs the KV write and attention three times (ncu's ``-s 2`` skips the first two attention
+launches: compile and warm-up)."""
 from __future__ import annotations
 
 import sys
