@@ -108,7 +108,8 @@ _VARS = [
            "0: the kernels of a layer's chain (the projections: 16-bit small-row GEMMs, FP8's activation "
            "quantization and GEMM, the W4A16 split-K GEMM; RMSNorm, rotary, the KV write, attention and its split "
            "merge, SiLU-and-mul) wait for the kernel before them to end before they launch, instead of launching "
-           "while it runs (programmatic dependent launch, ops/triton_pdl.py; A/B measurements).",
+           "while it runs (programmatic dependent launch, ops/triton_pdl.py; A/B measurements). W4A16 models "
+           "launch early only in forwards of at most 16 tokens (model/quantization/int4.py).",
            _not_zero),
     EnvVar("PAGEDLLM_FUSED_ROTARY_KV", "bool (0 = off)", True,
            "0: the Triton attention backend's layers launch rotary (with Qwen3's q/k norm) and the KV write as "

@@ -26,7 +26,8 @@ import torch
 
 from pagedllm import LLM, SamplingParams, TokensPrompt
 from pagedllm.model.quantization import QUANTIZATION_METHODS, resolve_quantization
-from pagedllm.model.quantization.int4 import AWQ_ORDER, dequantize, pack_cols, pack_rows, unpack_cols, unpack_rows
+from pagedllm.model.quantization.int4 import (AWQ_ORDER, CHAIN_PDL_MAX_ROWS, chain_pdl_max_rows, dequantize, pack_cols,
+                                              pack_rows, unpack_cols, unpack_rows)
 from tests.model import quant_checkpoints as qc
 
 PROMPTS = [[5, 17, 99, 3, 250], [7] * 3 + list(range(20, 60)), [400, 401, 3, 9, 12, 77, 300, 8, 9, 10, 11]]
@@ -172,6 +173,7 @@ def test_w4a16_matches_dequantized_reference_and_stays_packed(tmp_path, case):
     method = case.split("-")[0].replace("_v2", "").replace("ct", "compressed-tensors")
     assert model_of(llm).quant_config.name == method
     check_against_reference(llm, reference, W4A16_TOL, exact_greedy=True)
+    assert chain_pdl_max_rows(model_of(llm)) == CHAIN_PDL_MAX_ROWS  # early launch in small forwards only (GPU)
     group = int(case.rsplit("-g", 1)[1])
     symmetric = "sym" in case.split("-") or case.startswith("gptq-sym")
     for name, layer in linear_layers(model_of(llm)):
@@ -215,6 +217,7 @@ def test_w8a8_checkpoint_matches_fake_quantized_reference_and_stays_fp8(tmp_path
     llm = make_llm(str(tmp_path))
     check_layers_against_reference(llm, reference)
     check_against_reference(llm, reference, W8A8_TOL, exact_greedy=False)
+    assert chain_pdl_max_rows(model_of(llm)) is None
     for name, layer in linear_layers(model_of(llm)):
         assert layer.weight.dtype == torch.float8_e4m3fn, name
         n, k = layer.out_features, layer.in_features

@@ -277,3 +277,22 @@ def test_swapped_configs_fall_back_where_they_do_not_fit(triton_int4):
     y = triton_int4.w4a16_splitk(x, qweight, scales, None, 128, mins=mins, config=base)
     w = dequantize(qweight, scales, None, 128, 256, torch.bfloat16, mins)
     assert _rel(y, x.double() @ w.double()) < TOL[torch.bfloat16]
+
+
+def test_the_layer_chain_launches_early_only_up_to_the_models_row_limit(monkeypatch):
+    """``triton_pdl.decode_pdl``: with early launch on (faked here: it needs Hopper), a launch of more
+    rows than the model's limit (W4A16: CHAIN_PDL_MAX_ROWS) runs in stream order; without a limit, or
+    a launch that names no rows, early."""
+    from pagedllm.model.quantization.int4 import CHAIN_PDL_MAX_ROWS
+    from pagedllm.ops import triton_pdl
+
+    monkeypatch.setattr(triton_pdl, "pdl_enabled", lambda device, switch: switch == "PAGEDLLM_DECODE_PDL")
+    monkeypatch.setattr(triton_pdl, "_CHAIN_MAX_ROWS", None)
+    dev = torch.device("cpu")
+    triton_pdl.set_chain_max_rows(CHAIN_PDL_MAX_ROWS)
+    assert triton_pdl.decode_pdl(dev, CHAIN_PDL_MAX_ROWS) and triton_pdl.decode_pdl(dev)
+    assert not triton_pdl.decode_pdl(dev, CHAIN_PDL_MAX_ROWS + 1)
+    assert triton_pdl.enter_args(dev, 32) == {"ENTER": False}
+    assert triton_pdl.enter_args(dev, 8) == {"ENTER": True, "launch_pdl": True}
+    triton_pdl.set_chain_max_rows(None)
+    assert triton_pdl.decode_pdl(dev, 4096)

@@ -118,7 +118,7 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Te
         kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         BLOCK_SIZE=kv_cache.shape[2], NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         HEADS_PAD=triton.next_power_of_2(num_kv_heads), DIM_PAD=triton.next_power_of_2(head_dim), FP8_MAX=bound,
-        num_warps=4 if num_kv_heads * head_dim >= 1024 else 1, **enter_args(key.device),
+        num_warps=4 if num_kv_heads * head_dim >= 1024 else 1, **enter_args(key.device, num_tokens),
     )
 
 
@@ -645,7 +645,7 @@ def _constexprs(q: torch.Tensor, kv_cache: torch.Tensor, sliding_window: int | N
         NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=triton.next_power_of_2(group), BLOCK_SIZE=kv_cache.shape[2],
         HEAD_DIM=head_dim, DIM_PAD=max(16, triton.next_power_of_2(head_dim)),  # tl.dot needs K >= 16
         USE_WINDOW=sliding_window is not None, IEEE=q.dtype == torch.float32, SOFTCAP=logits_soft_cap is not None,
-        CAUSAL=causal, KV_FP8=is_fp8(kv_cache.dtype), F16_DOTS=_f16_dots(q, kv_cache), **enter_args(q.device))
+        CAUSAL=causal, KV_FP8=is_fp8(kv_cache.dtype), F16_DOTS=_f16_dots(q, kv_cache), **enter_args(q.device, q.shape[0]))
 
 
 def _short_runs_beside(launch, splits: int, short_cfg: dict, unsplit_cfg: dict, out: torch.Tensor,
@@ -729,5 +729,5 @@ def _merge_splits(out: torch.Tensor, parts: tuple, query_start_loc: torch.Tensor
     _merge_splits_kernel[(rows, num_heads)](
         out, part_out, part_m, part_l, query_start_loc, num_seqs, num_heads, splits, out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, DIM_PAD=dim_pad, MAX_SPLITS=MAX_SPLITS, num_warps=4 if head_dim >= 128 else 2,
-        BY_SEQ=by_seq, **enter_args(out.device),
+        BY_SEQ=by_seq, **enter_args(out.device, out.shape[0]),
     )

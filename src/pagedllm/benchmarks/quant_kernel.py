@@ -115,20 +115,15 @@ SPLITS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 DOT_TILES = [dict(BLOCK_N=bn, num_warps=w, num_stages=st) for bn in (64, 128, 256)
              for w, st in ((4, 3), (4, 4), (8, 3))] + \
     [dict(BLOCK_N=512, num_warps=w, num_stages=3) for w in (8, 16)]  # (16 rows only: 32 spill at 8 warps)
-# The transposed kernel is a candidate up to 16 rows. At 32 it won every projection but o alone (H200:
-# 107.7 against 119.3 us a layer) and lost end to end (GPTQ llama3-8b batch 32, 5.36 against 5.23 ms a
-# step with the best unswapped configs); at one row it won both (3.10 against 3.19 ms).
-SWAP_MAX_ROWS = 16
 FMA_TILES = [dict(BLOCK_N=bn, num_warps=w, num_stages=2) for bn in (128, 256) for w in (4, 8)]
 # About 70 compiled variants in all (each tile with and without the split, the transposed kernel too): a few
 # minutes of compiling.
 
 
 def splitk_candidates(m: int, n: int, k: int, group: int, sm_count: int) -> list[dict]:
-    """The sweep's split-K configs at ``m`` rows: the dot variant (group 128; up to 256 columns and
-    SWAP_MAX_ROWS rows also transposed, ``SWAP``) and, up to 4 rows, the FMA one, each tile with every
-    split that keeps the grid under 8 programs per SM and the fp32 partials under a quarter of the
-    packed weight's bytes."""
+    """The sweep's split-K configs at ``m`` rows: the dot variant (group 128; up to 256 columns also
+    transposed, ``SWAP``) and, up to 4 rows, the FMA one, each tile with every split that keeps the
+    grid under 8 programs per SM and the fp32 partials under a quarter of the packed weight's bytes."""
     import triton
 
     from pagedllm.ops.triton_int4 import splitk_eligible
@@ -153,7 +148,7 @@ def splitk_candidates(m: int, n: int, k: int, group: int, sm_count: int) -> list
                 seen.add(split)
                 config = dict(BLOCK_M=block_m, BLOCK_K=block_k, USE_DOT=use_dot, SPLIT_K=split, **tile)
                 # each dot tile also transposed (triton_int4_swap: the weights as wgmma's 64-row operand)
-                swap = use_dot and tile["BLOCK_N"] <= 256 and m <= SWAP_MAX_ROWS
+                swap = use_dot and tile["BLOCK_N"] <= 256
                 for cand in (config, dict(config, SWAP=True)) if swap else (config,):
                     if splitk_eligible(m, group, cand):
                         out.append(cand)
@@ -398,6 +393,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tiny", action="store_true", help="a small shape on the CPU (torch paths): a smoke test")
     args = p.parse_args(argv)
     if args.tune or args.graph_chain:
+        from pagedllm.model.quantization.int4 import CHAIN_PDL_MAX_ROWS
+        from pagedllm.ops.triton_pdl import set_chain_max_rows
+
+        set_chain_max_rows(CHAIN_PDL_MAX_ROWS)  # the kernels launched as a W4A16 model's forwards launch them
         rows = []
         if args.tune:
             tune_splitk(args)

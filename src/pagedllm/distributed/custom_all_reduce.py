@@ -133,7 +133,7 @@ class CustomAllReduce:
         one_shot_all_reduce_kernel[(programs,)](x, out, self._bufs, self._flags, self._state, n, chunk,
                                                 self.max_bytes // x.element_size(), RANK=self.rank,
                                                 WORLD=self.world_size, BLOCK=_TRITON_BLOCK, num_warps=8,
-                                                **enter_args(x.device))
+                                                **enter_args(x.device, x.shape[0]))
 
     def _lamport(self, x: torch.Tensor, out: torch.Tensor) -> None:
         from pagedllm.distributed.triton_all_reduce import lamport_all_reduce_kernel, launch_shape
@@ -143,7 +143,7 @@ class CustomAllReduce:
         programs, chunk = launch_shape(n, self._max_programs, _LAMPORT_BLOCK)
         lamport_all_reduce_kernel[(programs,)](x, out, self._lamport_bufs, self._lamport_state, n, chunk,
                                                self.lamport_slot, RANK=self.rank, WORLD=self.world_size,
-                                               BLOCK=_LAMPORT_BLOCK, num_warps=4, **enter_args(x.device))
+                                               BLOCK=_LAMPORT_BLOCK, num_warps=4, **enter_args(x.device, x.shape[0]))
 
 
 def make_custom_all_reduce(group, device: torch.device) -> CustomAllReduce | None:

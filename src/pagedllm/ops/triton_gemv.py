@@ -205,7 +205,7 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         t = lb = ls = y
         r, lora_strides, block_r = 0, (0, 0, 0, 0), 16
     pdl = lora is not None and lora.pdl  # launched while the shrink runs: waits before reading its t
-    enter = lora is None and decode_pdl(x.device)  # launched early: waits first
+    enter = lora is None and decode_pdl(x.device, m)  # launched early: waits first
     common = dict(HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, HAS_LORA=lora is not None,
                   SPLIT=lora.split if lora is not None else 1, BLOCK_R=block_r, num_warps=num_warps,
                   num_stages=num_stages, PDL=pdl, ENTER=enter, **launch_early(pdl or enter))

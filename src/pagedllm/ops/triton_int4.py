@@ -392,7 +392,7 @@ def w4a16_splitk(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, q
     _w4a16_splitk_kernel[(n_tiles, split, m_tiles)](
         x, qweight, scales, second, bias if bias is not None else y, y, ws, cnt, m, n, k, x.stride(0), y.stride(0),
         per_split, split, GROUP=group_size, HAS_ZP=qzeros is not None, HAS_BIAS=bias is not None,
-        HAS_MIN=mins is not None, USE_SPLIT=split > 1, **cfg, **enter_args(x.device))
+        HAS_MIN=mins is not None, USE_SPLIT=split > 1, **cfg, **enter_args(x.device, m))
     return y
 
 

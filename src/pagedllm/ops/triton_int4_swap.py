@@ -133,5 +133,5 @@ def w4a16_swap_splitk(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
     _w4a16_swap_kernel[(n_tiles, split, m_tiles)](
         x, qweight, scales, qzeros if qzeros is not None else qweight, bias if bias is not None else y, y, ws, cnt,
         m, n, k, x.stride(0), y.stride(0), per_split, split, GROUP=group_size, HAS_ZP=qzeros is not None,
-        HAS_BIAS=bias is not None, USE_SPLIT=split > 1, **cfg, **enter_args(x.device))
+        HAS_BIAS=bias is not None, USE_SPLIT=split > 1, **cfg, **enter_args(x.device, m))
     return y

@@ -194,7 +194,7 @@ def _rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tens
     block, num_warps = _row_launch(n)
     _rms_norm_kernel[(num_rows,)](xr, rr, weight, out, res_out, q, scales, n_inner, xs0, xs1, rs0, rs1, n, eps,
                                   HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=num_warps,
-                                  TRIGGER=pdl_supported(x.device), FP8_OUT=fp8_out, **enter_args(x.device))
+                                  TRIGGER=pdl_supported(x.device), FP8_OUT=fp8_out, **enter_args(x.device, x.shape[0]))
     if fp8_out:
         attach_fp8(out, q, scales)
     return out, res_out
@@ -259,7 +259,7 @@ def silu_and_mul(x: torch.Tensor, fp8_out: bool = False) -> torch.Tensor:
         q = scales = out
     _silu_and_mul_kernel[(num_rows, triton.cdiv(inter, block))](
         x2, out, q, scales, x2.stride(0), inter, BLOCK=block, TRIGGER=pdl_supported(x.device), FP8_OUT=fp8_out,
-        num_warps=num_warps, **enter_args(x.device))
+        num_warps=num_warps, **enter_args(x.device, num_rows))
     if fp8_out:
         attach_fp8(out, q, scales)
     return out
@@ -307,7 +307,7 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
         cos_sin_cache.stride(0), eps, kv["v"], kv["k_cache"], kv["v_cache"], kv["slots"], kv["scale"], *kv["strides"],
         NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=num_k_heads, HALF=half, BLOCK_H=block_h,
         BLOCK_D=triton.next_power_of_2(half), HAS_NORM=has_norm, WRITE_KV=kv_write is not None,
-        CACHE_BLOCK=kv["block"], FP8_MAX=kv["fp8_max"], num_warps=4, **enter_args(q.device))
+        CACHE_BLOCK=kv["block"], FP8_MAX=kv["fp8_max"], num_warps=4, **enter_args(q.device, num_tokens))
     return q_out, k_out
 
 

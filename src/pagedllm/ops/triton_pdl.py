@@ -49,11 +49,23 @@ def pdl_enabled(device: torch.device, switch: str) -> bool:
     return _ENABLED[key]
 
 
-def decode_pdl(device: torch.device) -> bool:
+# The most rows (tokens) of a forward whose chain launches early; None: no limit. Set for each model
+# by the model runner (``set_chain_max_rows``; the model's quantization says: W4A16 limits it).
+_CHAIN_MAX_ROWS: int | None = None
+
+
+def set_chain_max_rows(rows: int | None) -> None:
+    global _CHAIN_MAX_ROWS
+    _CHAIN_MAX_ROWS = rows
+
+
+def decode_pdl(device: torch.device, rows: int | None = None) -> bool:
     """Whether the kernels of a layer's chain launch early and wait in-kernel: the projections
     (16-bit small-row GEMMs, FP8's quantize launch and GEMM, the W4A16 split-K GEMM), the norms,
-    rotary, the KV write, attention and its split merge, SiLU-and-mul: ``PAGEDLLM_DECODE_PDL``."""
-    return pdl_enabled(device, "PAGEDLLM_DECODE_PDL")
+    rotary, the KV write, attention and its split merge, SiLU-and-mul: ``PAGEDLLM_DECODE_PDL``,
+    in forwards of at most the model's ``set_chain_max_rows`` rows (``rows``: the launch's)."""
+    limit = _CHAIN_MAX_ROWS
+    return pdl_enabled(device, "PAGEDLLM_DECODE_PDL") and (rows is None or limit is None or rows <= limit)
 
 
 def launch_early(early: bool) -> dict:
@@ -61,10 +73,11 @@ def launch_early(early: bool) -> dict:
     return {"launch_pdl": True} if early else {}
 
 
-def enter_args(device: torch.device) -> dict:
+def enter_args(device: torch.device, rows: int | None = None) -> dict:
     """The launch arguments of a kernel in a layer's chain (its ``ENTER`` constexpr, ``pdl_enter``):
-    launched early and waiting for the kernel before it where ``decode_pdl`` is on."""
-    return {"ENTER": (enter := decode_pdl(device)), **launch_early(enter)}
+    launched early and waiting for the kernel before it where ``decode_pdl`` is on for ``rows``
+    (the forward's tokens, which every kernel of its chain sees)."""
+    return {"ENTER": (enter := decode_pdl(device, rows)), **launch_early(enter)}
 
 
 def launch_args(pdl: bool) -> dict:

@@ -15,6 +15,7 @@ from pagedllm.ops.precompile import hash_triton_in_background, precompile, preco
 from pagedllm.model.eagle import EagleLlamaHead
 from pagedllm.model.eagle3 import Eagle3LlamaHead
 from pagedllm.model.loader import TORCH_DTYPES, ResolvedModel, load_model
+from pagedllm.model.quantization.int4 import chain_pdl_max_rows
 from pagedllm.worker.model_runner import ModelRunner
 from pagedllm.worker.profiler import WorkerProfiler
 from pagedllm.worker.spec_draft import draft_scope
@@ -70,6 +71,10 @@ class Worker:
             if head_cls is not None:  # the head reads the target's embedding (EAGLE-1: and LM head)
                 draft.share_target(model)
         self.model_runner = ModelRunner(config, model, self.device, draft)
+        if self.device.type == "cuda":  # which forwards launch their kernels early (PDL), by the quantization
+            from pagedllm.ops.triton_pdl import set_chain_max_rows
+
+            set_chain_max_rows(chain_pdl_max_rows(model))
         if triton_hash is not None:
             triton_hash.join()  # one hash: a kernel lookup before it ends would start its own
         if self.device.type == "cuda" and precompile_available():

@@ -96,7 +96,7 @@ def quantize_activations(x: torch.Tensor, act_scheme: str, input_scale: torch.Te
 
         from pagedllm.ops.triton_pdl import decode_pdl
 
-        return quantize_fp8(x, group, input_scale if act_scheme == "static" else None, pdl=decode_pdl(x.device))
+        return quantize_fp8(x, group, input_scale if act_scheme == "static" else None, pdl=decode_pdl(x.device, x.numel() // x.shape[-1]))
     if act_scheme == "static":
         return quantize_static(x, input_scale), input_scale.reshape(1, 1).expand(x.shape[0], 1)
     if group is not None:
@@ -138,7 +138,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         return fp8_small_m_linear(xq, x_scale, weight, weight_scale, bias, x.dtype, block_n=config["BLOCK_N"],
                                   block_k=config["BLOCK_K"], split_k=config["SPLIT_K"],
                                   num_warps=config["num_warps"], num_stages=config["num_stages"],
-                                  block_m=config.get("BLOCK_M"), pdl=decode_pdl(x.device))
+                                  block_m=config.get("BLOCK_M"), pdl=decode_pdl(x.device, xq.shape[0]))
     if _scaled_mm_ok(x, weight):
         # Row-wise scaled fp8 GEMM (both scales applied in its epilogue; the row-wise variant writes
         # bfloat16). Fast accumulation (Hopper's fp8 tensor-core sums, not promoted to fp32 every few

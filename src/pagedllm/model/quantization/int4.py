@@ -48,6 +48,21 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qz
     return F.linear(x, dequantize(qweight, scales, qzeros, group_size, k, x.dtype, mins).t(), bias)
 
 
+# A W4A16 model's layer chain launches early (PDL: PAGEDLLM_DECODE_PDL) only in forwards of at most this
+# many tokens. GPTQ llama3-8b on an H200 (stop 58, `python -m pagedllm.benchmarks.latency --shape llama3-8b
+# --batch-sizes 1,8,32 --quantization gptq`, PAGEDLLM_DECODE_PDL=1 against 0 in one call): batch 1 3.095
+# against 3.263 ms a step, batch 8 3.325 against 3.446, but batch 32 5.388 against 4.631 (the 16-bit
+# models' early launch helps at 32 rows: stop 42's H100 table).
+CHAIN_PDL_MAX_ROWS = 16
+
+
+def chain_pdl_max_rows(model: nn.Module) -> int | None:
+    """The most tokens of a forward whose kernels launch early, for ``model`` (the model runner hands it
+    to ``triton_pdl.set_chain_max_rows``): CHAIN_PDL_MAX_ROWS where a linear layer runs W4A16, else None."""
+    w4a16 = any(isinstance(getattr(m, "quant_method", None), Int4LinearMethod) for m in model.modules())
+    return CHAIN_PDL_MAX_ROWS if w4a16 else None
+
+
 class Int4LinearMethod(QuantizationMethod):
     """Base of the W4A16 formats: ``create_weights`` registers the checkpoint's layout,
     ``to_canonical`` turns it into the one above; ``apply`` runs that."""
