@@ -50,7 +50,7 @@ def pdl_enabled(device: torch.device, switch: str) -> bool:
 
 
 # The most rows (tokens) of a forward whose chain launches early; None: no limit. Set for each model
-# by the model runner (``set_chain_max_rows``; the model's quantization says: W4A16 limits it).
+# by the worker (``set_chain_max_rows``; the model's quantization says: W4A16 limits it).
 _CHAIN_MAX_ROWS: int | None = None
 
 

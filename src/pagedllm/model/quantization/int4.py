@@ -57,7 +57,7 @@ CHAIN_PDL_MAX_ROWS = 16
 
 
 def chain_pdl_max_rows(model: nn.Module) -> int | None:
-    """The most tokens of a forward whose kernels launch early, for ``model`` (the model runner hands it
+    """The most tokens of a forward whose kernels launch early, for ``model`` (the worker hands it
     to ``triton_pdl.set_chain_max_rows``): CHAIN_PDL_MAX_ROWS where a linear layer runs W4A16, else None."""
     w4a16 = any(isinstance(getattr(m, "quant_method", None), Int4LinearMethod) for m in model.modules())
     return CHAIN_PDL_MAX_ROWS if w4a16 else None
