@@ -4,7 +4,7 @@
 # STAGES is a comma list of: tests, throughput, throughput8b, latency, long, startup, structured, lora,
 # moetune, moe, quant, quanttune, pooling, embed, embedprof, moedebug, fp8kv, fp8kvbench, structuredab,
 # prefill, prefillab, longprof, structuredub, structuredoverlap, structuredchain, w4tune, fp8tune, fp8norm, spec, loratests, lorakernel, loraprof, tpar, tpartput, gemvtune, gemvab, moequanttune, moeblocktune,
-# moequantprefill, startupprof, pieces, lorapieces, tp2tests, w4pdl (default: startup,tests,throughput,throughput8b,latency).
+# moequantprefill, startupprof, pieces, lorapieces, tp2tests, pdlrows (default: startup,tests,throughput,throughput8b,latency).
 # Needs the SmolLM2 tokenizer saved under .gpu/tokenizer (carried with the call), and wheels carried in .whl
 # for what the device lacks: xgrammar with apache-tvm-ffi, llguidance, pydantic (+ pydantic-core,
 # annotated-types, typing-inspection), jsonschema (+ jsonschema-specifications, referencing, rpds-py),
@@ -205,15 +205,19 @@ stage fp8kvbench && bench lat_8b_fp8kv python -m pagedllm.benchmarks.latency --s
 # Quantized weights (issue 17): the kernels alone, then llama3-8b decode (batch 1, 32) and workload 1 for
 # FP8 W8A8 (online) and W4A16 (GPTQ layout, groups of 128); quanttune times the W4A16 tilings.
 stage quant && bench quant_kernel python -m pagedllm.benchmarks.quant_kernel --shape llama3-8b
-# W4A16 and early launch (stop 58: a W4A16 model's chain launches early only in forwards of <= 16 tokens,
-# CHAIN_PDL_MAX_ROWS): decode latency and workload 1 as shipped, then with no early launch at all; at <= 16 rows
-# the first is early launch, above it both are stream order (the limit's place is where the two part).
-if stage w4pdl; then
+# Early launch by batch size (stop 58: a W4A16 model's chain launches early only in forwards of <= 16 tokens,
+# CHAIN_PDL_MAX_ROWS; early launch cost GPTQ 16% a step at 32 rows on an H200): decode latency for bf16, FP8 and
+# GPTQ as shipped and with no early launch at all, then GPTQ workload 1 both ways. For GPTQ at <= 16 rows the
+# first is early launch, above it both are stream order; for bf16 and FP8 the first is early launch throughout.
+if stage pdlrows; then
   for pdl in 1 0; do
-    bench w4pdl_latency_$pdl env PAGEDLLM_DECODE_PDL=$pdl python -m pagedllm.benchmarks.latency --shape llama3-8b \
-      --batch-sizes 1,8,16,24,32,64,128 --num-iters 3 --quantization gptq
-    bench w4pdl_throughput_$pdl env PAGEDLLM_DECODE_PDL=$pdl python -m pagedllm.benchmarks.throughput --shape llama3-8b \
-      --quantization gptq
+    for q in none fp8 gptq; do
+      qarg=$([ $q = none ] || echo "--quantization $q")
+      bench pdlrows_latency_${q}_$pdl env PAGEDLLM_DECODE_PDL=$pdl python -m pagedllm.benchmarks.latency \
+        --shape llama3-8b --batch-sizes 1,8,16,32,64,128 --num-iters 3 $qarg
+    done
+    bench pdlrows_throughput_gptq_$pdl env PAGEDLLM_DECODE_PDL=$pdl python -m pagedllm.benchmarks.throughput \
+      --shape llama3-8b --quantization gptq
   done
 fi
 stage quant && bench quant_latency_fp8 python -m pagedllm.benchmarks.latency --shape llama3-8b --batch-sizes 1,32 --quantization fp8
