@@ -4,7 +4,7 @@
 # STAGES is a comma list of: tests, throughput, throughput8b, latency, long, startup, structured, lora,
 # moetune, moe, quant, quanttune, pooling, embed, embedprof, moedebug, fp8kv, fp8kvbench, structuredab,
 # prefill, prefillab, longprof, structuredub, structuredoverlap, structuredchain, w4tune, fp8tune, fp8norm, spec, loratests, lorakernel, loraprof, tpar, tpartput, gemvtune, gemvab, moequanttune, moeblocktune,
-# moequantprefill, startupprof, pieces, lorapieces, tp2tests, pdlrows (default: startup,tests,throughput,throughput8b,latency).
+# moequantprefill, startupprof, pieces, lorapieces, tp2tests, pdlrows, gluonprefill (default: startup,tests,throughput,throughput8b,latency).
 # Needs the SmolLM2 tokenizer saved under .gpu/tokenizer (carried with the call), and wheels carried in .whl
 # for what the device lacks: xgrammar with apache-tvm-ffi, llguidance, pydantic (+ pydantic-core,
 # annotated-types, typing-inspection), jsonschema (+ jsonschema-specifications, referencing, rpds-py),
@@ -220,6 +220,8 @@ if stage pdlrows; then
       --shape llama3-8b --quantization gptq
   done
 fi
+# Issue 19: the Gluon prefill probe (warp-specialized, TMA + cp.async producer) against the Triton prefill kernel.
+stage gluonprefill && bench gluon_prefill timeout 300 python scripts/gluon_prefill_probe.py
 stage quant && bench quant_latency_fp8 python -m pagedllm.benchmarks.latency --shape llama3-8b --batch-sizes 1,32 --quantization fp8
 stage quant && bench quant_latency_w4a16 python -m pagedllm.benchmarks.latency --shape llama3-8b --batch-sizes 1,32 --quantization gptq
 stage quant && bench quant_throughput_fp8 python -m pagedllm.benchmarks.throughput --shape llama3-8b --quantization fp8
