@@ -112,10 +112,11 @@ class CustomAllReduce:
         buf = self.buffer[:nbytes].view(x.dtype)
         out = torch.empty_like(x)
         capturing = torch.cuda.is_current_stream_capturing()
+        rows = x.shape[0] if x.dim() > 1 else None  # the forward's tokens (whether the chain launches early)
         if capturing and nbytes <= self.lamport_max_bytes and x.dtype == torch.bfloat16:
-            self._lamport(x.view(-1), out.view(-1))
+            self._lamport(x.view(-1), out.view(-1), rows)
         elif nbytes >= self.triton_min_bytes and capturing:
-            self._triton_one_shot(x.view(-1), out.view(-1))
+            self._triton_one_shot(x.view(-1), out.view(-1), rows)
         elif nbytes <= self.one_shot_max_bytes:
             # The kernel copies x into this rank's buffer itself, then sums every rank's buffer.
             torch.ops.symm_mem.one_shot_all_reduce_copy_out(buf, x.view(-1), "sum", self.group_name, out.view(-1))
@@ -124,7 +125,7 @@ class CustomAllReduce:
             torch.ops.symm_mem.two_shot_all_reduce_out(buf, "sum", self.group_name, out.view(-1))
         return out
 
-    def _triton_one_shot(self, x: torch.Tensor, out: torch.Tensor) -> None:
+    def _triton_one_shot(self, x: torch.Tensor, out: torch.Tensor, rows: int | None = None) -> None:
         from pagedllm.distributed.triton_all_reduce import launch_shape, one_shot_all_reduce_kernel
         from pagedllm.ops.triton_pdl import enter_args
 
@@ -133,9 +134,9 @@ class CustomAllReduce:
         one_shot_all_reduce_kernel[(programs,)](x, out, self._bufs, self._flags, self._state, n, chunk,
                                                 self.max_bytes // x.element_size(), RANK=self.rank,
                                                 WORLD=self.world_size, BLOCK=_TRITON_BLOCK, num_warps=8,
-                                                **enter_args(x.device, x.shape[0]))
+                                                **enter_args(x.device, rows))
 
-    def _lamport(self, x: torch.Tensor, out: torch.Tensor) -> None:
+    def _lamport(self, x: torch.Tensor, out: torch.Tensor, rows: int | None = None) -> None:
         from pagedllm.distributed.triton_all_reduce import lamport_all_reduce_kernel, launch_shape
         from pagedllm.ops.triton_pdl import enter_args
 
@@ -143,7 +144,7 @@ class CustomAllReduce:
         programs, chunk = launch_shape(n, self._max_programs, _LAMPORT_BLOCK)
         lamport_all_reduce_kernel[(programs,)](x, out, self._lamport_bufs, self._lamport_state, n, chunk,
                                                self.lamport_slot, RANK=self.rank, WORLD=self.world_size,
-                                               BLOCK=_LAMPORT_BLOCK, num_warps=4, **enter_args(x.device, x.shape[0]))
+                                               BLOCK=_LAMPORT_BLOCK, num_warps=4, **enter_args(x.device, rows))
 
 
 def make_custom_all_reduce(group, device: torch.device) -> CustomAllReduce | None:
