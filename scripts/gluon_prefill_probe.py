@@ -13,7 +13,8 @@ on sm_90; Gluon (``triton.experimental.gluon``, in the Triton wheel) states the 
   program's 128: wait on ``full``, S = Q K^T (async ``wgmma``, Q from registers), the online softmax (masked on
   the diagonal tiles), O += P V (P from registers), then one arrival each on ``empty`` (two per stage). Each
   warpgroup waits only on the data, not on the other warpgroup, so the hardware can run one's softmax under the
-  other's dots.
+  other's dots; PINGPONG orders it (the two warpgroups' score dots take turns through a pair of mbarriers, each
+  one's softmax under the other's dots, as FlashAttention-3 schedules them).
 
 Programs map to (q-tile, head) exactly as the Triton kernel's (heads fastest, q-tiles from the last down), and the
 launch takes the same arguments, so the two can be swapped and compared on one paged batch.
@@ -120,14 +121,21 @@ def _producer(k_cache_ptr, v_cache_ptr, bt_row, k_smem, v_smem, full, empty, kv_
 
 
 @gluon.jit
-def _tile(q, k_smem, v_smem, full, empty, t, acc, l_i, m_i, q_pos, kv_stop, scale_log2, mma: gl.constexpr,
-          mma_o: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr):
-    """One key tile of the online softmax: wait for its stage, the two dots, release the stage."""
+def _tile(q, k_smem, v_smem, full, empty, mine, other, t, acc, l_i, m_i, q_pos, kv_stop, scale_log2,
+          mma: gl.constexpr, mma_o: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr,
+          PINGPONG: gl.constexpr):
+    """One key tile of the online softmax: wait for its stage, the two dots, release the stage. PINGPONG: the
+    score dots of the two warpgroups take turns (``mine`` passed, then ``other`` signalled once this one's scores
+    are in), so each one's softmax runs while the other's scores are computed."""
     s = t % STAGES
     mbarrier.wait(full.index(s), (t // STAGES) & 1)
+    if PINGPONG:
+        mbarrier.wait(mine, t & 1)
     sc = warpgroup_mma(q, k_smem.index(s).permute((1, 0)), gl.zeros([q.shape[0], BLOCK_N], gl.float32, layout=mma),
                        use_acc=False, is_async=True)
     sc, _ = warpgroup_mma_wait(0, deps=[sc, k_smem.index(s)])
+    if PINGPONG:
+        mbarrier.arrive(other)
     if MASKED:
         k_pos = t * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
         sc = gl.where((k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < kv_stop), sc * scale_log2, float("-inf"))
@@ -147,9 +155,9 @@ def _tile(q, k_smem, v_smem, full, empty, t, acc, l_i, m_i, q_pos, kv_stop, scal
 
 
 @gluon.jit
-def _consumer(q_ptr, out_ptr, k_smem, v_smem, full, empty, row0, tok0, q_rows, pos0, kv_stop, n_tiles, full_tiles,
-              scale_log2, stride_qt, stride_ot, q_off, o_off, BLOCK_R: gl.constexpr, BLOCK_N: gl.constexpr,
-              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+def _consumer(q_ptr, out_ptr, k_smem, v_smem, full, empty, mine, other, row0, tok0, q_rows, pos0, kv_stop, n_tiles,
+              full_tiles, scale_log2, stride_qt, stride_ot, q_off, o_off, BLOCK_R: gl.constexpr,
+              BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr):
     """Query rows ``row0 .. row0 + BLOCK_R`` of the program's tile (one warpgroup)."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
     mma_o: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -166,11 +174,11 @@ def _consumer(q_ptr, out_ptr, k_smem, v_smem, full, empty, row0, tok0, q_rows, p
     l_i = gl.full([BLOCK_R], 0.0, gl.float32, layout=gl.SliceLayout(1, mma))
     acc = gl.zeros([BLOCK_R, HEAD_DIM], gl.float32, layout=mma_o)
     for t in range(0, full_tiles):  # tiles every row sees whole: no mask
-        acc, l_i, m_i = _tile(q, k_smem, v_smem, full, empty, t, acc, l_i, m_i, q_pos, kv_stop, scale_log2, mma, mma_o,
-                              BLOCK_N, STAGES, False)
+        acc, l_i, m_i = _tile(q, k_smem, v_smem, full, empty, mine, other, t, acc, l_i, m_i, q_pos, kv_stop,
+                              scale_log2, mma, mma_o, BLOCK_N, STAGES, False, PINGPONG)
     for t in range(full_tiles, n_tiles):  # the diagonal: causal, and nothing past the run's last key
-        acc, l_i, m_i = _tile(q, k_smem, v_smem, full, empty, t, acc, l_i, m_i, q_pos, kv_stop, scale_log2, mma, mma_o,
-                              BLOCK_N, STAGES, True)
+        acc, l_i, m_i = _tile(q, k_smem, v_smem, full, empty, mine, other, t, acc, l_i, m_i, q_pos, kv_stop,
+                              scale_log2, mma, mma_o, BLOCK_N, STAGES, True, PINGPONG)
     out = acc / gl.convert_layout(l_i, gl.SliceLayout(1, mma_o))[:, None]
     out = gl.convert_layout(out.to(out_ptr.dtype.element_ty), ld)
     gl.store(out_ptr + tok[:, None] * stride_ot + o_off + d[None, :], out, mask=io_mask)
@@ -183,7 +191,7 @@ def prefill_ws_kernel(q_ptr, out_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr
                       BLOCK_M: gl.constexpr,
                       BLOCK_N: gl.constexpr, BLOCK_SIZE: gl.constexpr, HEAD_DIM: gl.constexpr,
                       Q_LEN_THRESHOLD: gl.constexpr, STAGES: gl.constexpr, PWARPS: gl.constexpr,
-                      PREGS: gl.constexpr, CREGS: gl.constexpr, TMA: gl.constexpr):
+                      PREGS: gl.constexpr, CREGS: gl.constexpr, TMA: gl.constexpr, PINGPONG: gl.constexpr):
     """Causal attention of ``BLOCK_M`` query rows of one head (two consumer warpgroups) over a paged cache."""
     pid = gl.num_programs(0) // NUM_HEADS - 1 - gl.program_id(0) // NUM_HEADS
     head = gl.program_id(0) % NUM_HEADS
@@ -208,16 +216,23 @@ def prefill_ws_kernel(q_ptr, out_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr
     for i in gl.static_range(STAGES):
         mbarrier.init(full.index(i), count=32 * PWARPS)  # every producer thread's copies
         mbarrier.init(empty.index(i), count=2)  # both consumer warpgroups
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # PINGPONG: whose scores next
+    mbarrier.init(turn.index(0), count=1)
+    mbarrier.init(turn.index(1), count=1)
+    if PINGPONG:
+        mbarrier.arrive(turn.index(0))  # the first warpgroup goes first
     rows: gl.constexpr = BLOCK_M // 2
     tok0 = q_begin + q_start
     q_rows = q_len - q_start
     q_off = head * stride_qh
     o_off = head * stride_oh
     gl.warp_specialize([
-        (_consumer, (q_ptr, out_ptr, k_smem, v_smem, full, empty, 0, tok0, q_rows, first_pos, kv_stop, n_tiles,
-                     full_tiles, scale_log2, stride_qt, stride_ot, q_off, o_off, rows, BLOCK_N, HEAD_DIM, STAGES)),
-        (_consumer, (q_ptr, out_ptr, k_smem, v_smem, full, empty, rows, tok0, q_rows, first_pos, kv_stop, n_tiles,
-                     full_tiles, scale_log2, stride_qt, stride_ot, q_off, o_off, rows, BLOCK_N, HEAD_DIM, STAGES)),
+        (_consumer, (q_ptr, out_ptr, k_smem, v_smem, full, empty, turn.index(0), turn.index(1), 0, tok0, q_rows,
+                     first_pos, kv_stop, n_tiles, full_tiles, scale_log2, stride_qt, stride_ot, q_off, o_off, rows,
+                     BLOCK_N, HEAD_DIM, STAGES, PINGPONG)),
+        (_consumer, (q_ptr, out_ptr, k_smem, v_smem, full, empty, turn.index(1), turn.index(0), rows, tok0, q_rows,
+                     first_pos, kv_stop, n_tiles, full_tiles, scale_log2, stride_qt, stride_ot, q_off, o_off, rows,
+                     BLOCK_N, HEAD_DIM, STAGES, PINGPONG)),
         (_producer, (k_cache_ptr, v_cache_ptr, block_tables_ptr + s.to(gl.int64) * stride_bt, k_smem, v_smem, full,
                      empty, kv_stop, full_tiles, n_tiles, stride_c_block, stride_c_slot,
                      (head // GROUP) * stride_c_head,
@@ -225,7 +240,8 @@ def prefill_ws_kernel(q_ptr, out_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr
     ], [4, PWARPS], [CREGS, PREGS])
 
 
-CONFIG = dict(BLOCK_M=128, BLOCK_N=128, STAGES=2, PWARPS=2, PREGS=96, CREGS=232, TMA=True, num_warps=4)
+CONFIG = dict(BLOCK_M=128, BLOCK_N=128, STAGES=2, PWARPS=2, PREGS=96, CREGS=232, TMA=True, PINGPONG=False,
+              num_warps=4)
 
 
 def prefill_ws(q, kv_cache, block_tables, query_start_loc, seq_lens, scale_log2, out, q_len_threshold=0, **over):
@@ -242,7 +258,13 @@ def prefill_ws(q, kv_cache, block_tables, query_start_loc, seq_lens, scale_log2,
 
 
 def compile_sm90() -> None:
-    """Compiles the kernel for an H100 / H200 without a GPU and prints each loop's SASS instruction mix."""
+    """Compiles the kernel (without and with PINGPONG) for an H100 / H200 without a GPU and prints each innermost
+    loop's SASS instruction mix."""
+    for pingpong in (False, True):
+        _compile_one(pingpong)
+
+
+def _compile_one(pingpong: bool) -> None:
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -252,14 +274,14 @@ def compile_sm90() -> None:
                                                           "stride_c_block", "stride_c_slot", "stride_c_head",
                                                           "stride_bt", "cache_rows")}}
     cons = dict(NUM_HEADS=32, GROUP=4, BLOCK_SIZE=16, HEAD_DIM=128, Q_LEN_THRESHOLD=0,
-                **{k: v for k, v in CONFIG.items() if k != "num_warps"})
+                **{k: v for k, v in CONFIG.items() if k not in ("num_warps", "PINGPONG")}, PINGPONG=pingpong)
     sig |= {k: "constexpr" for k in cons}
     divisible = [i for i, a in enumerate(sig) if a in ptrs or (a.startswith("stride") and a != "stride_bt")]
     kernel = triton.compile(GluonASTSource(fn=prefill_ws_kernel, signature=sig, constexprs=cons,
                                            attrs={(i,): [["tt.divisibility", 16]] for i in divisible}),
                             target=GPUTarget("cuda", 90, 32), options={"num_warps": CONFIG["num_warps"]})
     ptx = kernel.asm["ptx"]
-    print(json.dumps({"triton": triton.__version__, "shared_bytes": kernel.metadata.shared,
+    print(json.dumps({"triton": triton.__version__, "pingpong": pingpong, "shared_bytes": kernel.metadata.shared,
                       **{w: ptx.count(w) for w in ("wgmma.mma_async", "setmaxnreg", "cp.async.cg",
                                                    "cp.async.mbarrier.arrive.noinc", "mbarrier.try_wait")}}))
     tmp = tempfile.mkdtemp()
@@ -303,17 +325,21 @@ def check_and_time() -> None:
         def triton_run():
             tk.unified_attention(*paged, head_dim ** -0.5, ref, max_query_len=case["max_query_len"])
 
-        def gluon_run():
-            prefill_ws(*paged, head_dim ** -0.5 * 1.4426950408889634, case["out"])
+        def gluon_run(pingpong):
+            prefill_ws(*paged, head_dim ** -0.5 * 1.4426950408889634, case["out"], PINGPONG=pingpong)
 
         triton_run()
-        gluon_run()
-        torch.cuda.synchronize()
-        row = {"case": f"{shape} {len(runs)}x(ctx {runs[0][0]}, q {runs[0][1]})",
-               "rel_diff_vs_triton": ((case["out"].float() - ref.float()).norm() / ref.float().norm()).item(),
-               "rel_err_vs_sdpa": rel_error(case) if runs[0][1] <= 8192 else None}  # (case["out"]: the Gluon one)
+        row = {"case": f"{shape} {len(runs)}x(ctx {runs[0][0]}, q {runs[0][1]})"}
+        for pingpong in (False, True):
+            case["out"].fill_(float("nan"))
+            gluon_run(pingpong)
+            torch.cuda.synchronize()
+            tag = "pingpong" if pingpong else "gluon"
+            row[f"{tag}_rel_diff_vs_triton"] = ((case["out"].float() - ref.float()).norm() / ref.float().norm()).item()
+            row[f"{tag}_rel_err_vs_sdpa"] = rel_error(case) if runs[0][1] <= 8192 else None  # case["out"]: Gluon's
         flops = pb.causal_flops(runs, heads, head_dim)
-        for name, fn in (("triton", triton_run), ("gluon", gluon_run)):
+        for name, fn in (("triton", triton_run), ("gluon", lambda: gluon_run(False)),
+                         ("pingpong", lambda: gluon_run(True))):
             row[f"{name}_tflops"] = round(flops / pb.time_fn(fn) / 1e12, 1)
         print(json.dumps(row), flush=True)
 

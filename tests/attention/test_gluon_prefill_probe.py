@@ -14,14 +14,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
-def test_the_gluon_prefill_probe_compiles_for_sm90_to_warp_specialized_wgmma_and_tma(tmp_path):
+def test_the_gluon_prefill_probe_compiles_for_sm90_with_and_without_ping_pong(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(tmp_path)}
     env["PYTHONPATH"] = os.pathsep.join([os.path.join(ROOT, "src"), env.get("PYTHONPATH", "")])
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "gluon_prefill_probe.py"), "--compile"],
                           env=env, capture_output=True, text=True, timeout=600)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    ptx = json.loads(lines[0])
-    # two consumer warpgroups' dots, partitions with their own register counts, the producer's copies
-    assert ptx["wgmma.mma_async"] > 0 and ptx["setmaxnreg"] > 0 and ptx["cp.async.mbarrier.arrive.noinc"] > 0, ptx
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert proc.returncode == 0 and [ptx["pingpong"] for ptx in lines] == [False, True], proc.stderr[-3000:]
+    for ptx in lines:  # two consumer warpgroups' dots, partitions with their own register counts, the copies
+        assert ptx["wgmma.mma_async"] > 0 and ptx["setmaxnreg"] > 0 and ptx["cp.async.mbarrier.arrive.noinc"] > 0, ptx
     assert any(line.startswith("loop of") for line in proc.stdout.splitlines()), proc.stdout[-2000:]
