@@ -236,7 +236,8 @@ def _check_dispatched(triton_int4, rows, qweight, scales, qzeros):
     (32, 200, 384, False, False, 2, 32, torch.float16),  # 3 K tiles over 2 splits (2 + 1)
     (40, 72, 256, True, False, 2, 16, torch.bfloat16),   # row tiles: 40 rows in tiles of 16
 ])
-def test_swapped_splitk_kernel_matches_dequantized_matmul(triton_int4, m, n, k, zp, bias, split, block_m, dtype):
+def test_swapped_splitk_kernel_matches_dequantized_matmul(triton_int4, monkeypatch, m, n, k, zp, bias, split, block_m,
+                                                          dtype):
     qweight, scales, qzeros = _weights(n, k, 128, zp, dtype, seed=m * 7 + n)
     g = torch.Generator().manual_seed(k + m)
     x = torch.randn(m, k, generator=g).to(DEVICE, dtype)
@@ -245,12 +246,9 @@ def test_swapped_splitk_kernel_matches_dequantized_matmul(triton_int4, m, n, k, 
                   num_stages=2)
     calls = []
     swap = triton_int4.w4a16_swap_splitk
-    triton_int4.w4a16_swap_splitk = lambda *a: calls.append(a[-2]) or swap(*a)
-    try:
-        y = triton_int4.w4a16_linear(x, qweight, scales, qzeros, 128, b, decode=config)
-        again = triton_int4.w4a16_linear(x, qweight, scales, qzeros, 128, b, decode=config)
-    finally:
-        triton_int4.w4a16_swap_splitk = swap
+    monkeypatch.setattr(triton_int4, "w4a16_swap_splitk", lambda *a: calls.append(a[-2]) or swap(*a))
+    y = triton_int4.w4a16_linear(x, qweight, scales, qzeros, 128, b, decode=config)
+    again = triton_int4.w4a16_linear(x, qweight, scales, qzeros, 128, b, decode=config)
     assert len(calls) == 2 and calls[0]["SPLIT_K"] == split  # the transposed kernel ran
     ref = x.double() @ dequantize(qweight, scales, qzeros, 128, k, dtype).double()
     assert y.shape == (m, n) and y.dtype == dtype
