@@ -49,11 +49,11 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qz
 
 
 # A W4A16 model's layer chain launches early (PDL: PAGEDLLM_DECODE_PDL) only in forwards of at most this
-# many tokens. GPTQ llama3-8b on an H200 (stop 58, `python -m pagedllm.benchmarks.latency --shape llama3-8b
-# --batch-sizes 1,8,32 --quantization gptq`, PAGEDLLM_DECODE_PDL=1 against 0 in one call): batch 1 3.095
-# against 3.263 ms a step, batch 8 3.325 against 3.446, but batch 32 5.388 against 4.631 (the 16-bit
-# models' early launch helps at 32 rows: stop 42's H100 table).
-CHAIN_PDL_MAX_ROWS = 16
+# many tokens. GPTQ llama3-8b on an H200 (stop 59, a36e36f, `python -m pagedllm.benchmarks.latency --shape
+# llama3-8b --batch-sizes 1,8,16,32,64,128 --num-iters 3 --quantization gptq`, PAGEDLLM_DECODE_PDL=1 and 0 in
+# one call), ms a step early / in stream order: batch 1 3.087 / 3.253, 8 3.317 / 3.440, 16 3.643 / 3.594
+# (stop 58: 32 rows 5.388 / 4.631). The 16-bit models' early launch helps at every batch up to 128.
+CHAIN_PDL_MAX_ROWS = 8
 
 
 def chain_pdl_max_rows(model: nn.Module) -> int | None:
