@@ -220,8 +220,19 @@ if stage pdlrows; then
       --shape llama3-8b --quantization gptq
   done
 fi
-# Issue 19: the Gluon prefill probe (warp-specialized, TMA + cp.async producer) against the Triton prefill kernel.
-stage gluonprefill && bench gluon_prefill timeout 300 python scripts/gluon_prefill_probe.py
+# Issue 19: the Gluon prefill kernel (attention/gluon_prefill.py, Hopper) against the Triton one: its tests, the
+# kernels alone, then end to end with PAGEDLLM_GLUON_PREFILL on and off, alternated.
+if stage gluonprefill; then
+  timeout 300 python -m pytest -q -rfE -p no:cacheprovider tests/attention/test_triton_prefill.py > "$OUT/gluontests.log" 2>&1
+  echo "   prefill tests rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gluontests.log" | tail -8 | cut -c1-250
+  bench gluon_prefill_kernels timeout 300 python -m pagedllm.attention.prefill_bench
+  for on in 1 0 1 0; do
+    bench long_06b_gluon$on env PAGEDLLM_GLUON_PREFILL=$on python -m pagedllm.benchmarks.long_prompt --shape qwen3-0.6b
+  done
+  for on in 1 0; do
+    bench long_8b_gluon$on env PAGEDLLM_GLUON_PREFILL=$on python -m pagedllm.benchmarks.long_prompt --shape llama3-8b
+  done
+fi
 stage quant && bench quant_latency_fp8 python -m pagedllm.benchmarks.latency --shape llama3-8b --batch-sizes 1,32 --quantization fp8
 stage quant && bench quant_latency_w4a16 python -m pagedllm.benchmarks.latency --shape llama3-8b --batch-sizes 1,32 --quantization gptq
 stage quant && bench quant_throughput_fp8 python -m pagedllm.benchmarks.throughput --shape llama3-8b --quantization fp8

@@ -150,13 +150,16 @@ target = GPUTarget("cuda", 90, 32)
 results = {}
 c = "constexpr"
 
-def compile_(name, fn, signature, constexprs, num_warps=4, options=None, want_ptx=None, divisible=()):
+def compile_(name, fn, signature, constexprs, num_warps=4, options=None, want_ptx=None, divisible=(), gluon=False):
     # divisible: the arguments a launch would find 16-divisible (pointers, strides), which is
-    # what lets Triton vectorise and pipeline their loads
+    # what lets Triton vectorise and pipeline their loads; gluon: fn is a Gluon kernel (no pipeliner stages)
     attrs = {(list(signature).index(a),): [["tt.divisibility", 16]] for a in divisible}
     try:
-        kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs), target=target,
-                                options={"num_warps": num_warps, "num_stages": 3, **(options or {})})
+        if gluon:
+            from triton.experimental.gluon._runtime import GluonASTSource as Source
+        source = (Source if gluon else ASTSource)(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+        kernel = triton.compile(source, target=target,
+                                options={"num_warps": num_warps, **({} if gluon else {"num_stages": 3}), **(options or {})})
         wanted = [want_ptx] if isinstance(want_ptx, str) else want_ptx or []  # a string or several
         results[name] = "cubin" in kernel.asm and all(w in kernel.asm["ptx"] for w in wanted)
     except Exception as e:  # the test prints what the compiler said

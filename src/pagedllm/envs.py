@@ -133,6 +133,9 @@ _VARS = [
            "0: in a step that carries prefill chunks, the decodes' attention launch runs before the chunks' on the "
            "same CUDA stream instead of beside it on a second stream (attention/triton_kernels.py; A/B "
            "measurements).", _not_zero),
+    EnvVar("PAGEDLLM_GLUON_PREFILL", "bool (0 = off)", True,
+           "0: the prefill kernel's runs stay on its Triton kernel on Hopper too, instead of the warp-specialized "
+           "Gluon kernel (attention/gluon_prefill.py; A/B measurements).", _not_zero),
     EnvVar("PAGEDLLM_PREFILL_KERNEL", "bool (0 = off)", True,
            "0: causal prefill chunks (query runs longer than a decode tile, no sliding window or soft cap) run in the "
            "unified paged-attention kernel's long tiles instead of the prefill kernel (attention/triton_prefill.py; "

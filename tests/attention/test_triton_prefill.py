@@ -23,9 +23,12 @@ CASES = [
     (16, 2, 4, 64, torch.bfloat16, [(20, 50), (0, 140), (9, 1)], None),
     (32, 1, 2, 256, torch.float16, [(40, 30), (0, 70)], None),
 ]
-if ON_GPU:  # longer runs, where most key tiles are unmasked
+if ON_GPU:  # longer runs, where most key tiles are unmasked (on Hopper the Gluon kernel's too)
     CASES += [(16, 8, 4, 128, dt, [(0, 2048), (1000, 777), (3, 1), (4095, 300)], None)
               for dt in (torch.bfloat16, torch.float16)]
+    CASES += [(32, 2, 3, 64, torch.float16, [(0, 700), (130, 257), (5, 1), (1500, 129)], None),
+              (128, 1, 8, 128, torch.bfloat16, [(0, 129), (2047, 1025)], None),
+              (8, 4, 1, 128, torch.bfloat16, [(333, 1000), (0, 300)], None)]
 
 
 @pytest.fixture
@@ -53,15 +56,37 @@ def test_prefill_kernel_matches_float64_softmax(kernels, spy, monkeypatch, case)
     b = make_batch(rng, block_size=block_size, num_kv_heads=kvh, group=group, head_dim=hd, dtype=dtype, runs=runs,
                    num_pad_seqs=1, num_pad_rows=2)
     scale = hd ** -0.5
+    gluon = _gluon_spy(monkeypatch)
     rels = {}
-    for on in ("1", "0"):
+    # (PAGEDLLM_PREFILL_KERNEL, PAGEDLLM_GLUON_PREFILL): on a GPU both prefill kernels where Gluon applies
+    for on, glu in (("1", "1"), ("0", "1")) + ((("1", "0"),) if gluon is not None else ()):
         monkeypatch.setenv("PAGEDLLM_PREFILL_KERNEL", on)
+        monkeypatch.setenv("PAGEDLLM_GLUON_PREFILL", glu)
         spy.clear()
+        launches = len(gluon) if gluon is not None else 0
         out = run_kernels(kernels, b, scale, None, max_query_len=max(q for _, q in runs))
         assert len(spy) == (on == "1"), f"prefill kernel launches with PAGEDLLM_PREFILL_KERNEL={on}: {spy}"
-        rels[on] = check(out, b, scale, None, dtype, (CASES[case][:5], runs, on))
+        if gluon is not None:  # Hopper: the Gluon kernel took the runs exactly where it applies
+            hopper = torch.cuda.get_device_capability()[0] == 9
+            takes = hopper and on == glu == "1" and dtype != torch.float32 and hd in (64, 128)
+            assert len(gluon) - launches == takes, (CASES[case][:5], on, glu, gluon)
+        rels[on + glu] = check(out, b, scale, None, dtype, (CASES[case][:5], runs, on, glu))
         assert out[b.qsl[-1].item():].isnan().all()  # rows past the last sequence: untouched
-    assert rels["1"] < TOL[dtype]
+    assert rels["11"] < TOL[dtype] and rels.get("10", 0) < TOL[dtype]
+
+
+def _gluon_spy(monkeypatch) -> list | None:
+    """On a GPU, a list the Gluon kernel's launches are appended to (None without a GPU or Gluon)."""
+    if not ON_GPU:
+        return None
+    from pagedllm.attention import triton_prefill
+
+    module = triton_prefill._gluon_prefill()
+    if module is None:
+        return None
+    calls, real = [], module.prefill_attention_ws
+    monkeypatch.setattr(module, "prefill_attention_ws", lambda *a, **k: (calls.append(a[0].shape[0]), real(*a, **k)))
+    return calls
 
 
 def test_windows_soft_caps_and_the_argument_keep_runs_on_the_unified_kernel(kernels, spy):
@@ -106,6 +131,34 @@ for hd in (128, 256):
 '''
     results = compile_for_sm90(body, tmp_path)
     assert results and all(v is True for v in results.values()), results
+
+
+def test_gluon_prefill_kernel_compiles_for_sm90_warp_specialized_with_tma(tmp_path):
+    """The Gluon kernel (Hopper's prefill; experimental, renamed between Triton releases) compiles for an H100 with
+    this Triton: wgmma dots, partitions with their own register budgets, TMA bulk copies and cp.async."""
+    from tests.triton_env import HAS_TRITON, compile_for_sm90
+
+    if not HAS_TRITON:
+        pytest.skip("triton is not installed")
+    body = r'''
+from pagedllm.attention import gluon_prefill as gp
+ptrs = ("q_ptr", "out_ptr", "k_cache_ptr", "v_cache_ptr", "block_tables_ptr", "seq_lens_ptr", "qsl_ptr")
+ints = ("num_seqs", "stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_c_block", "stride_c_slot",
+        "stride_c_head", "stride_bt", "cache_rows")
+cfg = {k: v for k, v in gp.CONFIG.items() if k != "num_warps"}
+want = ("wgmma.mma_async", "setmaxnreg", "cp.async.bulk.tensor", "cp.async.mbarrier.arrive.noinc")
+for dt in ("bf16", "fp16"):
+    for hd in (64, 128):
+        sig = {p: "*i32" if p in ("block_tables_ptr", "seq_lens_ptr", "qsl_ptr") else "*" + dt for p in ptrs}
+        sig |= {"scale_log2": "fp32", **{a: "i32" for a in ints}}
+        cons = dict(NUM_HEADS=32, GROUP=4, BLOCK_SIZE=16, HEAD_DIM=hd, Q_LEN_THRESHOLD=16, **cfg)
+        sig |= {k: c for k in cons}
+        divisible = [a for a in sig if a in ptrs or (a.startswith("stride") and a != "stride_bt")]
+        compile_(f"{dt} hd {hd}", gp.prefill_ws_kernel, sig, cons, num_warps=gp.CONFIG["num_warps"], want_ptx=want,
+                 divisible=divisible, gluon=True)
+'''
+    results = compile_for_sm90(body, tmp_path)
+    assert len(results) == 4 and all(v is True for v in results.values()), results
 
 
 @pytest.mark.skipif(not ON_GPU, reason="CUDA streams: the interpreter has one")

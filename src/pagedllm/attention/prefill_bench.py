@@ -6,8 +6,10 @@ FLOPs (4 * head_dim * heads * (q * context + q * (q + 1) / 2) per sequence) over
 TFLOP/s. The Triton path is timed as the model runner runs it (KV write + attention from the
 paged cache, in a CUDA graph); torch's SDPA backends (cuDNN, flash, memory-efficient) run on
 contiguous q/k/v of one sequence at a time (``enable_gqa``), as a prefill-only fast path could.
-Rows: ``prefill`` (the prefill kernel, attention/triton_prefill.py, what a causal long run takes
-by default), ``unified`` (the unified kernel's long tiles, as ``PAGEDLLM_PREFILL_KERNEL=0`` runs them).
+Rows: ``gluon`` (the warp-specialized Gluon kernel, attention/gluon_prefill.py, what a causal long run takes by
+default on Hopper), ``prefill`` (the Triton prefill kernel, attention/triton_prefill.py, as
+``PAGEDLLM_GLUON_PREFILL=0`` and other GPUs run it), ``unified`` (the unified kernel's long tiles, as
+``PAGEDLLM_PREFILL_KERNEL=0`` runs them).
 ``--sweep`` also times other tilings of the prefill kernel. One JSON line per result, a table last.
 """
 from __future__ import annotations
@@ -77,18 +79,21 @@ def main(argv=None) -> None:
     gen = torch.Generator().manual_seed(0)
     dtype = torch.bfloat16
     print(f"device {torch.cuda.get_device_name()}", flush=True)
-    variants = [("prefill", None, True), ("unified", None, False)]  # (name, prefill tiles, prefill kernel)
+    # (name, Triton prefill tiles, prefill kernel, the Gluon kernel where it applies)
+    variants = [("gluon", None, True, True), ("prefill", None, True, False), ("unified", None, False, False)]
     if args.sweep:
-        variants += [(f"prefill m{m} n{n} w{w} s{s}", dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s), True)
+        variants += [(f"prefill m{m} n{n} w{w} s{s}", dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s), True, False)
                      for m, n, w, s in ((128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (64, 128, 8, 3))]
     rows = []
-    default_prefill_tiles = tp.prefill_tile_config
+    default_prefill_tiles, default_gluon = tp.prefill_tile_config, tp._gluon_prefill
     for shape, runs in CASES:
         heads, kvh, hd = SHAPES[shape]
         flops = causal_flops(runs, heads, hd)
         name = f"{shape} {len(runs)}x(ctx {runs[0][0]}, q {runs[0][1]})"
         case = make_case(heads, kvh, hd, runs, dtype, gen)
-        for variant, tiles, prefill in variants:
+        for variant, tiles, prefill, gluon in variants:
+            if not gluon:  # as PAGEDLLM_GLUON_PREFILL=0 runs
+                tp._gluon_prefill = lambda: None
             if tiles is not None:
                 tp.prefill_tile_config = lambda head_dim, ieee, tiles=tiles: tiles
             try:
@@ -99,7 +104,7 @@ def main(argv=None) -> None:
                 print(json.dumps(rows[-1]), flush=True)
                 continue
             finally:
-                tp.prefill_tile_config = default_prefill_tiles
+                tp.prefill_tile_config, tp._gluon_prefill = default_prefill_tiles, default_gluon
             rows.append(dict(case=name, path=variant, ms=round(t * 1e3, 3), tflops=round(flops / t / 1e12, 1),
                              rel_err=float(f"{err:.2e}")))
             print(json.dumps(rows[-1]), flush=True)

@@ -22,6 +22,8 @@ attention stay on the unified kernel. FP8 caches are widened to q's dtype as the
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -135,12 +137,28 @@ def prefill_tile_config(head_dim: int, ieee: bool) -> dict:
     return dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)
 
 
+@functools.cache
+def _gluon_prefill():
+    """The Gluon kernel's module, or None where this Triton has no Gluon (or one that lacks what it uses)."""
+    try:
+        from pagedllm.attention import gluon_prefill
+    except (ImportError, AttributeError):
+        return None
+    return gluon_prefill
+
+
 def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                       query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale_log2: float, out: torch.Tensor,
                       kv_scale: torch.Tensor | None, q_len_threshold: int, kv_fp8: bool) -> None:
     """Causal attention of every query run longer than ``q_len_threshold`` tokens (the others are
     left to the unified kernel's short tiles); arguments as ``unified_attention``'s, checked there.
-    The grid depends only on shapes (CUDA-graph safe)."""
+    The grid depends only on shapes (CUDA-graph safe). On Hopper the warp-specialized Gluon kernel takes them
+    where it applies (``gluon_prefill.supports``)."""
+    gluon = _gluon_prefill() if q.is_cuda and not kv_fp8 else None
+    if gluon is not None and gluon.supports(q, kv_cache, out):
+        gluon.prefill_attention_ws(q, kv_cache, block_tables, query_start_loc, seq_lens, scale_log2, out,
+                                   q_len_threshold)
+        return
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = seq_lens.shape[0]
     cfg = prefill_tile_config(head_dim, q.dtype == torch.float32)
