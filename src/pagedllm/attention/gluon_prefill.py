@@ -247,7 +247,7 @@ def prefill_attention_ws(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: 
     depends only on shapes (CUDA-graph safe; the descriptor scratch is allocated in stream order)."""
     num_tokens, num_heads, head_dim = q.shape
     _ensure_allocator()
-    cfg = CONFIG
+    cfg = CONFIG  # read at each launch (prefill_bench --sweep changes it)
     grid = ((num_tokens // cfg["BLOCK_M"] + seq_lens.shape[0]) * num_heads,)
     prefill_ws_kernel[grid](
         q, out, *kv_cache.unbind(), block_tables, seq_lens, query_start_loc, scale_log2, seq_lens.shape[0],

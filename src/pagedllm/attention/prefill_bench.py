@@ -10,7 +10,7 @@ Rows: ``gluon`` (the warp-specialized Gluon kernel, attention/gluon_prefill.py, 
 default on Hopper), ``prefill`` (the Triton prefill kernel, attention/triton_prefill.py, as
 ``PAGEDLLM_GLUON_PREFILL=0`` and other GPUs run it), ``unified`` (the unified kernel's long tiles, as
 ``PAGEDLLM_PREFILL_KERNEL=0`` runs them).
-``--sweep`` also times other tilings of the prefill kernel. One JSON line per result, a table last.
+``--sweep`` also times other tilings of both prefill kernels. One JSON line per result, a table last.
 """
 from __future__ import annotations
 
@@ -79,21 +79,27 @@ def main(argv=None) -> None:
     gen = torch.Generator().manual_seed(0)
     dtype = torch.bfloat16
     print(f"device {torch.cuda.get_device_name()}", flush=True)
-    # (name, Triton prefill tiles, prefill kernel, the Gluon kernel where it applies)
-    variants = [("gluon", None, True, True), ("prefill", None, True, False), ("unified", None, False, False)]
+    # (name, Triton prefill tiles, prefill kernel, the Gluon kernel where it applies: False or its CONFIG changes)
+    variants = [("gluon", None, True, {}), ("prefill", None, True, False), ("unified", None, False, False)]
     if args.sweep:
         variants += [(f"prefill m{m} n{n} w{w} s{s}", dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s), True, False)
                      for m, n, w, s in ((128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (64, 128, 8, 3))]
+        variants += [(f"gluon n{n} s{s} p{p}", None, True, dict(BLOCK_N=n, STAGES=s, PWARPS=p))
+                     for n, s, p in ((128, 3, 2), (64, 3, 2), (64, 4, 2), (128, 2, 1), (128, 2, 4))]
     rows = []
     default_prefill_tiles, default_gluon = tp.prefill_tile_config, tp._gluon_prefill
+    gp = tp._gluon_prefill()
+    gluon_config = gp.CONFIG if gp is not None else None
     for shape, runs in CASES:
         heads, kvh, hd = SHAPES[shape]
         flops = causal_flops(runs, heads, hd)
         name = f"{shape} {len(runs)}x(ctx {runs[0][0]}, q {runs[0][1]})"
         case = make_case(heads, kvh, hd, runs, dtype, gen)
         for variant, tiles, prefill, gluon in variants:
-            if not gluon:  # as PAGEDLLM_GLUON_PREFILL=0 runs
+            if gluon is False:  # as PAGEDLLM_GLUON_PREFILL=0 runs
                 tp._gluon_prefill = lambda: None
+            elif gp is not None:
+                gp.CONFIG = {**gluon_config, **gluon}
             if tiles is not None:
                 tp.prefill_tile_config = lambda head_dim, ieee, tiles=tiles: tiles
             try:
@@ -105,6 +111,8 @@ def main(argv=None) -> None:
                 continue
             finally:
                 tp.prefill_tile_config, tp._gluon_prefill = default_prefill_tiles, default_gluon
+                if gp is not None:
+                    gp.CONFIG = gluon_config
             rows.append(dict(case=name, path=variant, ms=round(t * 1e3, 3), tflops=round(flops / t / 1e12, 1),
                              rel_err=float(f"{err:.2e}")))
             print(json.dumps(rows[-1]), flush=True)
