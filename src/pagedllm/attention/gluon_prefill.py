@@ -20,9 +20,9 @@ unpartitioned on sm_90. Gluon (``triton.experimental.gluon``, in the Triton whee
   registers), one arrival on ``empty``. Each warpgroup waits only on the data, so one's softmax runs under the
   other's dots.
 
-Measured on an H200 (stop 59, ``python -m pagedllm.attention.prefill_bench``): 8k-token prompts 493 against
-437 TFLOP/s, a 2k chunk after a 6k prefix 511 against 450; FA3-style ping-pong between the two warpgroups (turn
-barriers around the score dots) was 3-9% slower and is not kept.
+Measured on an H200 (stop 59, ``python -m pagedllm.attention.prefill_bench``): an 8k-token prompt 535 against
+449 TFLOP/s, a 2k chunk after a 6k prefix 549 against 466; FA3-style ping-pong between the two warpgroups (turn
+barriers around the score dots) was 3-9% slower and is not kept (``attention/KERNEL_NOTES.md``).
 """
 from __future__ import annotations
 
