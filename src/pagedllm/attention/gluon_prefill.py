@@ -45,7 +45,7 @@ cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_glob
 # 64-key tiles in 4 stages: the fastest of the tilings tried on an H200 at every case of prefill_bench (stop 59,
 # `python -m pagedllm.attention.prefill_bench --sweep`): 8k-token prompt 530 TFLOP/s against 506 for 128-key tiles
 # in 2 or 3 stages, 453 with one producer warp, 503 with four.
-CONFIG = dict(BLOCK_M=128, BLOCK_N=64, STAGES=4, PWARPS=2, PREGS=96, CREGS=232, num_warps=4)
+CONFIG = dict(BLOCK_M=128, BLOCK_N=64, STAGES=4, PWARPS=2, PREGS=96, CREGS=232, OVERLAP=True, num_warps=4)
 
 
 @gluon.jit
@@ -107,14 +107,10 @@ def _producer(k_cache_ptr, v_cache_ptr, bt_row, k_smem, v_smem, full, empty, kv_
 
 
 @gluon.jit
-def _tile(q, k_smem, v_smem, full, empty, t, acc, l_i, m_i, q_pos, kv_stop, scale_log2, mma: gl.constexpr,
-          mma_o: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr):
-    """One key tile of the online softmax: wait for its stage, the two dots, release the stage."""
-    s = t % STAGES
-    mbarrier.wait(full.index(s), (t // STAGES) & 1)
-    sc = warpgroup_mma(q, k_smem.index(s).permute((1, 0)), gl.zeros([q.shape[0], BLOCK_N], gl.float32, layout=mma),
-                       use_acc=False, is_async=True)
-    sc, _ = warpgroup_mma_wait(0, deps=[sc, k_smem.index(s)])
+def _softmax(sc, m_i, l_i, t, q_pos, kv_stop, scale_log2, mma: gl.constexpr, BLOCK_N: gl.constexpr,
+             MASKED: gl.constexpr):
+    """Key tile ``t``'s probabilities (unnormalized, against the new running max), the running sum and max, and
+    the factor that rescales what came before."""
     if MASKED:
         k_pos = t * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
         sc = gl.where((k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < kv_stop), sc * scale_log2, float("-inf"))
@@ -124,7 +120,19 @@ def _tile(q, k_smem, v_smem, full, empty, t, acc, l_i, m_i, q_pos, kv_stop, scal
         m_new = gl.maximum(m_i, gl.max(sc, axis=1) * scale_log2)
         p = gl.exp2(sc * scale_log2 - m_new[:, None])
     alpha = gl.exp2(m_i - m_new)
-    l_i = l_i * alpha + gl.sum(p, axis=1)
+    return p, l_i * alpha + gl.sum(p, axis=1), m_new, alpha
+
+
+@gluon.jit
+def _tile(q, k_smem, v_smem, full, empty, t, acc, l_i, m_i, q_pos, kv_stop, scale_log2, mma: gl.constexpr,
+          mma_o: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr):
+    """One key tile of the online softmax, in order (OVERLAP off): wait for its stage, S, softmax, O += P V."""
+    s = t % STAGES
+    mbarrier.wait(full.index(s), (t // STAGES) & 1)
+    sc = warpgroup_mma(q, k_smem.index(s).permute((1, 0)), gl.zeros([q.shape[0], BLOCK_N], gl.float32, layout=mma),
+                       use_acc=False, is_async=True)
+    sc, _ = warpgroup_mma_wait(0, deps=[sc, k_smem.index(s)])
+    p, l_i, m_new, alpha = _softmax(sc, m_i, l_i, t, q_pos, kv_stop, scale_log2, mma, BLOCK_N, MASKED)
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, mma_o))[:, None]
     pb = gl.convert_layout(p.to(k_smem.dtype), gl.DotOperandLayout(operand_index=0, parent=mma_o, k_width=2))
     acc = warpgroup_mma(pb, v_smem.index(s), acc, is_async=True)
@@ -134,9 +142,54 @@ def _tile(q, k_smem, v_smem, full, empty, t, acc, l_i, m_i, q_pos, kv_stop, scal
 
 
 @gluon.jit
+def _step(q, k_smem, v_smem, full, empty, t, acc, p_prev, l_i, m_i, q_pos, kv_stop, scale_log2, mma: gl.constexpr,
+          mma_o: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr):
+    """Key tile ``t`` with the tile before's O += P V under its softmax (OVERLAP, FlashAttention-3's
+    intra-warpgroup pipelining): issue S_t, then P_{t-1} V_{t-1}; wait for S_t alone, softmax; wait for the other,
+    release tile t-1's stage, rescale O. ``acc`` holds the tiles before t-1, ``p_prev`` tile t-1's P."""
+    s = t % STAGES
+    sp = (t - 1) % STAGES
+    mbarrier.wait(full.index(s), (t // STAGES) & 1)
+    sc = warpgroup_mma(q, k_smem.index(s).permute((1, 0)), gl.zeros([q.shape[0], BLOCK_N], gl.float32, layout=mma),
+                       use_acc=False, is_async=True)
+    acc = warpgroup_mma(p_prev, v_smem.index(sp), acc, is_async=True)
+    sc, _ = warpgroup_mma_wait(1, deps=[sc, k_smem.index(s)])  # wgmma groups complete in order
+    p, l_i, m_new, alpha = _softmax(sc, m_i, l_i, t, q_pos, kv_stop, scale_log2, mma, BLOCK_N, MASKED)
+    acc, _, _ = warpgroup_mma_wait(0, deps=[acc, p_prev, v_smem.index(sp)])
+    mbarrier.arrive(empty.index(sp))
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, mma_o))[:, None]
+    p = gl.convert_layout(p.to(k_smem.dtype), gl.DotOperandLayout(operand_index=0, parent=mma_o, k_width=2))
+    return acc, p, l_i, m_new
+
+
+@gluon.jit
+def _overlapped(q, k_smem, v_smem, full, empty, acc, l_i, m_i, q_pos, kv_stop, n_tiles, full_tiles, scale_log2,
+                mma: gl.constexpr, mma_o: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """The key tiles with each tile's P V under the next one's softmax (``_step``): tile 0 alone (masked: harmless
+    on a whole tile), the whole tiles, the diagonal ones, the last P V."""
+    mbarrier.wait(full.index(0), 0)
+    sc = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), gl.zeros([q.shape[0], BLOCK_N], gl.float32, layout=mma),
+                       use_acc=False, is_async=True)
+    sc, _ = warpgroup_mma_wait(0, deps=[sc, k_smem.index(0)])
+    p, l_i, m_i, alpha = _softmax(sc, m_i, l_i, 0, q_pos, kv_stop, scale_log2, mma, BLOCK_N, True)
+    p = gl.convert_layout(p.to(k_smem.dtype), gl.DotOperandLayout(operand_index=0, parent=mma_o, k_width=2))
+    for t in range(1, full_tiles):
+        acc, p, l_i, m_i = _step(q, k_smem, v_smem, full, empty, t, acc, p, l_i, m_i, q_pos, kv_stop, scale_log2,
+                                 mma, mma_o, BLOCK_N, STAGES, False)
+    for t in range(gl.maximum(full_tiles, 1), n_tiles):
+        acc, p, l_i, m_i = _step(q, k_smem, v_smem, full, empty, t, acc, p, l_i, m_i, q_pos, kv_stop, scale_log2,
+                                 mma, mma_o, BLOCK_N, STAGES, True)
+    s = (n_tiles - 1) % STAGES
+    acc = warpgroup_mma(p, v_smem.index(s), acc, is_async=True)
+    acc, _, _ = warpgroup_mma_wait(0, deps=[acc, p, v_smem.index(s)])
+    mbarrier.arrive(empty.index(s))
+    return acc, l_i
+
+
+@gluon.jit
 def _consumer(q_ptr, out_ptr, k_smem, v_smem, full, empty, row0, tok0, q_rows, pos0, kv_stop, n_tiles, full_tiles,
               scale_log2, stride_qt, stride_ot, q_off, o_off, BLOCK_R: gl.constexpr, BLOCK_N: gl.constexpr,
-              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr):
     """Query rows ``row0 .. row0 + BLOCK_R`` of the program's tile (one warpgroup)."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
     mma_o: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -152,12 +205,16 @@ def _consumer(q_ptr, out_ptr, k_smem, v_smem, full, empty, row0, tok0, q_rows, p
     m_i = gl.full([BLOCK_R], float("-inf"), gl.float32, layout=gl.SliceLayout(1, mma))
     l_i = gl.full([BLOCK_R], 0.0, gl.float32, layout=gl.SliceLayout(1, mma))
     acc = gl.zeros([BLOCK_R, HEAD_DIM], gl.float32, layout=mma_o)
-    for t in range(0, full_tiles):  # tiles every row sees whole: no mask
-        acc, l_i, m_i = _tile(q, k_smem, v_smem, full, empty, t, acc, l_i, m_i, q_pos, kv_stop, scale_log2,
-                              mma, mma_o, BLOCK_N, STAGES, False)
-    for t in range(full_tiles, n_tiles):  # the diagonal: causal, and nothing past the run's last key
-        acc, l_i, m_i = _tile(q, k_smem, v_smem, full, empty, t, acc, l_i, m_i, q_pos, kv_stop, scale_log2,
-                              mma, mma_o, BLOCK_N, STAGES, True)
+    if OVERLAP:
+        acc, l_i = _overlapped(q, k_smem, v_smem, full, empty, acc, l_i, m_i, q_pos, kv_stop, n_tiles, full_tiles,
+                               scale_log2, mma, mma_o, BLOCK_N, STAGES)
+    else:
+        for t in range(0, full_tiles):  # tiles every row sees whole: no mask
+            acc, l_i, m_i = _tile(q, k_smem, v_smem, full, empty, t, acc, l_i, m_i, q_pos, kv_stop, scale_log2,
+                                  mma, mma_o, BLOCK_N, STAGES, False)
+        for t in range(full_tiles, n_tiles):  # the diagonal: causal, and nothing past the run's last key
+            acc, l_i, m_i = _tile(q, k_smem, v_smem, full, empty, t, acc, l_i, m_i, q_pos, kv_stop, scale_log2,
+                                  mma, mma_o, BLOCK_N, STAGES, True)
     out = acc / gl.convert_layout(l_i, gl.SliceLayout(1, mma_o))[:, None]  # every row saw key 0: l >= 1
     out = gl.convert_layout(out.to(out_ptr.dtype.element_ty), ld)
     gl.store(out_ptr + tok[:, None] * stride_ot + o_off + d[None, :], out, mask=io_mask)
@@ -169,7 +226,7 @@ def prefill_ws_kernel(q_ptr, out_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr
                       stride_c_head, stride_bt, cache_rows, NUM_HEADS: gl.constexpr, GROUP: gl.constexpr,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_SIZE: gl.constexpr, HEAD_DIM: gl.constexpr,
                       Q_LEN_THRESHOLD: gl.constexpr, STAGES: gl.constexpr, PWARPS: gl.constexpr,
-                      PREGS: gl.constexpr, CREGS: gl.constexpr):
+                      PREGS: gl.constexpr, CREGS: gl.constexpr, OVERLAP: gl.constexpr):
     """Causal attention of ``BLOCK_M`` query rows of one head (two consumer warpgroups) over a paged cache."""
     pid = gl.num_programs(0) // NUM_HEADS - 1 - gl.program_id(0) // NUM_HEADS
     head = gl.program_id(0) % NUM_HEADS
@@ -201,9 +258,11 @@ def prefill_ws_kernel(q_ptr, out_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr
     o_off = head * stride_oh
     gl.warp_specialize([
         (_consumer, (q_ptr, out_ptr, k_smem, v_smem, full, empty, 0, tok0, q_rows, first_pos, kv_stop, n_tiles,
-                     full_tiles, scale_log2, stride_qt, stride_ot, q_off, o_off, rows, BLOCK_N, HEAD_DIM, STAGES)),
+                     full_tiles, scale_log2, stride_qt, stride_ot, q_off, o_off, rows, BLOCK_N, HEAD_DIM, STAGES,
+                     OVERLAP)),
         (_consumer, (q_ptr, out_ptr, k_smem, v_smem, full, empty, rows, tok0, q_rows, first_pos, kv_stop, n_tiles,
-                     full_tiles, scale_log2, stride_qt, stride_ot, q_off, o_off, rows, BLOCK_N, HEAD_DIM, STAGES)),
+                     full_tiles, scale_log2, stride_qt, stride_ot, q_off, o_off, rows, BLOCK_N, HEAD_DIM, STAGES,
+                     OVERLAP)),
         (_producer, (k_cache_ptr, v_cache_ptr, block_tables_ptr + s.to(gl.int64) * stride_bt, k_smem, v_smem, full,
                      empty, kv_stop, full_tiles, n_tiles, stride_c_block, stride_c_slot,
                      (head // GROUP) * stride_c_head, cache_rows, BLOCK_N, HEAD_DIM, BLOCK_SIZE, STAGES, PWARPS)),
