@@ -3,7 +3,7 @@
 ``triton_prefill`` launches this kernel where it applies (``supports``: an sm_90 GPU, 16-bit caches of q's
 dtype, head_dim 64 or 128, a Triton with Gluon) and its own elsewhere; the two take the same runs, map
 programs the same way (``BLOCK_M`` query tokens of one sequence times one head, heads fastest, q-tiles from the
-last down) and give the same numbers (the same dots and softmax in the same order: equal outputs on the H200).
+last down) and agree to bf16 rounding (``tests/attention/test_triton_prefill.py`` pins both to float64).
 
 Why (``attention/KERNEL_NOTES.md``, stops 58-59): Nsight Compute has the Triton kernel's warps stalled at each
 tile's barrier and its tensor pipe busy half the time: its two warpgroups share one ``cp.async`` pipeline, so
@@ -18,11 +18,13 @@ unpartitioned on sm_90. Gluon (``triton.experimental.gluon``, in the Triton whee
 - two consumer partitions of one warpgroup each, 64 query rows each of the program's 128: wait on ``full``,
   S = Q K^T (``wgmma``, Q from registers), the online softmax (masked on the diagonal tiles), O += P V (P from
   registers), one arrival on ``empty``. Each warpgroup waits only on the data, so one's softmax runs under the
-  other's dots.
+  other's dots; within a warpgroup, each tile's P V runs under the next tile's softmax (FlashAttention-3's
+  intra-warpgroup pipelining: S_t and P_{t-1} V_{t-1} issued together, S_t awaited alone).
 
-Measured on an H200 (stop 59, ``python -m pagedllm.attention.prefill_bench``): an 8k-token prompt 535 against
-449 TFLOP/s, a 2k chunk after a 6k prefix 549 against 466; FA3-style ping-pong between the two warpgroups (turn
-barriers around the score dots) was 3-9% slower and is not kept (``attention/KERNEL_NOTES.md``).
+Measured on an H200 (stop 59, ``python -m pagedllm.attention.prefill_bench``): an 8k-token prompt 546 against
+450 TFLOP/s for the Triton kernel (cuDNN SDPA on contiguous tensors 602), a 2k chunk after a 6k prefix 566 against
+455; the in-warpgroup overlap is +3-7% from 4k tokens up, level below; FA3-style ping-pong between the two
+warpgroups (turn barriers around the score dots) was 3-9% slower and is not kept (``attention/KERNEL_NOTES.md``).
 """
 from __future__ import annotations
 
@@ -42,10 +44,11 @@ from pagedllm import envs
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 
-# 64-key tiles in 4 stages: the fastest of the tilings tried on an H200 at every case of prefill_bench (stop 59,
-# `python -m pagedllm.attention.prefill_bench --sweep`): 8k-token prompt 530 TFLOP/s against 506 for 128-key tiles
-# in 2 or 3 stages, 453 with one producer warp, 503 with four.
-CONFIG = dict(BLOCK_M=128, BLOCK_N=64, STAGES=4, PWARPS=2, PREGS=96, CREGS=232, OVERLAP=True, num_warps=4)
+# 64-key tiles in 4 stages: the fastest of the tilings tried on an H200 (stop 59, `python -m
+# pagedllm.attention.prefill_bench --sweep`, 8k-token prompt, TFLOP/s): 546 against 509 in 3 stages, 355 in 2, 522
+# with one producer warp; 128-key tiles (2 stages, without the overlap, whose two score tiles spill there) 495.
+# Head_dim 256 would not fit the stages in shared memory (triton_prefill keeps it).
+CONFIG = dict(BLOCK_M=128, BLOCK_N=64, STAGES=4, PWARPS=2, PREGS=96, CREGS=232, num_warps=4)
 
 
 @gluon.jit
@@ -124,27 +127,9 @@ def _softmax(sc, m_i, l_i, t, q_pos, kv_stop, scale_log2, mma: gl.constexpr, BLO
 
 
 @gluon.jit
-def _tile(q, k_smem, v_smem, full, empty, t, acc, l_i, m_i, q_pos, kv_stop, scale_log2, mma: gl.constexpr,
-          mma_o: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr):
-    """One key tile of the online softmax, in order (OVERLAP off): wait for its stage, S, softmax, O += P V."""
-    s = t % STAGES
-    mbarrier.wait(full.index(s), (t // STAGES) & 1)
-    sc = warpgroup_mma(q, k_smem.index(s).permute((1, 0)), gl.zeros([q.shape[0], BLOCK_N], gl.float32, layout=mma),
-                       use_acc=False, is_async=True)
-    sc, _ = warpgroup_mma_wait(0, deps=[sc, k_smem.index(s)])
-    p, l_i, m_new, alpha = _softmax(sc, m_i, l_i, t, q_pos, kv_stop, scale_log2, mma, BLOCK_N, MASKED)
-    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, mma_o))[:, None]
-    pb = gl.convert_layout(p.to(k_smem.dtype), gl.DotOperandLayout(operand_index=0, parent=mma_o, k_width=2))
-    acc = warpgroup_mma(pb, v_smem.index(s), acc, is_async=True)
-    acc, _ = warpgroup_mma_wait(0, deps=[acc, v_smem.index(s)])
-    mbarrier.arrive(empty.index(s))  # (one elected arrival, after the warpgroup's own barrier)
-    return acc, l_i, m_new
-
-
-@gluon.jit
 def _step(q, k_smem, v_smem, full, empty, t, acc, p_prev, l_i, m_i, q_pos, kv_stop, scale_log2, mma: gl.constexpr,
           mma_o: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr):
-    """Key tile ``t`` with the tile before's O += P V under its softmax (OVERLAP, FlashAttention-3's
+    """Key tile ``t`` with the tile before's O += P V under its softmax (FlashAttention-3's
     intra-warpgroup pipelining): issue S_t, then P_{t-1} V_{t-1}; wait for S_t alone, softmax; wait for the other,
     release tile t-1's stage, rescale O. ``acc`` holds the tiles before t-1, ``p_prev`` tile t-1's P."""
     s = t % STAGES
@@ -189,7 +174,7 @@ def _overlapped(q, k_smem, v_smem, full, empty, acc, l_i, m_i, q_pos, kv_stop, n
 @gluon.jit
 def _consumer(q_ptr, out_ptr, k_smem, v_smem, full, empty, row0, tok0, q_rows, pos0, kv_stop, n_tiles, full_tiles,
               scale_log2, stride_qt, stride_ot, q_off, o_off, BLOCK_R: gl.constexpr, BLOCK_N: gl.constexpr,
-              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr):
+              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
     """Query rows ``row0 .. row0 + BLOCK_R`` of the program's tile (one warpgroup)."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
     mma_o: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -205,16 +190,8 @@ def _consumer(q_ptr, out_ptr, k_smem, v_smem, full, empty, row0, tok0, q_rows, p
     m_i = gl.full([BLOCK_R], float("-inf"), gl.float32, layout=gl.SliceLayout(1, mma))
     l_i = gl.full([BLOCK_R], 0.0, gl.float32, layout=gl.SliceLayout(1, mma))
     acc = gl.zeros([BLOCK_R, HEAD_DIM], gl.float32, layout=mma_o)
-    if OVERLAP:
-        acc, l_i = _overlapped(q, k_smem, v_smem, full, empty, acc, l_i, m_i, q_pos, kv_stop, n_tiles, full_tiles,
-                               scale_log2, mma, mma_o, BLOCK_N, STAGES)
-    else:
-        for t in range(0, full_tiles):  # tiles every row sees whole: no mask
-            acc, l_i, m_i = _tile(q, k_smem, v_smem, full, empty, t, acc, l_i, m_i, q_pos, kv_stop, scale_log2,
-                                  mma, mma_o, BLOCK_N, STAGES, False)
-        for t in range(full_tiles, n_tiles):  # the diagonal: causal, and nothing past the run's last key
-            acc, l_i, m_i = _tile(q, k_smem, v_smem, full, empty, t, acc, l_i, m_i, q_pos, kv_stop, scale_log2,
-                                  mma, mma_o, BLOCK_N, STAGES, True)
+    acc, l_i = _overlapped(q, k_smem, v_smem, full, empty, acc, l_i, m_i, q_pos, kv_stop, n_tiles, full_tiles,
+                           scale_log2, mma, mma_o, BLOCK_N, STAGES)
     out = acc / gl.convert_layout(l_i, gl.SliceLayout(1, mma_o))[:, None]  # every row saw key 0: l >= 1
     out = gl.convert_layout(out.to(out_ptr.dtype.element_ty), ld)
     gl.store(out_ptr + tok[:, None] * stride_ot + o_off + d[None, :], out, mask=io_mask)
@@ -226,7 +203,7 @@ def prefill_ws_kernel(q_ptr, out_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr
                       stride_c_head, stride_bt, cache_rows, NUM_HEADS: gl.constexpr, GROUP: gl.constexpr,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_SIZE: gl.constexpr, HEAD_DIM: gl.constexpr,
                       Q_LEN_THRESHOLD: gl.constexpr, STAGES: gl.constexpr, PWARPS: gl.constexpr,
-                      PREGS: gl.constexpr, CREGS: gl.constexpr, OVERLAP: gl.constexpr):
+                      PREGS: gl.constexpr, CREGS: gl.constexpr):
     """Causal attention of ``BLOCK_M`` query rows of one head (two consumer warpgroups) over a paged cache."""
     pid = gl.num_programs(0) // NUM_HEADS - 1 - gl.program_id(0) // NUM_HEADS
     head = gl.program_id(0) % NUM_HEADS
@@ -258,11 +235,9 @@ def prefill_ws_kernel(q_ptr, out_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr
     o_off = head * stride_oh
     gl.warp_specialize([
         (_consumer, (q_ptr, out_ptr, k_smem, v_smem, full, empty, 0, tok0, q_rows, first_pos, kv_stop, n_tiles,
-                     full_tiles, scale_log2, stride_qt, stride_ot, q_off, o_off, rows, BLOCK_N, HEAD_DIM, STAGES,
-                     OVERLAP)),
+                     full_tiles, scale_log2, stride_qt, stride_ot, q_off, o_off, rows, BLOCK_N, HEAD_DIM, STAGES)),
         (_consumer, (q_ptr, out_ptr, k_smem, v_smem, full, empty, rows, tok0, q_rows, first_pos, kv_stop, n_tiles,
-                     full_tiles, scale_log2, stride_qt, stride_ot, q_off, o_off, rows, BLOCK_N, HEAD_DIM, STAGES,
-                     OVERLAP)),
+                     full_tiles, scale_log2, stride_qt, stride_ot, q_off, o_off, rows, BLOCK_N, HEAD_DIM, STAGES)),
         (_producer, (k_cache_ptr, v_cache_ptr, block_tables_ptr + s.to(gl.int64) * stride_bt, k_smem, v_smem, full,
                      empty, kv_stop, full_tiles, n_tiles, stride_c_block, stride_c_slot,
                      (head // GROUP) * stride_c_head, cache_rows, BLOCK_N, HEAD_DIM, BLOCK_SIZE, STAGES, PWARPS)),
