@@ -192,3 +192,40 @@ def test_mixed_step_decodes_beside_the_chunks_equal_one_stream(kernels, monkeypa
     assert isinstance(forks[0], torch.cuda.Stream) and forks[1] is None
     assert torch.equal(outs[0][:b.num_real_tokens], outs[1][:b.num_real_tokens])
     check(outs[0], b, 128 ** -0.5, None, torch.bfloat16, runs)
+
+
+
+def test_the_gluon_kernel_sets_tritons_scratch_allocator_only_where_none_is_set():
+    """Its programs build TMA descriptors in global scratch memory, which Triton asks an allocator for: a thread
+    without one gets the kernel's (torch memory), one the user set stays; on a CPU it takes no run. In a fresh
+    process: Gluon does not import under the interpreter this test session may run."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.triton_env import HAS_TRITON
+
+    if not HAS_TRITON:
+        pytest.skip("triton is not installed")
+    script = r'''
+import contextvars, torch, triton
+from triton.runtime import _allocation
+from pagedllm.attention import gluon_prefill as gp, triton_prefill as tp
+
+def fresh_thread_context():
+    gp._ensure_allocator()
+    assert _allocation._allocator.get() is gp._scratch
+    mine = lambda size, alignment, stream: torch.empty(size, dtype=torch.int8)
+    triton.set_allocator(mine)
+    gp._ensure_allocator()
+    assert _allocation._allocator.get() is mine
+
+contextvars.Context().run(fresh_thread_context)
+assert tp._gluon_prefill() is gp
+q = torch.zeros(4, 2, 128, dtype=torch.bfloat16)
+assert not gp.supports(q, torch.zeros(2, 3, 16, 1, 128, dtype=torch.bfloat16), q)
+print("ok")
+'''
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.stdout.strip() == "ok", proc.stderr[-3000:]

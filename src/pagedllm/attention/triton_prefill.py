@@ -139,10 +139,11 @@ def prefill_tile_config(head_dim: int, ieee: bool) -> dict:
 
 @functools.cache
 def _gluon_prefill():
-    """The Gluon kernel's module, or None where this Triton has no Gluon (or one that lacks what it uses)."""
+    """The Gluon kernel's module, or None where this Triton has no Gluon, one that lacks what it uses, or one
+    that does not import here (Triton's interpreter: an assertion)."""
     try:
         from pagedllm.attention import gluon_prefill
-    except (ImportError, AttributeError):
+    except (ImportError, AttributeError, AssertionError):
         return None
     return gluon_prefill
 
