@@ -109,7 +109,7 @@ _VARS = [
            "quantization and GEMM, the W4A16 split-K GEMM; RMSNorm, rotary, the KV write, attention and its split "
            "merge, SiLU-and-mul) wait for the kernel before them to end before they launch, instead of launching "
            "while it runs (programmatic dependent launch, ops/triton_pdl.py; A/B measurements). W4A16 models "
-           "launch early only in forwards of at most 16 tokens (model/quantization/int4.py).",
+           "launch early only in forwards of at most 8 tokens (model/quantization/int4.py).",
            _not_zero),
     EnvVar("PAGEDLLM_FUSED_ROTARY_KV", "bool (0 = off)", True,
            "0: the Triton attention backend's layers launch rotary (with Qwen3's q/k norm) and the KV write as "
