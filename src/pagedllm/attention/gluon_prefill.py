@@ -253,8 +253,7 @@ def supports(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor) -> bool
     """Whether this kernel takes ``triton_prefill``'s runs: ``PAGEDLLM_GLUON_PREFILL`` on, an sm_90 GPU (wgmma and
     TMA as Hopper has them), a bf16/fp16 cache of q's dtype (no fp8 scales here), head_dim 64 or 128 (four stages
     of 64-key K and V tiles in shared memory), cache blocks of 8 slots up to a key tile's (TMA copies whole
-    blocks), and rows
-    laid out as the engine's cache and activations are (head_dim contiguous, then heads)."""
+    blocks), and rows laid out as the engine's cache and activations are (head_dim contiguous, then heads)."""
     block_size, num_kv_heads, head_dim = kv_cache.shape[2], kv_cache.shape[3], kv_cache.shape[4]
     return (envs.PAGEDLLM_GLUON_PREFILL and q.is_cuda and _sm90(q.device.index or 0)
             and q.dtype in (torch.bfloat16, torch.float16) and kv_cache.dtype == q.dtype == out.dtype
