@@ -56,6 +56,47 @@ def test_pool_compiles_into_the_cache_the_lookup_reads(tmp_path):
     assert any(p.name.startswith("_silu_and_mul_kernel") for p in tmp_path.rglob("*.cubin"))
 
 
+_GLUON_CHILD = r"""
+import json
+from triton.backends.compiler import GPUTarget
+from triton.compiler.compiler import make_backend
+from pagedllm.attention import gluon_prefill as gp
+from pagedllm.ops import precompile
+
+# The Gluon prefill kernel (Hopper's) as the hook records it: its source must be a GluonASTSource, as the JIT's.
+target = GPUTarget("cuda", 90, 32)
+options = make_backend(target).parse_options({"num_warps": gp.CONFIG["num_warps"]}).__dict__
+ptrs = ("q_ptr", "out_ptr", "k_cache_ptr", "v_cache_ptr", "block_tables_ptr", "seq_lens_ptr", "qsl_ptr")
+signature = {p: "*i32" if p in ("block_tables_ptr", "seq_lens_ptr", "qsl_ptr") else "*bf16" for p in ptrs}
+signature |= {a: "fp32" if a == "scale_log2" else "i32" for a in ("scale_log2", "num_seqs", "stride_qt", "stride_qh",
+              "stride_ot", "stride_oh", "stride_c_block", "stride_c_slot", "stride_c_head", "stride_bt", "cache_rows")}
+cons = dict(NUM_HEADS=32, GROUP=4, BLOCK_SIZE=16, HEAD_DIM=128, Q_LEN_THRESHOLD=16,
+            **{k: v for k, v in gp.CONFIG.items() if k != "num_warps"})
+signature |= {k: "constexpr" for k in cons}
+signature = {a: signature[a] for a in gp.prefill_ws_kernel.arg_names}  # in the kernel's order, as the hook's
+constants = {(list(signature).index(k),): v for k, v in cons.items()}
+attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(signature)
+         if a in ptrs or (a.startswith("stride") and a != "stride_bt")}  # as a launch on the engine's tensors
+job = ("pagedllm.attention.gluon_prefill", "prefill_ws_kernel", signature, constants, attrs, options)
+before = precompile._in_disk_cache(job, target)
+pool = precompile.CompilePool(1)
+try:
+    errors = pool.compile([job], target)
+finally:
+    pool.close()
+print("RESULT " + json.dumps({"source": type(precompile._source(job)[0]).__name__, "before": before,
+                              "after": precompile._in_disk_cache(job, target), "errors": errors}))
+"""
+
+
+def test_pool_compiles_a_gluon_kernel_from_a_gluon_source(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", _GLUON_CHILD], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads([x for x in out.stdout.splitlines() if x.startswith("RESULT ")][-1][len("RESULT "):])
+    assert r == {"source": "GluonASTSource", "before": False, "after": True, "errors": []}
+
+
 def test_pool_reports_a_kernel_it_cannot_compile(tmp_path):
     (error,) = _run("no_such_kernel", tmp_path)["errors"]
     assert "no_such_kernel" in error and "AttributeError" in error

@@ -97,11 +97,14 @@ def hash_triton_in_background() -> threading.Thread | None:
 
 def _source(job):
     """The ``ASTSource`` and options the JIT itself compiles for this job (the hook's own
-    objects, so the cache key is the one the engine's later lookup computes)."""
+    objects, so the cache key is the one the engine's later lookup computes); a Gluon kernel's
+    source is a ``GluonASTSource``, as its JIT makes it (attention/gluon_prefill.py on Hopper)."""
     from triton.compiler.compiler import ASTSource
 
     module, name, signature, constants, attrs, options = job
     fn = getattr(importlib.import_module(module), name)
+    if getattr(fn, "is_gluon", lambda: False)():
+        from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
     return ASTSource(fn, signature, constants, attrs), options
 
 
