@@ -9,6 +9,7 @@ import pytest
 from pagedllm import LLM, SamplingParams, TokensPrompt
 from tests.conftest import TEST_KV_BYTES, build_tiny_model
 from tests.engine.test_correctness import mixed_prompts, shared_prefix_prompts
+from tests.engine.test_spec_decode import count_calls
 
 PROMPTS = mixed_prompts(6)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
@@ -39,32 +40,16 @@ def test_the_target_as_its_own_draft_accepts_every_guess(tiny_models, reference)
               speculative_config={"model": tiny_models["llama"], "num_speculative_tokens": 3})
     assert llm.llm_engine.engine_core.config.speculative_config.method == "draft_model"
     core = llm.llm_engine.engine_core
-    steps = 0
-    execute = core.executor.execute_model
-
-    def counting(*args, **kwargs):
-        nonlocal steps
-        steps += 1
-        return execute(*args, **kwargs)
-
-    core.executor.execute_model = counting
+    steps = count_calls(core.executor, "execute_model")
     draft = core.executor.worker.model_runner.draft.model
-    forwards = 0
-    draft_forward = draft.forward
-
-    def counting_draft(*args, **kwargs):
-        nonlocal forwards
-        forwards += 1
-        return draft_forward(*args, **kwargs)
-
-    draft.forward = counting_draft
+    forwards = count_calls(draft, "forward")
     assert _tokens(llm, PROMPTS[:1]) == reference[:1]
     stats = _stats(llm)
     assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens > 0
-    assert steps <= len(reference[0]) // 2 + 2
+    assert len(steps) <= len(reference[0]) // 2 + 2
     # k forwards a step: the prompt's step (with the draft following it) proposes, and each
     # verifying step's first guess catches the draft up instead of a run over the step's inputs
-    assert forwards <= 1 + 3 * steps
+    assert len(forwards) <= 1 + 3 * len(steps)
     del draft.forward
     del core.executor.execute_model
     assert _tokens(llm) == reference

@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from pagedllm import LLM, SamplingParams, TokensPrompt
 from tests.conftest import TEST_KV_BYTES, _tiny_config
 from tests.engine.test_correctness import mixed_prompts
-from tests.engine.test_spec_eagle import _rms, reference_layer
+from tests.engine.test_spec_eagle import _record_proposals, _rms, reference_layer
 
 HIDDEN, HEADS, KV_HEADS, INTER, EPS, THETA = 64, 4, 2, 128, 1e-6, 10000.0
 LAYERS, VOCAB = 3, 512  # 3 target layers: the default aux layers (2, L // 2, L - 3) are 2, 1, 0
@@ -196,21 +196,6 @@ def _stats(llm):
 
 def _runner(llm):
     return llm.llm_engine.engine_core.executor.worker.model_runner
-
-
-def _record_proposals(llm) -> list[tuple[list[int], list[int]]]:
-    """(the request's tokens, the head's guesses) of every proposal the head makes from now on."""
-    runner = _runner(llm)
-    seen, after_step = [], runner.draft.after_step
-
-    def recording(output):
-        output = after_step(output)
-        for req_id, guesses in output.spec_token_ids.items():
-            seen.append((list(runner.requests[req_id].token_ids), list(guesses)))
-        return output
-
-    runner.draft.after_step = recording
-    return seen
 
 
 def _eagle3(head: str, k: int) -> dict:
