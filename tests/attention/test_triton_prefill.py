@@ -56,7 +56,7 @@ def test_prefill_kernel_matches_float64_softmax(kernels, spy, monkeypatch, case)
     b = make_batch(rng, block_size=block_size, num_kv_heads=kvh, group=group, head_dim=hd, dtype=dtype, runs=runs,
                    num_pad_seqs=1, num_pad_rows=2)
     scale = hd ** -0.5
-    gluon = _gluon_spy(monkeypatch)
+    gluon, gluon_module = _gluon_spy(monkeypatch)
     rels = {}
     # (PAGEDLLM_PREFILL_KERNEL, PAGEDLLM_GLUON_PREFILL): on a GPU both prefill kernels where Gluon applies
     for on, glu in (("1", "1"), ("0", "1")) + ((("1", "0"),) if gluon is not None else ()):
@@ -68,30 +68,27 @@ def test_prefill_kernel_matches_float64_softmax(kernels, spy, monkeypatch, case)
         assert len(spy) == (on == "1"), f"prefill kernel launches with PAGEDLLM_PREFILL_KERNEL={on}: {spy}"
         if gluon is not None:  # Hopper: the Gluon kernel took the runs exactly where it applies
             hopper = torch.cuda.get_device_capability()[0] == 9
-            key_tile = triton_prefill_module()._gluon_prefill().CONFIG["BLOCK_N"]
-            takes = hopper and on == glu == "1" and dtype != torch.float32 and hd in (64, 128) and block_size <= key_tile
+            fits = hd in (64, 128) and block_size <= gluon_module.CONFIG["BLOCK_N"]
+            takes = hopper and on == glu == "1" and dtype != torch.float32 and fits
             assert len(gluon) - launches == takes, (CASES[case][:5], on, glu, gluon)
         rels[on + glu] = check(out, b, scale, None, dtype, (CASES[case][:5], runs, on, glu))
         assert out[b.qsl[-1].item():].isnan().all()  # rows past the last sequence: untouched
     assert rels["11"] < TOL[dtype] and rels.get("10", 0) < TOL[dtype]
 
 
-def triton_prefill_module():
+def _gluon_spy(monkeypatch) -> tuple[list | None, object]:
+    """On a GPU, a list the Gluon kernel's launches are appended to, and its module (None, None without a GPU or
+    Gluon)."""
+    if not ON_GPU:
+        return None, None
     from pagedllm.attention import triton_prefill
 
-    return triton_prefill
-
-
-def _gluon_spy(monkeypatch) -> list | None:
-    """On a GPU, a list the Gluon kernel's launches are appended to (None without a GPU or Gluon)."""
-    if not ON_GPU:
-        return None
-    module = triton_prefill_module()._gluon_prefill()
+    module = triton_prefill._gluon_prefill()
     if module is None:
-        return None
+        return None, None
     calls, real = [], module.prefill_attention_ws
     monkeypatch.setattr(module, "prefill_attention_ws", lambda *a, **k: (calls.append(a[0].shape[0]), real(*a, **k)))
-    return calls
+    return calls, module
 
 
 def test_windows_soft_caps_and_the_argument_keep_runs_on_the_unified_kernel(kernels, spy):
@@ -192,7 +189,6 @@ def test_mixed_step_decodes_beside_the_chunks_equal_one_stream(kernels, monkeypa
     assert isinstance(forks[0], torch.cuda.Stream) and forks[1] is None
     assert torch.equal(outs[0][:b.num_real_tokens], outs[1][:b.num_real_tokens])
     check(outs[0], b, 128 ** -0.5, None, torch.bfloat16, runs)
-
 
 
 def test_the_gluon_kernel_sets_tritons_scratch_allocator_only_where_none_is_set():

@@ -82,8 +82,8 @@ def main(argv=None) -> None:
     # (name, Triton prefill tiles, prefill kernel, the Gluon kernel where it applies: False or its CONFIG changes)
     variants = [("gluon", None, True, {}), ("prefill", None, True, False), ("unified", None, False, False)]
     if args.sweep:
-        variants += [(f"prefill m{m} n{n} w{w} s{s}", dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s), True, False)
-                     for m, n, w, s in ((128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (64, 128, 8, 3))]
+        variants += [(f"prefill m{m} n{n} w{w} s{s}", dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s), True,
+                      False) for m, n, w, s in ((128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (64, 128, 8, 3))]
         variants += [(f"gluon {' '.join(f'{k}={v}' for k, v in over.items())}", None, True, over)
                      for over in (dict(STAGES=3), dict(STAGES=2), dict(PWARPS=1), dict(PWARPS=4))]
     rows = []

@@ -645,7 +645,8 @@ def _constexprs(q: torch.Tensor, kv_cache: torch.Tensor, sliding_window: int | N
         NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=triton.next_power_of_2(group), BLOCK_SIZE=kv_cache.shape[2],
         HEAD_DIM=head_dim, DIM_PAD=max(16, triton.next_power_of_2(head_dim)),  # tl.dot needs K >= 16
         USE_WINDOW=sliding_window is not None, IEEE=q.dtype == torch.float32, SOFTCAP=logits_soft_cap is not None,
-        CAUSAL=causal, KV_FP8=is_fp8(kv_cache.dtype), F16_DOTS=_f16_dots(q, kv_cache), **enter_args(q.device, q.shape[0]))
+        CAUSAL=causal, KV_FP8=is_fp8(kv_cache.dtype), F16_DOTS=_f16_dots(q, kv_cache),
+        **enter_args(q.device, q.shape[0]))
 
 
 def _short_runs_beside(launch, splits: int, short_cfg: dict, unsplit_cfg: dict, out: torch.Tensor,

@@ -155,7 +155,7 @@ def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: tor
     left to the unified kernel's short tiles); arguments as ``unified_attention``'s, checked there.
     The grid depends only on shapes (CUDA-graph safe). On Hopper the warp-specialized Gluon kernel takes them
     where it applies (``gluon_prefill.supports``)."""
-    gluon = _gluon_prefill() if q.is_cuda and not kv_fp8 else None
+    gluon = _gluon_prefill() if q.is_cuda else None  # (no Gluon import on a CPU; fp8 caches: supports says no)
     if gluon is not None and gluon.supports(q, kv_cache, out):
         gluon.prefill_attention_ws(q, kv_cache, block_tables, query_start_loc, seq_lens, scale_log2, out,
                                    q_len_threshold)

@@ -194,7 +194,8 @@ def _rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tens
     block, num_warps = _row_launch(n)
     _rms_norm_kernel[(num_rows,)](xr, rr, weight, out, res_out, q, scales, n_inner, xs0, xs1, rs0, rs1, n, eps,
                                   HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=num_warps,
-                                  TRIGGER=pdl_supported(x.device), FP8_OUT=fp8_out, **enter_args(x.device, x.shape[0]))
+                                  TRIGGER=pdl_supported(x.device), FP8_OUT=fp8_out,
+                                  **enter_args(x.device, x.shape[0]))
     if fp8_out:
         attach_fp8(out, q, scales)
     return out, res_out

@@ -96,7 +96,8 @@ def quantize_activations(x: torch.Tensor, act_scheme: str, input_scale: torch.Te
 
         from pagedllm.ops.triton_pdl import decode_pdl
 
-        return quantize_fp8(x, group, input_scale if act_scheme == "static" else None, pdl=decode_pdl(x.device, x.numel() // x.shape[-1]))
+        rows = x.numel() // x.shape[-1]
+        return quantize_fp8(x, group, input_scale if act_scheme == "static" else None, pdl=decode_pdl(x.device, rows))
     if act_scheme == "static":
         return quantize_static(x, input_scale), input_scale.reshape(1, 1).expand(x.shape[0], 1)
     if group is not None:
