@@ -189,3 +189,25 @@ def compile_for_sm90(body: str, cache_dir) -> dict:
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     return json.loads(lines[-1])
+
+
+# A function for the child scripts that compile the Gluon prefill kernel (attention/gluon_prefill.py) without a
+# GPU: its signature for a ``dt`` ("bf16" / "fp16") cache and head_dim ``hd``, in the kernel's argument order, its
+# constexprs (the module's CONFIG) and the arguments a launch on the engine's tensors finds 16-divisible.
+GLUON_PREFILL_SIGNATURE = r"""
+def gluon_prefill_signature(gp, dt, hd):
+    ptrs = ("q_ptr", "out_ptr", "k_cache_ptr", "v_cache_ptr", "block_tables_ptr", "seq_lens_ptr", "qsl_ptr")
+    cons = dict(NUM_HEADS=32, GROUP=4, BLOCK_SIZE=16, HEAD_DIM=hd, Q_LEN_THRESHOLD=16,
+                **{k: v for k, v in gp.CONFIG.items() if k != "num_warps"})
+
+    def kind(a):
+        if a in cons:
+            return "constexpr"
+        if a in ptrs:
+            return "*i32" if a in ("block_tables_ptr", "seq_lens_ptr", "qsl_ptr") else "*" + dt
+        return "fp32" if a == "scale_log2" else "i32"
+
+    sig = {a: kind(a) for a in gp.prefill_ws_kernel.arg_names}
+    divisible = [a for a in sig if a in ptrs or (a.startswith("stride") and a != "stride_bt")]
+    return sig, cons, divisible
+"""

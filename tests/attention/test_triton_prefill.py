@@ -138,24 +138,16 @@ for hd in (128, 256):
 def test_gluon_prefill_kernel_compiles_for_sm90_warp_specialized_with_tma(tmp_path):
     """The Gluon kernel (Hopper's prefill; experimental, renamed between Triton releases) compiles for an H100 with
     this Triton: wgmma dots, partitions with their own register budgets, TMA bulk copies and cp.async."""
-    from tests.triton_env import HAS_TRITON, compile_for_sm90
+    from tests.triton_env import GLUON_PREFILL_SIGNATURE, HAS_TRITON, compile_for_sm90
 
     if not HAS_TRITON:
         pytest.skip("triton is not installed")
-    body = r'''
+    body = GLUON_PREFILL_SIGNATURE + r'''
 from pagedllm.attention import gluon_prefill as gp
-ptrs = ("q_ptr", "out_ptr", "k_cache_ptr", "v_cache_ptr", "block_tables_ptr", "seq_lens_ptr", "qsl_ptr")
-ints = ("num_seqs", "stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_c_block", "stride_c_slot",
-        "stride_c_head", "stride_bt", "cache_rows")
-cfg = {k: v for k, v in gp.CONFIG.items() if k != "num_warps"}
 want = ("wgmma.mma_async", "setmaxnreg", "cp.async.bulk.tensor", "cp.async.mbarrier.arrive.noinc")
 for dt in ("bf16", "fp16"):
     for hd in (64, 128):
-        sig = {p: "*i32" if p in ("block_tables_ptr", "seq_lens_ptr", "qsl_ptr") else "*" + dt for p in ptrs}
-        sig |= {"scale_log2": "fp32", **{a: "i32" for a in ints}}
-        cons = dict(NUM_HEADS=32, GROUP=4, BLOCK_SIZE=16, HEAD_DIM=hd, Q_LEN_THRESHOLD=16, **cfg)
-        sig |= {k: c for k in cons}
-        divisible = [a for a in sig if a in ptrs or (a.startswith("stride") and a != "stride_bt")]
+        sig, cons, divisible = gluon_prefill_signature(gp, dt, hd)
         compile_(f"{dt} hd {hd}", gp.prefill_ws_kernel, sig, cons, num_warps=gp.CONFIG["num_warps"], want_ptx=want,
                  divisible=divisible, gluon=True)
 '''

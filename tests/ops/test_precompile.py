@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from tests.triton_env import HAS_TRITON
+from tests.triton_env import GLUON_PREFILL_SIGNATURE, HAS_TRITON
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 
@@ -56,7 +56,7 @@ def test_pool_compiles_into_the_cache_the_lookup_reads(tmp_path):
     assert any(p.name.startswith("_silu_and_mul_kernel") for p in tmp_path.rglob("*.cubin"))
 
 
-_GLUON_CHILD = r"""
+_GLUON_CHILD = GLUON_PREFILL_SIGNATURE + r"""
 import json
 from triton.backends.compiler import GPUTarget
 from triton.compiler.compiler import make_backend
@@ -66,17 +66,9 @@ from pagedllm.ops import precompile
 # The Gluon prefill kernel (Hopper's) as the hook records it: its source must be a GluonASTSource, as the JIT's.
 target = GPUTarget("cuda", 90, 32)
 options = make_backend(target).parse_options({"num_warps": gp.CONFIG["num_warps"]}).__dict__
-ptrs = ("q_ptr", "out_ptr", "k_cache_ptr", "v_cache_ptr", "block_tables_ptr", "seq_lens_ptr", "qsl_ptr")
-signature = {p: "*i32" if p in ("block_tables_ptr", "seq_lens_ptr", "qsl_ptr") else "*bf16" for p in ptrs}
-signature |= {a: "fp32" if a == "scale_log2" else "i32" for a in ("scale_log2", "num_seqs", "stride_qt", "stride_qh",
-              "stride_ot", "stride_oh", "stride_c_block", "stride_c_slot", "stride_c_head", "stride_bt", "cache_rows")}
-cons = dict(NUM_HEADS=32, GROUP=4, BLOCK_SIZE=16, HEAD_DIM=128, Q_LEN_THRESHOLD=16,
-            **{k: v for k, v in gp.CONFIG.items() if k != "num_warps"})
-signature |= {k: "constexpr" for k in cons}
-signature = {a: signature[a] for a in gp.prefill_ws_kernel.arg_names}  # in the kernel's order, as the hook's
+signature, cons, divisible = gluon_prefill_signature(gp, "bf16", 128)
 constants = {(list(signature).index(k),): v for k, v in cons.items()}
-attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(signature)
-         if a in ptrs or (a.startswith("stride") and a != "stride_bt")}  # as a launch on the engine's tensors
+attrs = {(list(signature).index(a),): [["tt.divisibility", 16]] for a in divisible}
 job = ("pagedllm.attention.gluon_prefill", "prefill_ws_kernel", signature, constants, attrs, options)
 before = precompile._in_disk_cache(job, target)
 pool = precompile.CompilePool(1)
