@@ -127,6 +127,19 @@ def _softmax(sc, m_i, l_i, t, q_pos, kv_stop, scale_log2, mma: gl.constexpr, BLO
 
 
 @gluon.jit
+def _scores(q, k_smem, s, mma: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Issues S = Q K^T over stage ``s`` (an async wgmma group; the caller waits for it)."""
+    return warpgroup_mma(q, k_smem.index(s).permute((1, 0)), gl.zeros([q.shape[0], BLOCK_N], gl.float32, layout=mma),
+                         use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _p_operand(p, dtype: gl.constexpr, mma_o: gl.constexpr):
+    """P in the cache's dtype, laid out as the P V dot's register operand."""
+    return gl.convert_layout(p.to(dtype), gl.DotOperandLayout(operand_index=0, parent=mma_o, k_width=2))
+
+
+@gluon.jit
 def _step(q, k_smem, v_smem, full, empty, t, acc, p_prev, l_i, m_i, q_pos, kv_stop, scale_log2, mma: gl.constexpr,
           mma_o: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr):
     """Key tile ``t`` with the tile before's O += P V under its softmax (FlashAttention-3's
@@ -135,16 +148,14 @@ def _step(q, k_smem, v_smem, full, empty, t, acc, p_prev, l_i, m_i, q_pos, kv_st
     s = t % STAGES
     sp = (t - 1) % STAGES
     mbarrier.wait(full.index(s), (t // STAGES) & 1)
-    sc = warpgroup_mma(q, k_smem.index(s).permute((1, 0)), gl.zeros([q.shape[0], BLOCK_N], gl.float32, layout=mma),
-                       use_acc=False, is_async=True)
+    sc = _scores(q, k_smem, s, mma, BLOCK_N)
     acc = warpgroup_mma(p_prev, v_smem.index(sp), acc, is_async=True)
     sc, _ = warpgroup_mma_wait(1, deps=[sc, k_smem.index(s)])  # wgmma groups complete in order
     p, l_i, m_new, alpha = _softmax(sc, m_i, l_i, t, q_pos, kv_stop, scale_log2, mma, BLOCK_N, MASKED)
     acc, _, _ = warpgroup_mma_wait(0, deps=[acc, p_prev, v_smem.index(sp)])
     mbarrier.arrive(empty.index(sp))
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, mma_o))[:, None]
-    p = gl.convert_layout(p.to(k_smem.dtype), gl.DotOperandLayout(operand_index=0, parent=mma_o, k_width=2))
-    return acc, p, l_i, m_new
+    return acc, _p_operand(p, k_smem.dtype, mma_o), l_i, m_new
 
 
 @gluon.jit
@@ -153,11 +164,9 @@ def _overlapped(q, k_smem, v_smem, full, empty, acc, l_i, m_i, q_pos, kv_stop, n
     """The key tiles with each tile's P V under the next one's softmax (``_step``): tile 0 alone (masked: harmless
     on a whole tile), the whole tiles, the diagonal ones, the last P V."""
     mbarrier.wait(full.index(0), 0)
-    sc = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), gl.zeros([q.shape[0], BLOCK_N], gl.float32, layout=mma),
-                       use_acc=False, is_async=True)
-    sc, _ = warpgroup_mma_wait(0, deps=[sc, k_smem.index(0)])
+    sc, _ = warpgroup_mma_wait(0, deps=[_scores(q, k_smem, 0, mma, BLOCK_N), k_smem.index(0)])
     p, l_i, m_i, alpha = _softmax(sc, m_i, l_i, 0, q_pos, kv_stop, scale_log2, mma, BLOCK_N, True)
-    p = gl.convert_layout(p.to(k_smem.dtype), gl.DotOperandLayout(operand_index=0, parent=mma_o, k_width=2))
+    p = _p_operand(p, k_smem.dtype, mma_o)
     for t in range(1, full_tiles):
         acc, p, l_i, m_i = _step(q, k_smem, v_smem, full, empty, t, acc, p, l_i, m_i, q_pos, kv_stop, scale_log2,
                                  mma, mma_o, BLOCK_N, STAGES, False)
